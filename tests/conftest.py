@@ -1,0 +1,67 @@
+"""Shared fixtures: a private redis-server on a free port (never the machine's 6379)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from poolgate.procs import free_port
+
+
+class RedisServer:
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (make test installs it)")
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="poolgate-redis-")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def flush(self) -> None:
+        client = redis.Redis(port=self.port)
+        client.flushall()
+        client.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def redis_url(redis_server: RedisServer) -> str:
+    redis_server.flush()
+    return redis_server.url
