@@ -137,7 +137,7 @@ async def register_worker(redis: RedisLike, keys: FleetKeys, record: WorkerRecor
 async def heartbeat_worker(
     redis: RedisLike, keys: FleetKeys, worker_id: str, ttl_s: float, announce: bool = False, **live: Any
 ) -> bool:
-    """Refresh a worker's TTL and live facts. Returns False when it is not registered (expired): re-register."""
+    """Refresh a worker's TTL and live facts; False means it is not registered (expired): re-register."""
     name = keys.worker(worker_id)
     live.setdefault("updated_at", time.time())
     mapping = {k: str(v) for k, v in live.items()}

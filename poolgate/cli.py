@@ -1,0 +1,40 @@
+"""The ``poolgate`` command: one entry point, one subcommand per process or tool.
+
+Each subcommand's module owns its arguments (``add_arguments``) and its ``main``; imports are lazy so
+``poolgate status`` does not pay for grpc or Envoy protos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("poolgate.up", "start the whole stack locally (Redis, controller, extproc, Envoy, workers)"),
+    "controller": ("controller.main", "run the controller (registry API, xDS, local workers)"),
+    "extproc": ("extproc.cli", "run the Envoy external processor"),
+    "simworker": ("controller.simworker.cli", "run simulated vLLM workers"),
+    "status": ("poolgate.status", "show the fleet from Redis"),
+    "config": ("poolgate.config_cli", "check a configuration file"),
+    "bench": ("poolgate.bench_cli", "run a benchmark under bench/"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="poolgate", description="Resource-aware routing for LLM fleets")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text)
+        if name in (sys.argv[1:2] if argv is None else argv[:1]):
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            modules[name] = module
+    args = parser.parse_args(argv)
+    module = modules.get(args.command) or importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Names that Envoy's config (built by the controller) and extproc's answers must agree on."""
+
+from __future__ import annotations
+
+CLUSTER_HEADER = "x-poolgate-cluster"
+"""Set by extproc; the route reads the pool's cluster from it. Client-sent copies are stripped."""
+
+DESTINATION_ENDPOINT_KEY = "x-gateway-destination-endpoint"
+"""Gateway API Inference Extension key for the picked ``ip:port`` (comma list = ordered fallbacks)."""
+
+LB_METADATA_NAMESPACE = "envoy.lb"
+"""Dynamic metadata namespace the override_host policy reads the pin from (metadata only, never headers)."""
+
+WORKER_HEADER = "x-poolgate-worker"
+"""Response header naming the worker that served a request (set by the worker itself)."""
+
+FALLBACK_CLUSTER = "poolgate-fallback"
+"""Every Ready worker; used by the fail-open default route when extproc is away."""
+
+ROUTING_HEADERS = (CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, "x-poolgate-tenant", "x-poolgate-pool",
+                   "x-poolgate-endpoint")
+"""Headers a client must never be able to set: Envoy removes them before ext_proc, extproc again."""
+
+
+def cluster_name(pool: str) -> str:
+    """The Envoy cluster (and EDS resource) name of a pool."""
+    return f"pool-{pool}"
