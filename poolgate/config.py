@@ -135,11 +135,16 @@ def parse_config(data: object, source: str = "<config>") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
+        errors = exc.errors()
         lines = []
-        for error in exc.errors():
-            path = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        for error in errors:
+            loc = error["loc"]
+            nested = any(len(other["loc"]) > len(loc) and other["loc"][: len(loc)] == loc for other in errors)
+            if error["type"] == "too_short" and nested:
+                continue  # pydantic's echo of an item that already failed; the item's own error says why
+            path = ".".join(str(part) for part in loc)
             message = error["msg"].removeprefix("Value error, ")
-            lines.append(f"  {path}: {message}")
+            lines.append(f"  {path}: {message}" if path else f"  {message}")
         raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None
 
 

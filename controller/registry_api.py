@@ -1,0 +1,152 @@
+"""The controller's HTTP API: workers register, heartbeat and deregister; operators list the fleet.
+
+Every call except ``/healthz`` needs ``Authorization: Bearer <token>`` (the shared controller token), so a
+stranger on the network cannot add an address to Envoy's endpoints. Errors are OpenAI-style JSON.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from poolgate.config import Config
+from poolgate.fleet import (
+    LIVE_FIELDS,
+    FleetKeys,
+    RedisLike,
+    WorkerRecord,
+    WorkerState,
+    deregister_worker,
+    heartbeat_worker,
+    read_fleet,
+    register_worker,
+)
+
+log = logging.getLogger("poolgate.controller.api")
+
+
+class Registration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    pool: str
+    host: str
+    port: int = Field(gt=0, le=65535)
+    model: str | None = None
+    served_names: tuple[str, ...] = ()
+    max_model_len: int | None = Field(None, gt=0)
+    backend: str = "external"
+    state: WorkerState = WorkerState.READY
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state: WorkerState | None = None
+    kv_capacity_tokens: int | None = Field(None, ge=0)
+    kv_usage: float | None = Field(None, ge=0, le=1)
+    running: int | None = Field(None, ge=0)
+    waiting: int | None = Field(None, ge=0)
+    gpu_memory_free_mib: float | None = None
+    gpu_utilization: float | None = None
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": None, "code": code}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class RegistryApi:
+    """Routes for the registry. Redis is passed in; the token check is constant-time."""
+
+    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, token: str) -> None:
+        self._config = config
+        self._redis = redis
+        self._keys = keys
+        self._token = token.encode()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/v1/workers", self._list)
+        app.router.add_post("/v1/workers", self._register)
+        app.router.add_post("/v1/workers/{worker_id}/heartbeat", self._heartbeat)
+        app.router.add_delete("/v1/workers/{worker_id}", self._deregister)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/healthz":
+            return await handler(request)
+        supplied = request.headers.get("Authorization", "")
+        scheme, _, token = supplied.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
+            return _error(401, "missing or wrong controller token (Authorization: Bearer <token>)",
+                          "unauthorized")
+        return await handler(request)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def _list(self, request: web.Request) -> web.Response:
+        workers = await read_fleet(self._redis, self._keys)
+        return _json({"workers": [w.to_redis() for w in workers]})
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            return orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise web.HTTPBadRequest(text=f"malformed JSON: {exc}") from exc
+
+    async def _register(self, request: web.Request) -> web.Response:
+        try:
+            body = Registration.model_validate(await self._body(request))
+        except (ValidationError, web.HTTPBadRequest) as exc:
+            return _error(400, str(exc), "invalid_registration")
+        pool_names = [p.name for p in self._config.pools]
+        if body.pool not in pool_names:
+            return _error(400, f"unknown pool {body.pool!r}; known: {', '.join(pool_names)}", "unknown_pool")
+        pool = self._config.pool(body.pool)
+        record = WorkerRecord(
+            id=body.id, pool=pool.name, model=body.model or pool.model, host=body.host, port=body.port,
+            served_names=body.served_names, max_model_len=body.max_model_len or pool.max_model_len,
+            backend=body.backend, state=body.state,
+        )
+        await register_worker(self._redis, self._keys, record, self._config.controller.heartbeat_ttl_s)
+        log.info("registered worker %s (%s) in pool %s", record.id, record.address, record.pool)
+        return _json(record.to_redis(), status=201)
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        worker_id = request.match_info["worker_id"]
+        try:
+            body = Heartbeat.model_validate(await self._body(request) if request.can_read_body else {})
+        except (ValidationError, web.HTTPBadRequest) as exc:
+            return _error(400, str(exc), "invalid_heartbeat")
+        live = {k: v for k, v in body.model_dump().items() if v is not None and k in LIVE_FIELDS}
+        state_changed = "state" in live
+        alive = await heartbeat_worker(self._redis, self._keys, worker_id,
+                                       self._config.controller.heartbeat_ttl_s, announce=state_changed, **live)
+        if not alive:
+            return _error(404, f"worker {worker_id!r} is not registered (expired?); register again",
+                          "not_registered")
+        return _json({"ok": True})
+
+    async def _deregister(self, request: web.Request) -> web.Response:
+        worker_id = request.match_info["worker_id"]
+        await deregister_worker(self._redis, self._keys, worker_id)
+        log.info("deregistered worker %s", worker_id)
+        return web.Response(status=204)

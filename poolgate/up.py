@@ -1,0 +1,336 @@
+"""``poolgate up``: the whole stack on one machine — Redis, controller (+ workers), extproc, Envoy.
+
+It owns every child's lifecycle: each runs in its own process group and dies with ``up`` (parent-death
+signal), so SIGINT/SIGTERM, a crashed child or a failed start leave no orphan process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import orjson
+import redis.asyncio as aioredis
+import yaml
+
+from poolgate.config import Config, ConfigError, load_config
+from poolgate.procs import envoy_binary, free_port, wait_port
+from poolgate.status import fleet_table
+
+READY_TIMEOUT_S = 120.0
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: own process group, and SIGTERM when ``up`` dies (Linux prctl)."""
+    os.setsid()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    process: asyncio.subprocess.Process
+    log_path: Path
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    envoy: int
+    admin: int
+    extproc: int
+    xds: int
+    controller_http: int
+
+
+class Stack:
+    """Starts the children in dependency order and stops them all, whatever state they are in."""
+
+    def __init__(self, config: Config, config_path: Path, run_dir: Path, ports: StackPorts,
+                 redis_url: str | None, listen_host: str) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.run_dir = run_dir
+        self.ports = ports
+        self.redis_url = redis_url
+        self.listen_host = listen_host
+        self.children: list[Child] = []
+        self.token = config.controller.resolved_token() or secrets.token_urlsafe(24)
+
+    async def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:
+        log_path = self.run_dir / f"{name}.log"
+        with log_path.open("ab") as log_file:
+            process = await asyncio.create_subprocess_exec(
+                *cmd, stdout=log_file, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
+            )
+        child = Child(name, process, log_path)
+        self.children.append(child)
+        return child
+
+    async def _await_port(self, child: Child, port: int, timeout_s: float) -> None:
+        waiter = asyncio.create_task(wait_port("127.0.0.1", port, timeout_s))
+        exited = asyncio.create_task(child.process.wait())
+        done, _ = await asyncio.wait({waiter, exited}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        exited.cancel()
+        if exited in done or not waiter.result():
+            raise RuntimeError(f"{child.name} did not come up (log: {child.log_path}):\n{_tail(child.log_path)}")
+
+    async def start(self) -> None:
+        python = [sys.executable, "-m", "poolgate.cli"]
+        if self.redis_url is None:
+            redis_port = free_port()
+            server = shutil.which("redis-server")
+            if server is None:
+                raise RuntimeError("redis-server not found: install it (apt-get install redis-server) "
+                                   "or pass --redis-url")
+            child = await self._spawn("redis", [server, "--port", str(redis_port), "--bind", "127.0.0.1",
+                                                "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)])
+            await self._await_port(child, redis_port, 15)
+            self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        common = ["--config", str(self.config_path), "--redis-url", self.redis_url]
+        controller = await self._spawn(
+            "controller",
+            [*python, "controller", *common, "--xds-port", str(self.ports.xds),
+             "--http-port", str(self.ports.controller_http), "--log-dir", str(self.run_dir / "workers")],
+            env={self.config.controller.token_env: self.token},
+        )
+        extproc = await self._spawn("extproc", [*python, "extproc", *common, "--port", str(self.ports.extproc)])
+        await self._await_port(controller, self.ports.xds, 30)
+        await self._await_port(extproc, self.ports.extproc, 30)
+        from controller.xds.bootstrap import render_bootstrap
+
+        bootstrap = render_bootstrap(self.config, node_id="poolgate-local", listen_port=self.ports.envoy,
+                                     admin_port=self.ports.admin, extproc_port=self.ports.extproc,
+                                     xds_port=self.ports.xds, listen_host=self.listen_host)
+        bootstrap_path = self.run_dir / "envoy.yaml"
+        bootstrap_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+        envoy = await self._spawn("envoy", [str(envoy_binary()), "-c", str(bootstrap_path), "-l", "warning",
+                                            "--use-dynamic-base-id", "--disable-hot-restart"])
+        await self._await_port(envoy, self.ports.admin, 30)
+
+    async def wait_until_serving(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until one chat completion per model succeeds through Envoy (workers load, xDS arrives)."""
+        deadline = time.monotonic() + timeout_s
+        models = sorted({p.model for p in self.config.pools})
+        pending = set(models)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while pending:
+                for model in sorted(pending):
+                    if await _chat_ok(http, self.base_url, model):
+                        pending.discard(model)
+                self.raise_if_child_died()
+                if pending and time.monotonic() > deadline:
+                    raise RuntimeError(f"stack not serving {', '.join(sorted(pending))} after {timeout_s:.0f} s "
+                                       f"(logs in {self.run_dir})")
+                if pending:
+                    await asyncio.sleep(0.2)
+
+    def raise_if_child_died(self) -> None:
+        for child in self.children:
+            if child.process.returncode is not None:
+                raise RuntimeError(f"{child.name} exited with code {child.process.returncode} "
+                                   f"(log: {child.log_path}):\n{_tail(child.log_path)}")
+
+    async def wait_for_child_exit(self) -> Child:
+        waits = {asyncio.create_task(c.process.wait()): c for c in self.children}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        return waits[done.pop()]
+
+    async def stop(self, grace_s: float = 8.0) -> None:
+        """Stop newest first (Envoy before the controller before Redis): SIGTERM, wait, then SIGKILL the group.
+
+        Killing the whole process group also takes the controller's workers when the controller crashed.
+        """
+        for child in reversed(self.children):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.process.pid, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(child.process.wait(), grace_s)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.process.pid, signal.SIGKILL)
+            if child.process.returncode is None:
+                await child.process.wait()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.envoy}/v1"
+
+
+async def _chat_ok(http: aiohttp.ClientSession, base_url: str, model: str) -> bool:
+    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    try:
+        async with http.post(f"{base_url}/chat/completions", json=body) as response:
+            await response.read()
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+async def demo_load(base_url: str, models: list[str], requests: int = 48, concurrency: int = 8) -> str:
+    """A short mixed load (chat and completions, streaming and not) with a per-worker summary."""
+    per_worker: dict[str, list[float]] = {}
+    failures = 0
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(index: int, http: aiohttp.ClientSession) -> None:
+        nonlocal failures
+        model = models[index % len(models)]
+        stream = index % 3 == 0
+        words = " ".join(["lorem"] * (20 + 150 * (index % 4)))
+        if index % 2:
+            path, body = "chat/completions", {"model": model, "messages": [{"role": "user", "content": words}]}
+        else:
+            path, body = "completions", {"model": model, "prompt": words}
+        body |= {"max_tokens": 16 + 8 * (index % 5), "stream": stream}
+        async with semaphore:
+            started = time.perf_counter()
+            try:
+                async with http.post(f"{base_url}/{path}", data=orjson.dumps(body),
+                                     headers={"content-type": "application/json"}) as response:
+                    await response.read()
+                    worker = response.headers.get("x-poolgate-worker", "?")
+                    if response.status != 200:
+                        failures += 1
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                failures += 1
+                return
+            per_worker.setdefault(f"{model} @ {worker}", []).append(time.perf_counter() - started)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        await asyncio.gather(*(one(i, http) for i in range(requests)))
+    lines = [f"demo: {requests} requests, concurrency {concurrency}, {failures} failed"]
+    for key in sorted(per_worker):
+        latencies = sorted(per_worker[key])
+        lines.append(f"  {key:<40} {len(latencies):>3} requests, median {latencies[len(latencies) // 2] * 1000:.0f} ms")
+    return "\n".join(lines)
+
+
+def _resolve_ports(config: Config, args: argparse.Namespace) -> StackPorts:
+    ports = config.ports
+    return StackPorts(
+        envoy=args.port if args.port is not None else (ports.envoy or free_port()),
+        admin=args.admin_port if args.admin_port is not None else (ports.envoy_admin or free_port()),
+        extproc=ports.extproc or free_port(),
+        xds=ports.xds or free_port(),
+        controller_http=ports.controller_http or free_port(),
+    )
+
+
+async def _redis_reachable(url: str) -> bool:
+    client = aioredis.from_url(url, socket_connect_timeout=1)
+    try:
+        return bool(await client.ping())
+    except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+        return False
+    finally:
+        await client.aclose()
+
+
+async def run_up(args: argparse.Namespace) -> int:
+    config_path = Path(args.config)
+    config = load_config(config_path)
+    redis_url = args.redis_url or config.redis_url
+    if redis_url and not await _redis_reachable(redis_url):
+        if args.redis_url:
+            print("up: Redis at --redis-url is not reachable; start it or omit --redis-url", file=sys.stderr)
+            return 2
+        print("up: the config's Redis is not reachable; starting a private redis-server instead")
+        redis_url = None
+    run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="poolgate-up-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(config, config_path, run_dir, _resolve_ports(config, args), redis_url, args.listen_host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    try:
+        starting = asyncio.create_task(_start_and_wait(stack))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            print("up: interrupted while starting; stopping")
+            return 130
+        starting.result()
+        assert stack.redis_url is not None
+        print(f"READY {stack.base_url}", flush=True)
+        print(await fleet_table(stack.redis_url, config.key_prefix))
+        model = config.pools[0].model
+        print(f"\nTry:\n  curl -s {stack.base_url}/chat/completions -H 'content-type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
+        print(f"Envoy admin: http://127.0.0.1:{stack.ports.admin}  logs: {run_dir}  "
+              f"status: poolgate status --redis-url {stack.redis_url}", flush=True)
+        if args.demo:
+            print(await demo_load(stack.base_url, sorted({p.model for p in config.pools})), flush=True)
+        if args.exit_after_demo:
+            return 0
+        print("Serving; Ctrl-C stops everything.", flush=True)
+        child_exit = asyncio.create_task(stack.wait_for_child_exit())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({child_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if child_exit.done():
+            child = child_exit.result()
+            print(f"up: {child.name} exited with code {child.process.returncode} (log: {child.log_path}); "
+                  "stopping everything", file=sys.stderr)
+            code = 1
+        child_exit.cancel()
+        stopped.cancel()
+    except (RuntimeError, ConfigError, FileNotFoundError) as exc:
+        print(f"up: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        await stack.stop()
+        print("up: stopped", flush=True)
+    return code
+
+
+async def _start_and_wait(stack: Stack) -> None:
+    await stack.start()
+    await stack.wait_until_serving()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="deploy/local.yaml")
+    parser.add_argument("--port", type=int, help="Envoy listener port (default: config ports.envoy)")
+    parser.add_argument("--admin-port", type=int, help="Envoy admin port (default: a free port)")
+    parser.add_argument("--redis-url", help="use this Redis instead of starting one")
+    parser.add_argument("--listen-host", default="127.0.0.1", help="address Envoy listens on")
+    parser.add_argument("--log-dir", help="where child logs go (default: a new temporary directory)")
+    parser.add_argument("--demo", action="store_true", help="send a short demo load once ready")
+    parser.add_argument("--exit-after-demo", action="store_true", help="stop once ready (and after the demo)")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(run_up(args))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+

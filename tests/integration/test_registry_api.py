@@ -1,0 +1,96 @@
+"""Registry API over real HTTP and a real Redis: token required, entries expire without heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from controller.registry_api import RegistryApi
+from poolgate.config import parse_config
+from poolgate.fleet import FleetKeys, WorkerState, read_fleet
+
+CONFIG = parse_config({
+    "pools": [{"name": "chat", "model": "m1", "max_model_len": 4096}],
+    "controller": {"heartbeat_interval_s": 0.2, "heartbeat_ttl_s": 0.6},
+})
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture()
+async def api(redis_url: str) -> AsyncIterator[tuple[str, aioredis.Redis]]:
+    redis = aioredis.from_url(redis_url)
+    runner = web.AppRunner(RegistryApi(CONFIG, redis, FleetKeys("t"), TOKEN).app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield f"http://127.0.0.1:{port}", redis
+    await runner.cleanup()
+    await redis.aclose()
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+WORKER = {"id": "w1", "pool": "chat", "host": "127.0.0.1", "port": 9001}
+
+
+async def test_register_requires_the_token(api: tuple[str, aioredis.Redis]) -> None:
+    base, redis = api
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            async with http.post(f"{base}/v1/workers", json=WORKER, headers=headers) as response:
+                assert response.status == 401
+                assert (await response.json())["error"]["code"] == "unauthorized"
+    assert await read_fleet(redis, FleetKeys("t")) == []
+
+
+async def test_register_heartbeat_expire_and_deregister(api: tuple[str, aioredis.Redis]) -> None:
+    base, redis = api
+    keys = FleetKeys("t")
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        async with http.post(f"{base}/v1/workers", json=WORKER) as response:
+            assert response.status == 201
+        [record] = await read_fleet(redis, keys)
+        assert (record.model, record.max_model_len, record.state) == ("m1", 4096, WorkerState.READY)
+        # Heartbeats keep it alive well past the TTL and update live facts.
+        for _ in range(5):
+            async with http.post(f"{base}/v1/workers/w1/heartbeat", json={"kv_usage": 0.5, "running": 3}) as r:
+                assert r.status == 200
+            await asyncio.sleep(0.2)
+        [record] = await read_fleet(redis, keys)
+        assert (record.kv_usage, record.running) == (0.5, 3)
+        # Without heartbeats it expires and a late heartbeat is told to register again.
+        await asyncio.sleep(0.9)
+        assert await read_fleet(redis, keys) == []
+        async with http.post(f"{base}/v1/workers/w1/heartbeat", json={}) as response:
+            assert response.status == 404
+        async with http.post(f"{base}/v1/workers", json=WORKER) as response:
+            assert response.status == 201
+        async with http.delete(f"{base}/v1/workers/w1") as response:
+            assert response.status == 204
+        assert await read_fleet(redis, keys) == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {**WORKER, "pool": "nope"},
+        {**WORKER, "port": 0},
+        {**WORKER, "id": "bad id!"},
+        {"pool": "chat"},
+        {**WORKER, "surprise": 1},
+    ],
+)
+async def test_bad_registrations_are_refused(api: tuple[str, aioredis.Redis], body: dict[str, object]) -> None:
+    base, redis = api
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        async with http.post(f"{base}/v1/workers", json=body) as response:
+            assert response.status == 400
+            assert "error" in await response.json()
+        async with http.post(f"{base}/v1/workers", data=b"{not json") as response:
+            assert response.status == 400
+    assert await read_fleet(redis, FleetKeys("t")) == []
