@@ -17,7 +17,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simworker": ("controller.simworker.cli", "run simulated vLLM workers"),
     "status": ("poolgate.status", "show the fleet from Redis"),
     "config": ("poolgate.config_cli", "check a configuration file"),
-    "bench": ("poolgate.bench_cli", "run a benchmark under bench/"),
 }
 
 

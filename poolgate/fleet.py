@@ -16,9 +16,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
 import orjson
+from redis.asyncio import Redis
 
 
 class WorkerState(StrEnum):
@@ -111,11 +112,8 @@ class FleetKeys:
         return f"{self.prefix}:inflight:{worker_id}"
 
 
-class RedisLike(Protocol):
-    def pipeline(self, transaction: bool = ...) -> Any: ...
-    async def smembers(self, name: str) -> Any: ...
-    async def publish(self, channel: str, message: str) -> Any: ...
-    async def exists(self, *names: str) -> Any: ...
+RedisLike: TypeAlias = Redis
+"""The async client every poolgate process uses (works with redis://, rediss://, unix:// URLs)."""
 
 
 def _ttl_ms(ttl_s: float) -> int:
@@ -127,7 +125,7 @@ async def register_worker(redis: RedisLike, keys: FleetKeys, record: WorkerRecor
     pipe = redis.pipeline(transaction=False)
     name = keys.worker(record.id)
     pipe.delete(name)
-    pipe.hset(name, mapping=record.to_redis())
+    pipe.hset(name, mapping=dict[Any, Any](record.to_redis()))
     pipe.pexpire(name, _ttl_ms(ttl_s))
     pipe.sadd(keys.workers, record.id)
     pipe.publish(keys.events, f"register {record.id}")
@@ -140,7 +138,7 @@ async def heartbeat_worker(
     """Refresh a worker's TTL and live facts; False means it is not registered (expired): re-register."""
     name = keys.worker(worker_id)
     live.setdefault("updated_at", time.time())
-    mapping = {k: str(v) for k, v in live.items()}
+    mapping: dict[Any, Any] = {k: str(v) for k, v in live.items()}
     pipe = redis.pipeline(transaction=False)
     pipe.exists(name)
     pipe.pexpire(name, _ttl_ms(ttl_s))

@@ -44,8 +44,11 @@ def _die_with_parent() -> None:
 @dataclass
 class Child:
     name: str
+    cmd: list[str]
+    env: dict[str, str]
     process: asyncio.subprocess.Process
     log_path: Path
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,16 +74,32 @@ class Stack:
         self.children: list[Child] = []
         self.token = config.controller.resolved_token() or secrets.token_urlsafe(24)
 
+    async def _exec(self, cmd: list[str], env: dict[str, str], log_path: Path) -> asyncio.subprocess.Process:
+        with log_path.open("ab") as log_file:
+            return await asyncio.create_subprocess_exec(
+                *cmd, stdout=log_file, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, **env}, preexec_fn=_die_with_parent,
+            )
+
     async def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:
         log_path = self.run_dir / f"{name}.log"
-        with log_path.open("ab") as log_file:
-            process = await asyncio.create_subprocess_exec(
-                *cmd, stdout=log_file, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
-            )
-        child = Child(name, process, log_path)
+        child = Child(name, cmd, env or {}, await self._exec(cmd, env or {}, log_path), log_path)
         self.children.append(child)
+        self._write_pids()
         return child
+
+    async def restart(self, child: Child) -> None:
+        """Start a child that exited again, with the same command (its port and state come back)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.process.pid, signal.SIGKILL)  # leftovers of its group (a crashed controller's workers)
+        child.process = await self._exec(child.cmd, child.env, child.log_path)
+        child.restarts += 1
+        self._write_pids()
+
+    def _write_pids(self) -> None:
+        """``children.json`` in the run directory: name → pid, for operators and fault tests."""
+        pids = {c.name: c.process.pid for c in self.children}
+        (self.run_dir / "children.json").write_bytes(orjson.dumps(pids))
 
     async def _await_port(self, child: Child, port: int, timeout_s: float) -> None:
         waiter = asyncio.create_task(wait_port("127.0.0.1", port, timeout_s))
@@ -203,7 +222,8 @@ async def demo_load(base_url: str, models: list[str], requests: int = 48, concur
         stream = index % 3 == 0
         words = " ".join(["lorem"] * (20 + 150 * (index % 4)))
         if index % 2:
-            path, body = "chat/completions", {"model": model, "messages": [{"role": "user", "content": words}]}
+            path = "chat/completions"
+            body: dict[str, object] = {"model": model, "messages": [{"role": "user", "content": words}]}
         else:
             path, body = "completions", {"model": model, "prompt": words}
         body |= {"max_tokens": 16 + 8 * (index % 5), "stream": stream}
@@ -292,16 +312,7 @@ async def run_up(args: argparse.Namespace) -> int:
         if args.exit_after_demo:
             return 0
         print("Serving; Ctrl-C stops everything.", flush=True)
-        child_exit = asyncio.create_task(stack.wait_for_child_exit())
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait({child_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if child_exit.done():
-            child = child_exit.result()
-            print(f"up: {child.name} exited with code {child.process.returncode} (log: {child.log_path}); "
-                  "stopping everything", file=sys.stderr)
-            code = 1
-        child_exit.cancel()
-        stopped.cancel()
+        code = await supervise(stack, stop)
     except (RuntimeError, ConfigError, FileNotFoundError) as exc:
         print(f"up: {exc}", file=sys.stderr)
         code = 1
@@ -309,6 +320,30 @@ async def run_up(args: argparse.Namespace) -> int:
         await stack.stop()
         print("up: stopped", flush=True)
     return code
+
+
+async def supervise(stack: Stack, stop: asyncio.Event, max_restarts: int = 5) -> int:
+    """Restart a child that exits (after a short backoff) until ``stop``; give up after ``max_restarts``."""
+    stopped = asyncio.create_task(stop.wait())
+    while True:
+        child_exit = asyncio.create_task(stack.wait_for_child_exit())
+        await asyncio.wait({child_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if stopped.done():
+            child_exit.cancel()
+            return 0
+        child = child_exit.result()
+        if child.restarts >= max_restarts:
+            print(f"up: {child.name} keeps exiting (code {child.process.returncode}, log {child.log_path}); "
+                  "stopping everything", file=sys.stderr, flush=True)
+            stopped.cancel()
+            return 1
+        delay = min(8.0, 0.5 * 2 ** child.restarts)
+        print(f"up: {child.name} exited with code {child.process.returncode}; restarting in {delay:.1f} s "
+              f"(log {child.log_path})", file=sys.stderr, flush=True)
+        await asyncio.wait({stopped}, timeout=delay)
+        if stopped.done():
+            return 0
+        await stack.restart(child)
 
 
 async def _start_and_wait(stack: Stack) -> None:

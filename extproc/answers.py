@@ -1,0 +1,90 @@
+"""Builds the ext_proc messages extproc sends back to Envoy. The one place errors become responses.
+
+Header values go in ``raw_value``: Envoy ignores ``value`` in mutations and would send an empty header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    ImmediateResponse,
+    ProcessingResponse,
+    TrailersResponse,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
+
+from extproc.errors import ApiError
+from extproc.scheduling import Decision
+from poolgate.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _header(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+def _mutation(remove: Iterable[str], set_headers: Iterable[HeaderValueOption] = ()) -> HeaderMutation | None:
+    remove = list(remove)
+    set_list = list(set_headers)
+    if not remove and not set_list:
+        return None
+    return HeaderMutation(set_headers=set_list, remove_headers=remove)
+
+
+def continue_headers(remove: Iterable[str] = ()) -> ProcessingResponse:
+    mutation = _mutation(remove)
+    common = CommonResponse(header_mutation=mutation) if mutation else CommonResponse()
+    return ProcessingResponse(request_headers=HeadersResponse(response=common))
+
+
+def continue_body(remove: Iterable[str] = ()) -> ProcessingResponse:
+    mutation = _mutation(remove)
+    common = CommonResponse(header_mutation=mutation) if mutation else CommonResponse()
+    return ProcessingResponse(request_body=BodyResponse(response=common))
+
+
+def continue_trailers() -> ProcessingResponse:
+    return ProcessingResponse(request_trailers=TrailersResponse())
+
+
+def routed_body(decision: Decision, remove: Iterable[str] = ()) -> ProcessingResponse:
+    """Send the request to the decision's pool (cluster header + route re-evaluation) and pin its worker."""
+    mutation = _mutation(
+        [h for h in remove if h != CLUSTER_HEADER], [_header(CLUSTER_HEADER, decision.cluster)]
+    )
+    pin = Struct()
+    pin.fields[LB_METADATA_NAMESPACE].struct_value.fields[DESTINATION_ENDPOINT_KEY].string_value = decision.pin
+    return ProcessingResponse(
+        request_body=BodyResponse(response=CommonResponse(header_mutation=mutation, clear_route_cache=True)),
+        dynamic_metadata=pin,
+    )
+
+
+def json_answer(status: int, body: bytes, headers: Iterable[tuple[str, str]] = (), details: str = "") -> (
+        ProcessingResponse):
+    mutation = HeaderMutation(set_headers=[_header("content-type", "application/json"),
+                                           *(_header(k, v) for k, v in headers)])
+    return ProcessingResponse(immediate_response=ImmediateResponse(
+        status=HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=mutation, body=body, details=details,
+    ))
+
+
+def error_answer(error: ApiError) -> ProcessingResponse:
+    headers = [("retry-after", str(error.retry_after_s))] if error.retry_after_s is not None else []
+    return json_answer(error.status, error.body(), headers, details=f"poolgate_{error.code or error.type}")
+
+
+def model_list_answer(models: Iterable[str], created: int) -> ProcessingResponse:
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "poolgate"} for name in models]
+    return json_answer(200, orjson.dumps({"object": "list", "data": data}), details="poolgate_model_list")
+

@@ -1,0 +1,60 @@
+"""``poolgate extproc``: run the Envoy external processor."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from poolgate.config import ConfigError, load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="poolgate YAML configuration file")
+    parser.add_argument("--redis-url", default=None,
+                        help="Redis URL (default: redis_url from the configuration file)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="gRPC port (default: ports.extproc from the configuration; 0 = any free port)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port (default: off)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    redis_url = args.redis_url or config.redis_url
+    if not redis_url:
+        print("extproc needs Redis: pass --redis-url or set redis_url in the configuration", file=sys.stderr)
+        return 2
+    port = config.ports.extproc if args.port is None else args.port
+
+    def listening(bound: int) -> None:
+        print(f"poolgate extproc listening on {args.host}:{bound} (redis {redis_url})", flush=True)
+
+    import uvloop
+
+    from extproc.server import serve
+
+    async def run() -> None:
+        task = asyncio.create_task(serve(config, redis_url, args.host, port, args.metrics_port, listening))
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        uvloop.run(run())
+    except OSError as exc:
+        print(f"extproc: {exc}", file=sys.stderr)
+        return 1
+    return 0

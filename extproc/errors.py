@@ -1,0 +1,61 @@
+"""The one request-path error type: a value that becomes an OpenAI-style JSON error answer.
+
+Everything that can go wrong for one request (bad JSON, unknown model, no worker) is returned as an
+``ApiError``, never raised through the gRPC stream. ``answers.error_answer`` is the one place that turns it
+into Envoy's ImmediateResponse, so every error a client sees has the same shape:
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class ApiError:
+    status: int
+    """HTTP status code of the answer."""
+    message: str
+    type: str
+    """OpenAI error type, e.g. ``invalid_request_error``."""
+    code: str | None = None
+    """Machine-readable reason, e.g. ``model_not_found``."""
+    param: str | None = None
+    """Request field at fault, e.g. ``model``."""
+    retry_after_s: int | None = None
+    """Sent as ``Retry-After`` when the client should simply try again later."""
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        )
+
+
+def invalid_request(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, "invalid_request_error", code, param)
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model {model!r} does not exist or is not served here.", "invalid_request_error",
+                    "model_not_found", "model")
+
+
+def body_too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"Request body of {size} bytes exceeds the limit of {limit} bytes.",
+                    "invalid_request_error", "request_too_large")
+
+
+def context_too_long(model: str, needed: int, limit: int) -> ApiError:
+    return ApiError(400, f"The request needs at least {needed} tokens but {model!r} accepts at most {limit}.",
+                    "invalid_request_error", "context_length_exceeded", "messages")
+
+
+def no_worker(model: str, retry_after_s: int = 1) -> ApiError:
+    return ApiError(503, f"No worker serving {model!r} is ready; retry shortly.", "service_unavailable",
+                    "no_ready_worker", retry_after_s=retry_after_s)
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "The router failed to process the request.", "internal_error", "internal_error")

@@ -1,0 +1,31 @@
+"""extproc's Prometheus metrics, registered on an injected registry (no process-wide singletons)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "poolgate_extproc_requests", "Requests handled, by outcome (routed, passthrough, model_list or an "
+            "error code)", ["outcome"], registry=self.registry)
+        self.pick_seconds = Histogram(
+            "poolgate_extproc_pick_seconds", "Time spent in the scheduler's pick",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2), registry=self.registry)
+        self.internal_errors = Counter(
+            "poolgate_extproc_internal_errors", "Unexpected exceptions on the request path (answered 500)",
+            registry=self.registry)
+        self.open_streams = Gauge(
+            "poolgate_extproc_open_streams", "ext_proc streams currently open", registry=self.registry)
+        self.snapshot_age_seconds = Gauge(
+            "poolgate_extproc_snapshot_age_seconds", "Age of the fleet snapshot picks are made on",
+            registry=self.registry)
+        self.redis_up = Gauge(
+            "poolgate_extproc_redis_up", "1 when the last Redis refresh succeeded, 0 when serving a kept snapshot",
+            registry=self.registry)
+        self.stale_workers = Gauge(
+            "poolgate_extproc_stale_workers", "Workers in the snapshot whose live state is too old to pick",
+            registry=self.registry)
+        self.workers = Gauge("poolgate_extproc_workers", "Workers in the snapshot", registry=self.registry)

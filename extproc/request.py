@@ -1,0 +1,167 @@
+"""What one request asks for, parsed from Envoy's header and body messages into small frozen values.
+
+Pure functions only: the servicer hands in header pairs and body bytes, gets back a ``RequestHead``, a
+``RequestFacts`` or an ``ApiError`` (a client mistake is a value, not an exception). Only the OpenAI
+inference endpoints are routed; any other path passes through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from extproc.errors import ApiError, invalid_request
+from poolgate.routing import ROUTING_HEADERS
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+MODELS_PATH = "/v1/models"
+INFERENCE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+_ROUTING_HEADERS = frozenset(ROUTING_HEADERS)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    """Facts from the request headers, known before the body arrives."""
+
+    method: str
+    path: str
+    """Path without the query string."""
+    content_length: int | None
+    client_routing_headers: tuple[str, ...] = ()
+    """Routing headers the client sent (lower case); the answer removes them so a client cannot pin itself."""
+    request_id: str = ""
+
+    @property
+    def is_inference(self) -> bool:
+        return self.method == "POST" and self.path in INFERENCE_PATHS
+
+    @property
+    def is_model_list(self) -> bool:
+        return self.method == "GET" and self.path == MODELS_PATH
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the scheduler needs to know about one inference request."""
+
+    path: str
+    method: str
+    model: str
+    stream: bool = False
+    max_tokens: int | None = None
+    prompt_chars: int = 0
+    """Characters of prompt text (message contents or prompt strings)."""
+    prompt_token_ids: int = 0
+    """Tokens given directly as ids (``prompt`` as a list of ints)."""
+    message_count: int = 0
+    client_routing_headers: tuple[str, ...] = ()
+    request_id: str = ""
+
+
+def parse_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
+    method = path = request_id = ""
+    content_length: int | None = None
+    routing: list[str] = []
+    for raw_key, value in headers:
+        key = raw_key.lower()
+        if key == ":method":
+            method = value.upper()
+        elif key == ":path":
+            path = value.split("?", 1)[0]
+        elif key == "content-length":
+            content_length = int(value) if value.isdigit() else None
+        elif key == "x-request-id":
+            request_id = value
+        elif key in _ROUTING_HEADERS:
+            routing.append(key)
+    return RequestHead(method, path, content_length, tuple(dict.fromkeys(routing)), request_id)
+
+
+def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
+    """Validate an inference request body the way the OpenAI API does, keeping only what routing needs."""
+    if not body:
+        return invalid_request("The request body must be a JSON object.", code="missing_body")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return invalid_request(f"The request body is not valid JSON: {exc}", code="invalid_json")
+    if not isinstance(data, dict):
+        return invalid_request("The request body must be a JSON object.", code="invalid_json")
+    model = data.get("model")
+    if model is None:
+        return invalid_request("You must provide a model parameter.", "model", "missing_model")
+    if not isinstance(model, str) or not model:
+        return invalid_request("'model' must be a non-empty string.", "model", "invalid_type")
+    stream = data.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return invalid_request("'stream' must be a boolean.", "stream", "invalid_type")
+    max_tokens: int | None = None
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = data.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            return invalid_request(f"'{name}' must be a positive integer.", name, "invalid_type")
+        max_tokens = value if max_tokens is None else max_tokens
+    if head.path == CHAT_PATH:
+        prompt = _measure_messages(data.get("messages"))
+    else:
+        prompt = _measure_prompt(data.get("prompt"))
+    if isinstance(prompt, ApiError):
+        return prompt
+    chars, token_ids, messages = prompt
+    return RequestFacts(
+        path=head.path, method=head.method, model=model, stream=bool(stream), max_tokens=max_tokens,
+        prompt_chars=chars, prompt_token_ids=token_ids, message_count=messages,
+        client_routing_headers=head.client_routing_headers, request_id=head.request_id,
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _measure_messages(messages: Any) -> tuple[int, int, int] | ApiError:
+    if messages is None:
+        return invalid_request("You must provide a 'messages' parameter.", "messages", "missing_messages")
+    if not isinstance(messages, list) or not messages:
+        return invalid_request("'messages' must be a non-empty array.", "messages", "invalid_type")
+    chars = 0
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return invalid_request(f"'messages.{index}' must be an object.", f"messages.{index}", "invalid_type")
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict):
+                    return invalid_request(f"'messages.{index}.content' parts must be objects.",
+                                           f"messages.{index}.content", "invalid_type")
+                text = part.get("text")
+                if isinstance(text, str):
+                    chars += len(text)
+        elif content is not None:
+            return invalid_request(f"'messages.{index}.content' must be a string, an array or null.",
+                                   f"messages.{index}.content", "invalid_type")
+    return chars, 0, len(messages)
+
+
+def _measure_prompt(prompt: Any) -> tuple[int, int, int] | ApiError:
+    if prompt is None:
+        return invalid_request("You must provide a 'prompt' parameter.", "prompt", "missing_prompt")
+    if isinstance(prompt, str):
+        return len(prompt), 0, 0
+    if isinstance(prompt, list):
+        if all(isinstance(p, str) for p in prompt):
+            return sum(len(p) for p in prompt), 0, 0
+        if all(_is_int(p) for p in prompt):
+            return 0, len(prompt), 0
+        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+            return 0, sum(len(p) for p in prompt), 0
+    return invalid_request("'prompt' must be a string, an array of strings or an array of token ids.",
+                           "prompt", "invalid_type")

@@ -1,0 +1,28 @@
+"""Least in-flight: prefer the worker with the fewest requests in flight through extproc.
+
+score(w) = (max_n - n_w) / (max_n - min_n), or 1 for every candidate when all counts are equal,
+where n_w is the worker's in-flight count across extproc replicas and max_n / min_n range over candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from extproc.request import RequestFacts
+from extproc.scheduling.plugins import PickContext
+from poolgate.fleet import WorkerRecord
+
+
+class LeastInflight:
+    name = "least-inflight"
+
+    def score(
+        self, facts: RequestFacts, candidates: Sequence[WorkerRecord], context: PickContext
+    ) -> Sequence[float]:
+        inflight = context.inflight
+        counts = [inflight.get(w.id, 0) for w in candidates]
+        low, high = min(counts), max(counts)
+        if high == low:
+            return [1.0] * len(counts)
+        span = high - low
+        return [(high - n) / span for n in counts]

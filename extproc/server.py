@@ -1,0 +1,105 @@
+"""Wires one extproc process: Redis client, fleet watcher, in-flight tracker, scheduler, gRPC server, metrics.
+
+``serve`` is the only place these parts meet; it runs until cancelled and then stops gracefully (in-flight
+streams get a grace period, the watcher's loops are cancelled, the Redis client is closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+import redis.asyncio as redis_asyncio
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from prometheus_client import start_http_server
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from extproc.inflight import InflightTracker
+from extproc.metrics import Metrics
+from extproc.scheduling import default_scheduler
+from extproc.service import ExtProcService
+from extproc.watcher import FleetWatcher
+from poolgate.config import Config
+from poolgate.fleet import FleetKeys
+
+log = logging.getLogger(__name__)
+
+GRPC_MESSAGE_MARGIN = 64 * 1024
+"""Room for the ext_proc envelope and headers on top of the largest accepted body."""
+SHUTDOWN_GRACE_S = 5.0
+
+
+def grpc_options(max_request_bytes: int) -> list[tuple[str, int]]:
+    limit = max_request_bytes + GRPC_MESSAGE_MARGIN
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def redis_client(redis_url: str) -> redis_asyncio.Redis:
+    """Short timeouts and few quick retries: a refresh that fails fast keeps the snapshot-age metric honest
+    and the next periodic refresh is the real retry."""
+    return redis_asyncio.Redis.from_url(
+        redis_url, socket_timeout=1.0, socket_connect_timeout=1.0,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
+    )
+
+
+async def serve(
+    config: Config,
+    redis_url: str,
+    host: str,
+    port: int,
+    metrics_port: int | None = None,
+    on_listening: Callable[[int], None] | None = None,
+) -> None:
+    """Run extproc until cancelled. ``on_listening`` gets the bound port (useful with port 0)."""
+    metrics = Metrics()
+    metrics_server = None
+    if metrics_port is not None:
+        metrics_server, _ = start_http_server(metrics_port, addr=host, registry=metrics.registry)
+        log.info("extproc metrics on http://%s:%d/metrics", host, metrics_server.server_port)
+    client = redis_client(redis_url)
+    inflight = InflightTracker()
+    watcher = FleetWatcher(client, FleetKeys(config.key_prefix), config.pools, config.extproc, inflight, metrics)
+    service = ExtProcService(default_scheduler(), watcher, inflight, config.extproc.max_request_bytes, metrics)
+    server = grpc.aio.server(options=grpc_options(config.extproc.max_request_bytes))
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"extproc cannot listen on {host}:{port}")
+    watch_task = asyncio.create_task(watcher.run(), name="fleet-watcher")
+    try:
+        await watcher.refresh()
+        await server.start()
+        if on_listening is not None:
+            on_listening(bound)
+        await asyncio.gather(server.wait_for_termination(), watch_task)
+    finally:
+        await asyncio.shield(_stop(server, watch_task, watcher, client))
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+
+
+async def _stop(server: grpc.aio.Server, watch_task: asyncio.Task[None], watcher: FleetWatcher,
+                client: redis_asyncio.Redis) -> None:
+    await server.stop(SHUTDOWN_GRACE_S)
+    watch_task.cancel()
+    try:
+        await watch_task
+    except asyncio.CancelledError:
+        pass
+    except Exception:
+        log.exception("fleet watcher failed")
+    try:
+        await asyncio.wait_for(watcher.flush(), timeout=1.0)
+    except Exception:  # best effort: counters of a stopped replica are released by the streams ending
+        log.debug("final in-flight flush failed", exc_info=True)
+    await client.aclose()

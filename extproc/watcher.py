@@ -1,0 +1,140 @@
+"""Keeps the fleet snapshot and the in-flight counters in step with Redis; the only Redis user in extproc.
+
+Three loops under one TaskGroup: refresh (on a change notification or every ``snapshot_refresh_s``),
+listen (pub/sub on the events channel, wakes refresh) and flush (writes in-flight deltas, batched).
+If Redis is away the last snapshot keeps serving; that shows once in the log and in ``redis_up``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from extproc.inflight import InflightTracker
+from extproc.metrics import Metrics
+from extproc.snapshot import FleetSnapshot, build_snapshot, empty_snapshot
+from poolgate.config import ExtprocSettings, PoolSpec
+from poolgate.fleet import FleetKeys, read_fleet, read_inflight
+
+log = logging.getLogger(__name__)
+
+_REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class FleetWatcher:
+    def __init__(
+        self,
+        redis: Any,
+        keys: FleetKeys,
+        pools: Sequence[PoolSpec],
+        settings: ExtprocSettings,
+        inflight: InflightTracker,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._pools = tuple(pools)
+        self._settings = settings
+        self._inflight = inflight
+        self._metrics = metrics
+        self._clock = clock
+        self._wake = asyncio.Event()
+        self._io_lock = asyncio.Lock()
+        self._redis_ok: bool | None = None
+        self.snapshot: FleetSnapshot = empty_snapshot(self._pools, settings.stale_after_s)
+        """The current snapshot; replaced whole, never mutated, so a pick always sees one consistent view."""
+        self.refreshed = asyncio.Event()
+        """Set after the first successful refresh."""
+        metrics.snapshot_age_seconds.set_function(lambda: max(0.0, self._clock() - self.snapshot.taken_at))
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._refresh_loop())
+            group.create_task(self._listen_loop())
+            group.create_task(self._flush_loop())
+
+    async def refresh(self) -> bool:
+        """Read the fleet and the in-flight totals once; False (snapshot kept) when Redis fails."""
+        try:
+            records = await read_fleet(self._redis, self._keys)
+            taken_at = self._clock()
+            async with self._io_lock:
+                totals = await read_inflight(self._redis, self._keys, [r.id for r in records])
+                self._inflight.apply_remote(totals)
+        except _REDIS_ERRORS as exc:
+            self._set_redis_ok(False, exc)
+            return False
+        snapshot = build_snapshot(records, self._pools, taken_at, self._settings.stale_after_s)
+        self.snapshot = snapshot
+        self._metrics.workers.set(len(snapshot.workers))
+        self._metrics.stale_workers.set(snapshot.stale_count())
+        self._set_redis_ok(True)
+        self.refreshed.set()
+        return True
+
+    async def flush(self) -> bool:
+        """Write pending in-flight deltas in one pipeline; they are kept for the next try on failure."""
+        deltas = self._inflight.take_pending()
+        if not deltas:
+            return True
+        try:
+            async with self._io_lock:
+                pipe = self._redis.pipeline(transaction=False)
+                for worker_id, delta in deltas.items():
+                    pipe.incrby(self._keys.inflight(worker_id), delta)
+                await pipe.execute()
+                self._inflight.mark_flushed(deltas)
+        except _REDIS_ERRORS as exc:
+            self._inflight.restore_pending(deltas)
+            self._set_redis_ok(False, exc)
+            return False
+        return True
+
+    async def _refresh_loop(self) -> None:
+        period = self._settings.snapshot_refresh_s
+        while True:
+            await self.refresh()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=period)
+            self._wake.clear()
+
+    async def _listen_loop(self) -> None:
+        period = self._settings.snapshot_refresh_s
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._keys.events)
+                self._wake.set()  # changes may have been missed while unsubscribed
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None:
+                        self._wake.set()
+            except _REDIS_ERRORS:
+                await asyncio.sleep(period)  # refresh reports the outage; keep retrying quietly
+            finally:
+                with contextlib.suppress(*_REDIS_ERRORS):
+                    await pubsub.aclose()
+
+    async def _flush_loop(self) -> None:
+        period = self._settings.snapshot_refresh_s
+        while True:
+            await self._inflight.dirty.wait()
+            if not await self.flush():
+                await asyncio.sleep(period)
+
+    def _set_redis_ok(self, ok: bool, exc: BaseException | None = None) -> None:
+        if ok == self._redis_ok:
+            return
+        if ok and self._redis_ok is False:
+            log.warning("redis reachable again; fleet snapshot is live")
+        elif not ok:
+            log.warning("redis unreachable (%s); serving the last fleet snapshot and retrying", exc)
+        self._redis_ok = ok
+        self._metrics.redis_up.set(1 if ok else 0)
