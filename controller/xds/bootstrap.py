@@ -1,0 +1,346 @@
+"""The Envoy bootstrap: static listener, filters and routes; clusters and endpoints come over ADS.
+
+Request path: an early header mutation strips every client-sent routing header before anything looks at
+the request (so a client never picks its own cluster or worker, even while extproc is away) → ``ext_proc``
+(extproc sets the cluster header and the pin metadata, and clears the route cache) → router. Route 1
+follows the cluster header; route 2 is the fail-open default to the fallback cluster, retrying 404s on
+other hosts so a request finds a worker serving its model.
+
+Built from protobuf messages (field names are checked) and rendered as a JSON/YAML-able dict.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    base_pb2,
+    config_source_pb2,
+    grpc_service_pb2,
+    protocol_pb2,
+    substitution_format_string_pb2,
+)
+from envoy.config.core.v3 import extension_pb2 as core_extension_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.access_loggers.file.v3 import file_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+    header_mutation_pb2 as early_header_mutation_pb2,
+)
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import any_pb2, duration_pb2, json_format, message, struct_pb2
+from google.protobuf.wrappers_pb2 import BoolValue, UInt32Value
+
+from controller.xds.build import relaxed_circuit_breakers
+from poolgate.config import Config
+from poolgate.routing import CLUSTER_HEADER, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, ROUTING_HEADERS
+
+EXTPROC_CLUSTER = "poolgate-extproc"
+XDS_CLUSTER = "poolgate-xds"
+LISTENER_NAME = "poolgate-http"
+
+HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+EXTPROC_MESSAGE_TIMEOUT_S = 3
+"""How long Envoy waits for one ext_proc answer; extproc's parse and pick take about a millisecond."""
+EXTPROC_MAX_MESSAGE_TIMEOUT_S = 60
+"""Upper bound for ``override_message_timeout``: the longest extproc may hold a request in its queue."""
+STREAM_IDLE_TIMEOUT_S = 600
+"""A stream with no bytes for this long is reset; a slow model's gap between SSE tokens stays far below."""
+BUFFER_HEADROOM_BYTES = 64 * 1024
+"""Headers and framing on top of the largest accepted body."""
+FALLBACK_404_RETRIES = 3
+
+REQUEST_ACCESS_LOG_FORMAT = (
+    "[%START_TIME%] \"%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%\" %RESPONSE_CODE% "
+    "%RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION% cluster=%UPSTREAM_CLUSTER% "
+    "host=%UPSTREAM_HOST% id=%REQ(X-REQUEST-ID)%\n"
+)
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(int(seconds * 1e9))
+    return value
+
+
+def _typed(name: str, config: message.Message) -> dict[str, Any]:
+    """Keyword arguments for the many ``name`` + ``typed_config`` extension points."""
+    packed = any_pb2.Any()
+    packed.Pack(config)
+    return {"name": name, "typed_config": packed}
+
+
+def _local_cluster(name: str, port: int) -> cluster_pb2.Cluster:
+    """A static HTTP/2 cluster on localhost (gRPC needs HTTP/2; Envoy's default upstream is HTTP/1.1)."""
+    cluster = cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=_duration(1),
+        circuit_breakers=relaxed_circuit_breakers(),
+        upstream_connection_options=cluster_pb2.UpstreamConnectionOptions(
+            tcp_keepalive=address_pb2.TcpKeepalive(keepalive_time=UInt32Value(value=30))
+        ),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(cluster_name=name),
+    )
+    endpoint = cluster.load_assignment.endpoints.add().lb_endpoints.add().endpoint
+    endpoint.address.socket_address.address = "127.0.0.1"
+    endpoint.address.socket_address.port_value = port
+    options = http_protocol_options_pb2.HttpProtocolOptions()
+    options.explicit_http_config.http2_protocol_options.CopyFrom(protocol_pb2.Http2ProtocolOptions())
+    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(options)
+    return cluster
+
+
+def _early_strip_routing_headers() -> core_extension_pb2.TypedExtensionConfig:
+    """Runs before route selection. A ``header_mutation`` *filter* is too late (measured): the route, with
+    the client's ``cluster_header`` value, is already chosen and kept when ext_proc fails open."""
+    mutations = [mutation_rules_pb2.HeaderMutation(remove=name) for name in ROUTING_HEADERS]
+    return core_extension_pb2.TypedExtensionConfig(**_typed(
+        "envoy.http.early_header_mutation.header_mutation",
+        early_header_mutation_pb2.HeaderMutation(mutations=mutations),
+    ))
+
+
+def _ext_proc(config: Config) -> hcm_pb2.HttpFilter:
+    mode = processing_mode_pb2.ProcessingMode
+    settings = config.extproc
+    grpc_service = grpc_service_pb2.GrpcService(
+        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
+            cluster_name=EXTPROC_CLUSTER,
+            # extproc may rewrite a body (model alias), so its answers can be as large as a request.
+            max_receive_message_length=UInt32Value(value=settings.max_request_bytes + BUFFER_HEADROOM_BYTES),
+        )
+    )
+    filter_config = ext_proc_pb2.ExternalProcessor(
+        grpc_service=grpc_service,
+        failure_mode_allow=settings.fail_open,
+        processing_mode=mode(
+            request_header_mode=mode.SEND,
+            response_header_mode=mode.SKIP,
+            request_body_mode=mode.BUFFERED,
+            response_body_mode=mode.NONE,
+            request_trailer_mode=mode.SKIP,
+            response_trailer_mode=mode.SKIP,
+        ),
+        message_timeout=_duration(EXTPROC_MESSAGE_TIMEOUT_S),
+        max_message_timeout=_duration(EXTPROC_MAX_MESSAGE_TIMEOUT_S),
+        mutation_rules=mutation_rules_pb2.HeaderMutationRules(allow_all_routing=BoolValue(value=True)),
+        # Without this namespace Envoy silently drops extproc's pin and the fallback policy picks.
+        metadata_options=ext_proc_pb2.MetadataOptions(
+            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(untyped=[LB_METADATA_NAMESPACE])
+        ),
+        allow_mode_override=False,
+    )
+    if not settings.fail_open:
+        filter_config.status_on_error.CopyFrom(http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable))
+    return hcm_pb2.HttpFilter(**_typed("envoy.filters.http.ext_proc", filter_config))
+
+
+def _routes() -> route_pb2.RouteConfiguration:
+    by_header = route_components_pb2.Route(
+        name="pool",
+        match=route_components_pb2.RouteMatch(
+            prefix="/",
+            headers=[route_components_pb2.HeaderMatcher(name=CLUSTER_HEADER, present_match=True)],
+        ),
+        route=route_components_pb2.RouteAction(cluster_header=CLUSTER_HEADER, timeout=_duration(0)),
+        request_headers_to_remove=[CLUSTER_HEADER],  # routing detail; workers need not see it
+    )
+    retry = route_components_pb2.RetryPolicy(
+        retry_on="retriable-status-codes",
+        retriable_status_codes=[404],  # this worker does not serve the model: try another
+        num_retries=UInt32Value(value=FALLBACK_404_RETRIES),
+        retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
+            **_typed("envoy.retry_host_predicates.previous_hosts", previous_hosts_pb2.PreviousHostsPredicate())
+        )],
+        host_selection_retry_max_attempts=5,
+    )
+    fail_open = route_components_pb2.Route(
+        name="fail-open",
+        match=route_components_pb2.RouteMatch(prefix="/"),
+        route=route_components_pb2.RouteAction(cluster=FALLBACK_CLUSTER, timeout=_duration(0), retry_policy=retry),
+    )
+    host = route_components_pb2.VirtualHost(name="poolgate", domains=["*"], routes=[by_header, fail_open])
+    # The clusters arrive later over CDS; a static route table would otherwise be refused at start.
+    return route_pb2.RouteConfiguration(name="poolgate", virtual_hosts=[host], validate_clusters=BoolValue(value=False))
+
+
+def _openai_error(error_type: str) -> substitution_format_string_pb2.SubstitutionFormatString:
+    body = struct_pb2.Struct()
+    body.update({"error": {"message": "%LOCAL_REPLY_BODY%", "type": error_type, "code": "%RESPONSE_CODE%"}})
+    return substitution_format_string_pb2.SubstitutionFormatString(
+        json_format=body, content_type="application/json"
+    )
+
+
+ENVOY_OWN_REPLY = "response.code_details != '' && !response.code_details.startsWith('poolgate')"
+"""CEL: a local reply Envoy made itself. extproc's ImmediateResponse carries empty or ``poolgate…`` details
+and a finished OpenAI JSON body, which must pass untouched (else it would be wrapped a second time)."""
+
+
+def _local_reply() -> hcm_pb2.LocalReplyConfig:
+    """Envoy's own replies (413, 503 no healthy upstream, 504 …) as OpenAI-style JSON errors."""
+    envoy_own = accesslog_pb2.AccessLogFilter(extension_filter=accesslog_pb2.ExtensionFilter(**_typed(
+        "envoy.access_loggers.extension_filters.cel", cel_pb2.ExpressionFilter(expression=ENVOY_OWN_REPLY)
+    )))
+    client_error = accesslog_pb2.AccessLogFilter(status_code_filter=accesslog_pb2.StatusCodeFilter(
+        comparison=accesslog_pb2.ComparisonFilter(
+            op=accesslog_pb2.ComparisonFilter.LE,
+            value=base_pb2.RuntimeUInt32(default_value=499, runtime_key="poolgate.client_error_max"),
+        )
+    ))
+    as_is = substitution_format_string_pb2.SubstitutionFormatString(
+        text_format_source=base_pb2.DataSource(inline_string="%LOCAL_REPLY_BODY%"),
+        content_type="application/json",
+    )
+    return hcm_pb2.LocalReplyConfig(
+        mappers=[
+            hcm_pb2.ResponseMapper(
+                filter=accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(
+                    filters=[envoy_own, client_error]
+                )),
+                body_format_override=_openai_error("invalid_request_error"),
+            ),
+            hcm_pb2.ResponseMapper(filter=envoy_own, body_format_override=_openai_error("server_error")),
+        ],
+        body_format=as_is,
+    )
+
+
+def _access_log(path: str | None) -> accesslog_pb2.AccessLog:
+    text = substitution_format_string_pb2.SubstitutionFormatString(
+        text_format_source=base_pb2.DataSource(inline_string=REQUEST_ACCESS_LOG_FORMAT)
+    )
+    if path is None:
+        return accesslog_pb2.AccessLog(**_typed("envoy.access_loggers.stdout", stream_pb2.StdoutAccessLog(
+            log_format=text)))
+    return accesslog_pb2.AccessLog(**_typed("envoy.access_loggers.file", file_pb2.FileAccessLog(
+        path=path, log_format=text)))
+
+
+def _listener(
+    config: Config, host: str, port: int, access_log: accesslog_pb2.AccessLog | None
+) -> listener_pb2.Listener:
+    manager = hcm_pb2.HttpConnectionManager(
+        stat_prefix="poolgate",
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        route_config=_routes(),
+        http_filters=[
+            _ext_proc(config),
+            hcm_pb2.HttpFilter(**_typed("envoy.filters.http.router", router_pb2.Router())),
+        ],
+        early_header_mutation_extensions=[_early_strip_routing_headers()],
+        stream_idle_timeout=_duration(STREAM_IDLE_TIMEOUT_S),
+        local_reply_config=_local_reply(),
+        access_log=[access_log] if access_log is not None else [],
+    )
+    listener = listener_pb2.Listener(
+        name=LISTENER_NAME,
+        address=address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port)),
+        # BUFFERED ext_proc holds the whole body in this buffer; the 1 MiB default answers 413 to long prompts.
+        per_connection_buffer_limit_bytes=UInt32Value(
+            value=config.extproc.max_request_bytes + BUFFER_HEADROOM_BYTES
+        ),
+    )
+    chain = listener.filter_chains.add()
+    chain.filters.append(listener_components_pb2.Filter(
+        **_typed("envoy.filters.network.http_connection_manager", manager)
+    ))
+    return listener
+
+
+def build_bootstrap(
+    config: Config,
+    *,
+    node_id: str,
+    listen_port: int,
+    admin_port: int,
+    extproc_port: int,
+    xds_port: int,
+    access_log_path: str | None = None,
+    listen_host: str = "127.0.0.1",
+    access_log: bool = False,
+) -> bootstrap_pb2.Bootstrap:
+    """The bootstrap as a protobuf message (``render_bootstrap`` gives the dict Envoy reads)."""
+    log = _access_log(access_log_path) if (access_log or access_log_path) else None
+    bootstrap = bootstrap_pb2.Bootstrap(
+        node=base_pb2.Node(id=node_id, cluster="poolgate"),
+        static_resources=bootstrap_pb2.Bootstrap.StaticResources(
+            listeners=[_listener(config, listen_host, listen_port, log)],
+            clusters=[_local_cluster(EXTPROC_CLUSTER, extproc_port), _local_cluster(XDS_CLUSTER, xds_port)],
+        ),
+        dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
+            ads_config=config_source_pb2.ApiConfigSource(
+                api_type=config_source_pb2.ApiConfigSource.GRPC,
+                transport_api_version=config_source_pb2.V3,
+                grpc_services=[grpc_service_pb2.GrpcService(
+                    envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=XDS_CLUSTER)
+                )],
+                set_node_on_first_message_only=True,
+            ),
+            cds_config=config_source_pb2.ConfigSource(
+                ads=config_source_pb2.AggregatedConfigSource(), resource_api_version=config_source_pb2.V3
+            ),
+        ),
+    )
+    bootstrap.admin.address.socket_address.address = "127.0.0.1"
+    bootstrap.admin.address.socket_address.port_value = admin_port
+    return bootstrap
+
+
+def render_bootstrap(
+    config: Config,
+    *,
+    node_id: str,
+    listen_port: int,
+    admin_port: int,
+    extproc_port: int,
+    xds_port: int,
+    access_log_path: str | None = None,
+    listen_host: str = "127.0.0.1",
+    access_log: bool = False,
+) -> dict[str, Any]:
+    """Envoy's bootstrap as a plain dict; dump it as YAML or JSON for ``envoy -c`` / ``--config-yaml``.
+
+    ``access_log_path`` writes one line per request to that file; ``access_log=True`` without a path logs
+    to stdout. ``listen_host`` is ``0.0.0.0`` to accept clients from other machines.
+    """
+    bootstrap = build_bootstrap(
+        config, node_id=node_id, listen_port=listen_port, admin_port=admin_port, extproc_port=extproc_port,
+        xds_port=xds_port, access_log_path=access_log_path, listen_host=listen_host, access_log=access_log,
+    )
+    rendered: dict[str, Any] = json.loads(
+        json_format.MessageToJson(bootstrap, preserving_proto_field_name=True, sort_keys=True)  # stable text
+    )
+    return rendered  # via JSON text: MessageToDict leaves OrderedDicts inside Any fields, which YAML refuses
+
+
+EXAMPLE_HEADER = (
+    "# Generated from {source} by `python -m controller.xds {source}`; do not edit by hand.\n"
+    "# `poolgate up` renders the same bootstrap with the ports it picked. See envoy/README.md.\n"
+)
+
+
+def render_example(config: Config, source: str) -> str:
+    """The documented example bootstrap (fixed ports) as YAML text."""
+    import yaml
+
+    rendered = render_bootstrap(config, node_id="poolgate-local", listen_port=8080, admin_port=9901,
+                                extproc_port=9002, xds_port=18000)
+    return EXAMPLE_HEADER.format(source=source) + yaml.safe_dump(rendered, sort_keys=False, width=120)
+

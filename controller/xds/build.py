@@ -1,0 +1,159 @@
+"""Fleet state → Envoy resources (CDS clusters, EDS load assignments). Pure functions, no I/O.
+
+One cluster per pool, named ``cluster_name(pool)``, whose endpoints come from EDS over ADS. Its load
+balancer is ``override_host``: extproc pins the worker through dynamic metadata (never a header, which a
+client could set), and ``least_request`` picks when no pin is present. The fallback cluster holds every
+worker of every pool for the fail-open route used while extproc is away.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Iterable, Sequence
+
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
+from envoy.config.core.v3 import address_pb2, config_source_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+from envoy.type.metadata.v3 import metadata_pb2
+from envoy.type.v3 import percent_pb2
+from google.protobuf import duration_pb2
+from google.protobuf.wrappers_pb2 import UInt32Value
+
+from poolgate.config import PoolSpec
+from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
+
+log = logging.getLogger(__name__)
+
+CLUSTER_TYPE_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+OVERRIDE_HOST_POLICY = "envoy.load_balancing_policies.override_host"
+LEAST_REQUEST_POLICY = "envoy.load_balancing_policies.least_request"
+
+CONNECT_TIMEOUT_S = 2
+
+CIRCUIT_LIMIT = 100_000
+"""Envoy's defaults (1024 requests/connections, 3 concurrent retries per cluster) cut long SSE streams and
+held requests short; poolgate admits and queues in extproc, so Envoy's breakers only guard against runaway."""
+
+HEALTH_BY_STATE: dict[WorkerState, int] = {
+    WorkerState.READY: health_check_pb2.HEALTHY,
+    WorkerState.BUSY: health_check_pb2.HEALTHY,
+    WorkerState.DRAINING: health_check_pb2.DRAINING,
+    WorkerState.FAILED: health_check_pb2.UNHEALTHY,
+    WorkerState.STARTING: health_check_pb2.UNHEALTHY,
+}
+"""Busy still serves (it only scores lower in extproc); Draining finishes in-flight work but takes no new."""
+
+
+def relaxed_circuit_breakers() -> circuit_breaker_pb2.CircuitBreakers:
+    breakers = circuit_breaker_pb2.CircuitBreakers()
+    breakers.thresholds.add(
+        max_connections=UInt32Value(value=CIRCUIT_LIMIT),
+        max_pending_requests=UInt32Value(value=CIRCUIT_LIMIT),
+        max_requests=UInt32Value(value=CIRCUIT_LIMIT),
+        max_retries=UInt32Value(value=CIRCUIT_LIMIT),
+    )
+    return breakers
+
+
+def _least_request() -> cluster_pb2.LoadBalancingPolicy:
+    policy = cluster_pb2.LoadBalancingPolicy()
+    entry = policy.policies.add()
+    entry.typed_extension_config.name = LEAST_REQUEST_POLICY
+    entry.typed_extension_config.typed_config.Pack(least_request_pb2.LeastRequest())
+    return policy
+
+
+def _override_host() -> cluster_pb2.LoadBalancingPolicy:
+    pin = metadata_pb2.MetadataKey(
+        key=LB_METADATA_NAMESPACE,
+        path=[metadata_pb2.MetadataKey.PathSegment(key=DESTINATION_ENDPOINT_KEY)],
+    )
+    config = override_host_pb2.OverrideHost(
+        override_host_sources=[override_host_pb2.OverrideHost.OverrideHostSource(metadata=pin)],
+        fallback_policy=_least_request(),
+    )
+    policy = cluster_pb2.LoadBalancingPolicy()
+    entry = policy.policies.add()
+    entry.typed_extension_config.name = OVERRIDE_HOST_POLICY
+    entry.typed_extension_config.typed_config.Pack(config)
+    return policy
+
+
+def _eds_cluster(name: str, policy: cluster_pb2.LoadBalancingPolicy) -> cluster_pb2.Cluster:
+    cluster = cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.EDS,
+        connect_timeout=duration_pb2.Duration(seconds=CONNECT_TIMEOUT_S),
+        load_balancing_policy=policy,
+        circuit_breakers=relaxed_circuit_breakers(),
+    )
+    cluster.eds_cluster_config.eds_config.ads.SetInParent()
+    cluster.eds_cluster_config.eds_config.resource_api_version = config_source_pb2.V3
+    # 0 disables panic mode: with the default 50 %, Envoy spreads over unhealthy hosts when few are left.
+    cluster.common_lb_config.healthy_panic_threshold.CopyFrom(percent_pb2.Percent(value=0.0))
+    return cluster
+
+
+def build_clusters(pools: Sequence[PoolSpec]) -> list[cluster_pb2.Cluster]:
+    """One override_host cluster per pool, plus the least_request fallback cluster."""
+    clusters = [_eds_cluster(cluster_name(pool.name), _override_host()) for pool in pools]
+    clusters.append(_eds_cluster(FALLBACK_CLUSTER, _least_request()))
+    return clusters
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _assignment(name: str, workers: Iterable[WorkerRecord]) -> endpoint_pb2.ClusterLoadAssignment:
+    assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+    locality = assignment.endpoints.add()
+    seen: set[tuple[str, int]] = set()
+    for worker in workers:
+        if (worker.host, worker.port) in seen:  # two records for one address: keep the first, one host
+            continue
+        seen.add((worker.host, worker.port))
+        lb_endpoint = endpoint_components_pb2.LbEndpoint(health_status=HEALTH_BY_STATE[worker.state])
+        lb_endpoint.endpoint.hostname = worker.id
+        lb_endpoint.endpoint.address.CopyFrom(address_pb2.Address(
+            socket_address=address_pb2.SocketAddress(address=worker.host, port_value=worker.port)
+        ))
+        locality.lb_endpoints.append(lb_endpoint)
+    return assignment
+
+
+def build_endpoints(
+    pools: Sequence[PoolSpec], workers: Sequence[WorkerRecord]
+) -> list[endpoint_pb2.ClusterLoadAssignment]:
+    """One load assignment per pool (empty when it has no workers) and one for the fallback cluster.
+
+    Output order does not depend on input order, so equal fleets give byte-equal resources. Workers of
+    unknown pools, bad ports, and hosts that are not IP literals (EDS rejects names, and the pin compares
+    ``ip:port``) are left out with a warning: Envoy would reject the whole update (NACK) for one of them.
+    """
+    known = {pool.name for pool in pools}
+    usable: list[WorkerRecord] = []
+    for worker in sorted(workers, key=lambda w: (w.pool, w.id)):
+        if worker.pool not in known:
+            log.warning("worker %s names unknown pool %r; not sent to Envoy", worker.id, worker.pool)
+        elif not 0 < worker.port < 65536:
+            log.warning("worker %s port %d is out of range; not sent to Envoy", worker.id, worker.port)
+        elif not _is_ip(worker.host):
+            log.warning("worker %s host %r is not an IP address; not sent to Envoy", worker.id, worker.host)
+        else:
+            usable.append(worker)
+    assignments = [
+        _assignment(cluster_name(pool.name), (w for w in usable if w.pool == pool.name)) for pool in pools
+    ]
+    assignments.append(_assignment(FALLBACK_CLUSTER, usable))
+    return assignments

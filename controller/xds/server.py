@@ -1,0 +1,245 @@
+"""The ADS server: speaks state-of-the-world xDS (CDS + EDS) to any number of Envoys.
+
+``update`` builds resources from the fleet (``build``), stores them as versioned snapshots (``cache``), and
+wakes every connected stream; each stream (``AdsStream``) decides what its Envoy still needs. Envoy keeps
+its last resources while the controller is away, so this server is never in a request's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf import any_pb2
+
+from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, build_clusters, build_endpoints
+from controller.xds.cache import Snapshot, SnapshotCache
+from poolgate.config import PoolSpec
+from poolgate.fleet import WorkerRecord
+
+log = logging.getLogger(__name__)
+
+SERVED_TYPES = (CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL)
+"""In push order: clusters before their endpoints, as ADS expects."""
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""A large fleet's EDS answer can pass grpc's 4 MiB default."""
+
+
+def _short(type_url: str) -> str:
+    return type_url.rsplit(".", 1)[-1]
+
+
+@dataclass
+class Subscription:
+    """One type URL on one stream: what Envoy asked for, and what it got and accepted."""
+
+    names: frozenset[str] | None
+    """``None`` = wildcard (every resource)."""
+    sent_version: str = ""
+    sent_nonce: str = ""
+    acked_version: str = ""
+    last_error: str = ""
+
+
+class AdsStream:
+    """The protocol state of one Envoy connection; turns requests and cache changes into responses.
+
+    No I/O here, so the ACK/NACK rules are testable without gRPC.
+    """
+
+    def __init__(self, cache: SnapshotCache, peer: str = "") -> None:
+        self._cache = cache
+        self.peer = peer
+        self.node_id = ""
+        self.subscriptions: dict[str, Subscription] = {}
+        self._nonce = 0
+
+    def on_request(self, request: discovery_pb2.DiscoveryRequest) -> list[discovery_pb2.DiscoveryResponse]:
+        if request.node.id and not self.node_id:
+            self.node_id = request.node.id
+        type_url = request.type_url
+        if type_url not in SERVED_TYPES:
+            log.warning("xds: node %s asked for unserved type %s; ignored", self.node_id, type_url)
+            return []
+        names = self._names(type_url, request.resource_names)
+        subscription = self.subscriptions.get(type_url)
+        if subscription is None:
+            subscription = self.subscriptions[type_url] = Subscription(names)
+            return self._respond(type_url)
+        if request.response_nonce and request.response_nonce != subscription.sent_nonce:
+            return []  # answers an older response; the newer one is already on its way
+        if request.HasField("error_detail"):
+            subscription.last_error = request.error_detail.message
+            log.error("xds: node %s rejected %s version %s (keeps %r): %s", self.node_id, _short(type_url),
+                      subscription.sent_version, request.version_info, request.error_detail.message)
+        elif request.response_nonce:
+            subscription.acked_version = request.version_info
+            subscription.last_error = ""
+            log.debug("xds: node %s acked %s version %s", self.node_id, _short(type_url), request.version_info)
+        if not request.response_nonce or names != subscription.names:
+            subscription.names = names
+            return self._respond(type_url)
+        return []
+
+    def on_change(self, type_urls: Sequence[str]) -> list[discovery_pb2.DiscoveryResponse]:
+        responses: list[discovery_pb2.DiscoveryResponse] = []
+        for type_url in SERVED_TYPES:
+            subscription = self.subscriptions.get(type_url)
+            snapshot = self._cache.get(type_url)
+            if type_url in type_urls and subscription and snapshot and snapshot.version != subscription.sent_version:
+                responses.extend(self._respond(type_url))
+        return responses
+
+    @staticmethod
+    def _names(type_url: str, requested: Sequence[str]) -> frozenset[str] | None:
+        # Legacy wildcard (an empty list) exists for clusters only; an empty EDS list subscribes to nothing.
+        if "*" in requested or (not requested and type_url == CLUSTER_TYPE_URL):
+            return None
+        return frozenset(requested)
+
+    def _respond(self, type_url: str) -> list[discovery_pb2.DiscoveryResponse]:
+        snapshot = self._cache.get(type_url)
+        if snapshot is None:
+            return []
+        subscription = self.subscriptions[type_url]
+        self._nonce += 1
+        subscription.sent_version = snapshot.version
+        subscription.sent_nonce = str(self._nonce)
+        response = discovery_pb2.DiscoveryResponse(
+            version_info=snapshot.version, type_url=type_url, nonce=subscription.sent_nonce
+        )
+        for resource in snapshot.select(subscription.names):
+            packed = any_pb2.Any()
+            packed.Pack(resource)
+            response.resources.append(packed)
+        return [response]
+
+
+_Event: TypeAlias = discovery_pb2.DiscoveryRequest | tuple[str, ...] | None
+"""What a stream's inbox carries: a request from Envoy, changed type URLs, or None for end of stream."""
+
+
+class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    def __init__(self, cache: SnapshotCache, streams: dict[AdsStream, asyncio.Queue[_Event]]) -> None:
+        self._cache = cache
+        self._streams = streams
+
+    async def StreamAggregatedResources(
+        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        stream = AdsStream(self._cache, peer=context.peer())
+        inbox: asyncio.Queue[_Event] = asyncio.Queue()
+        reader = asyncio.create_task(_read_requests(request_iterator, inbox))
+        self._streams[stream] = inbox
+        try:
+            while (event := await inbox.get()) is not None:
+                if isinstance(event, discovery_pb2.DiscoveryRequest):
+                    if event.node.id and not stream.node_id:
+                        log.info("xds: node %s connected from %s", event.node.id, stream.peer)
+                    responses = stream.on_request(event)
+                else:
+                    responses = stream.on_change(event)
+                for response in responses:
+                    yield response
+        finally:
+            self._streams.pop(stream, None)
+            reader.cancel()
+            log.info("xds: node %s disconnected", stream.node_id or stream.peer)
+
+
+async def _read_requests(
+    request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], inbox: asyncio.Queue[_Event]
+) -> None:
+    try:
+        async for request in request_iterator:
+            inbox.put_nowait(request)
+    except asyncio.CancelledError:
+        pass
+    except Exception as exc:  # a reset stream ends this Envoy's session, never the server
+        log.debug("xds: stream read ended: %r", exc)
+    finally:
+        inbox.put_nowait(None)
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    """What one connected Envoy has been sent and has accepted, per type URL (for status and tests)."""
+
+    node_id: str
+    sent: dict[str, str]
+    acked: dict[str, str]
+    errors: dict[str, str]
+
+
+class XdsServer:
+    """ADS for the pools of one config. ``update`` may be called as often as the fleet changes."""
+
+    def __init__(self, pools: tuple[PoolSpec, ...]) -> None:
+        self._pools = tuple(pools)
+        self._cache = SnapshotCache()
+        self._streams: dict[AdsStream, asyncio.Queue[_Event]] = {}
+        self._server: grpc.aio.Server | None = None
+        self.update(())  # clusters with no endpoints yet, so a connecting Envoy is never left waiting
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind and serve; returns the bound port (useful with port 0)."""
+        server = grpc.aio.server(options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ])
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
+            _AdsServicer(self._cache, self._streams), server
+        )
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"xds: cannot bind {host}:{port}")
+        await server.start()
+        self._server = server
+        log.info("xds: serving ADS on %s:%d", host, bound)
+        return bound
+
+    def update(self, workers: Sequence[WorkerRecord]) -> str:
+        """Rebuild resources from the fleet, cache them, push changes; returns the snapshot version.
+
+        Call it from the event loop the server runs on (it wakes streams without awaiting).
+        """
+        return self._publish([
+            Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools)),
+            Snapshot.of(ENDPOINT_TYPE_URL, build_endpoints(self._pools, workers)),
+        ])
+
+    def _publish(self, snapshots: Sequence[Snapshot]) -> str:
+        changed = self._cache.set(snapshots)
+        version = self._cache.version()
+        if changed:
+            log.debug("xds: version %s (%s changed), %d streams", version,
+                      ", ".join(_short(t) for t in changed), len(self._streams))
+            for inbox in self._streams.values():
+                inbox.put_nowait(tuple(changed))
+        return version
+
+    @property
+    def version(self) -> str:
+        return self._cache.version()
+
+    def streams(self) -> list[StreamStatus]:
+        return [
+            StreamStatus(
+                node_id=stream.node_id,
+                sent={t: s.sent_version for t, s in stream.subscriptions.items()},
+                acked={t: s.acked_version for t, s in stream.subscriptions.items()},
+                errors={t: s.last_error for t, s in stream.subscriptions.items() if s.last_error},
+            )
+            for stream in self._streams
+        ]
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None

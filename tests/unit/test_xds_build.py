@@ -1,0 +1,126 @@
+"""Fleet → Envoy resources: names, load-balancing policy, health mapping, determinism."""
+
+from __future__ import annotations
+
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+
+from controller.xds.build import build_clusters, build_endpoints
+from poolgate.config import PoolSpec
+from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
+
+POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="code", model="coder"))
+
+
+def worker(worker_id: str, pool: str = "chat", port: int = 9000, state: WorkerState = WorkerState.READY,
+           host: str = "10.0.0.1") -> WorkerRecord:
+    return WorkerRecord(id=worker_id, pool=pool, model="llama", host=host, port=port, state=state)
+
+
+def hosts(assignment: endpoint_pb2.ClusterLoadAssignment) -> dict[str, int]:
+    """``ip:port`` → health status of every endpoint in a load assignment."""
+    return {
+        f"{e.endpoint.address.socket_address.address}:{e.endpoint.address.socket_address.port_value}": e.health_status
+        for locality in assignment.endpoints for e in locality.lb_endpoints
+    }
+
+
+def by_name(assignments: list[endpoint_pb2.ClusterLoadAssignment]) -> dict[str, endpoint_pb2.ClusterLoadAssignment]:
+    return {a.cluster_name: a for a in assignments}
+
+
+def test_one_cluster_per_pool_plus_fallback() -> None:
+    clusters = build_clusters(POOLS)
+    assert [c.name for c in clusters] == [cluster_name("chat"), cluster_name("code"), FALLBACK_CLUSTER]
+    for cluster in clusters:
+        assert cluster.type == cluster_pb2.Cluster.EDS
+        assert cluster.eds_cluster_config.eds_config.HasField("ads")
+        assert cluster.connect_timeout.seconds > 0
+        assert cluster.common_lb_config.HasField("healthy_panic_threshold")
+        assert cluster.common_lb_config.healthy_panic_threshold.value == 0
+        assert cluster.circuit_breakers.thresholds[0].max_requests.value > 1024
+
+
+def test_pool_cluster_pins_from_metadata_only_with_least_request_fallback() -> None:
+    policy = build_clusters(POOLS)[0].load_balancing_policy.policies[0].typed_extension_config
+    assert policy.name == "envoy.load_balancing_policies.override_host"
+    config = override_host_pb2.OverrideHost()
+    assert policy.typed_config.Unpack(config)
+    [source] = config.override_host_sources
+    assert not source.header  # a header source would let a client pin itself
+    assert source.metadata.key == LB_METADATA_NAMESPACE
+    assert [p.key for p in source.metadata.path] == [DESTINATION_ENDPOINT_KEY]
+    fallback = config.fallback_policy.policies[0].typed_extension_config
+    assert fallback.name == "envoy.load_balancing_policies.least_request"
+    assert fallback.typed_config.Is(least_request_pb2.LeastRequest.DESCRIPTOR)
+
+
+def test_fallback_cluster_is_least_request() -> None:
+    policy = build_clusters(POOLS)[-1].load_balancing_policy.policies[0].typed_extension_config
+    assert policy.name == "envoy.load_balancing_policies.least_request"
+
+
+@pytest.mark.parametrize(("state", "health"), [
+    (WorkerState.READY, health_check_pb2.HEALTHY),
+    (WorkerState.BUSY, health_check_pb2.HEALTHY),
+    (WorkerState.DRAINING, health_check_pb2.DRAINING),
+    (WorkerState.FAILED, health_check_pb2.UNHEALTHY),
+    (WorkerState.STARTING, health_check_pb2.UNHEALTHY),
+])
+def test_health_mapping(state: WorkerState, health: int) -> None:
+    assignments = by_name(build_endpoints(POOLS, [worker("w1", state=state)]))
+    assert hosts(assignments[cluster_name("chat")]) == {"10.0.0.1:9000": health}
+    assert hosts(assignments[FALLBACK_CLUSTER]) == {"10.0.0.1:9000": health}
+
+
+def test_endpoints_per_pool_and_fallback_holds_all() -> None:
+    fleet = [worker("a", port=1), worker("b", port=2, state=WorkerState.DRAINING), worker("c", "code", port=3)]
+    assignments = build_endpoints(POOLS, fleet)
+    assert [a.cluster_name for a in assignments] == [cluster_name("chat"), cluster_name("code"), FALLBACK_CLUSTER]
+    named = by_name(assignments)
+    assert hosts(named[cluster_name("chat")]) == {
+        "10.0.0.1:1": health_check_pb2.HEALTHY, "10.0.0.1:2": health_check_pb2.DRAINING}
+    assert hosts(named[cluster_name("code")]) == {"10.0.0.1:3": health_check_pb2.HEALTHY}
+    assert set(hosts(named[FALLBACK_CLUSTER])) == {"10.0.0.1:1", "10.0.0.1:2", "10.0.0.1:3"}
+    endpoint = named[cluster_name("code")].endpoints[0].lb_endpoints[0].endpoint
+    assert endpoint.hostname == "c"  # shows in Envoy's admin /clusters
+
+
+def test_empty_fleet_still_has_every_assignment() -> None:
+    assignments = build_endpoints(POOLS, [])
+    assert [a.cluster_name for a in assignments] == [cluster_name("chat"), cluster_name("code"), FALLBACK_CLUSTER]
+    assert all(hosts(a) == {} for a in assignments)
+
+
+def test_output_does_not_depend_on_input_order() -> None:
+    fleet = [worker("a", port=1), worker("b", port=2), worker("c", "code", port=3)]
+    forward = [a.SerializeToString(deterministic=True) for a in build_endpoints(POOLS, fleet)]
+    backward = [a.SerializeToString(deterministic=True) for a in build_endpoints(POOLS, fleet[::-1])]
+    assert forward == backward
+
+
+@pytest.mark.parametrize("bad", [
+    worker("x", pool="unknown"),
+    worker("x", host="worker-7.local"),
+    worker("x", port=0),
+    worker("x", port=70000),
+])
+def test_unusable_workers_are_left_out(bad: WorkerRecord) -> None:
+    assignments = build_endpoints(POOLS, [bad, worker("ok", port=1)])
+    assert all(set(hosts(a)) <= {"10.0.0.1:1"} for a in assignments)
+
+
+def test_duplicate_address_becomes_one_host() -> None:
+    assignments = by_name(build_endpoints(POOLS, [worker("a", port=1), worker("b", port=1)]))
+    assert len(assignments[cluster_name("chat")].endpoints[0].lb_endpoints) == 1
+    assert assignments[cluster_name("chat")].endpoints[0].lb_endpoints[0].endpoint.hostname == "a"
+
+
+def test_ipv6_host_is_accepted() -> None:
+    assignments = by_name(build_endpoints(POOLS, [worker("a", host="::1", port=1)]))
+    assert hosts(assignments[cluster_name("chat")]) == {"::1:1": health_check_pb2.HEALTHY}
