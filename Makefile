@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean setup
+.PHONY: run test lint clean setup
 
 setup: $(STAMP) redis
 
@@ -32,9 +32,6 @@ lint: $(STAMP)
 
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
-
-bench: setup
-	$(BIN)/poolgate bench all
 
 clean:
 	rm -rf $(VENV) bench/reports build *.egg-info

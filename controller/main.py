@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import redis.asyncio as aioredis
+import uvloop
 from aiohttp import web
 
 from controller.local_backend import LocalProcessBackend
@@ -118,13 +119,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"controller: no token (set {config.controller.token_env} or controller.token)", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="poolgate-workers-"))
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio works too
-        runner = asyncio.run
-    runner(run_controller(
+    uvloop.run(run_controller(
         config, redis_url, host=args.host,
         xds_port=args.xds_port if args.xds_port is not None else config.ports.xds,
         http_port=args.http_port if args.http_port is not None else config.ports.controller_http,
