@@ -1,0 +1,104 @@
+"""Through real Envoy with the openai SDK: serving, per-model pools, errors, and untrusted routing headers."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import RunningStack
+
+pytestmark = pytest.mark.e2e
+
+
+def client(stack: RunningStack, **kwargs: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=30, **kwargs)  # type: ignore[arg-type]
+
+
+def test_chat_completion_names_its_worker(stack: RunningStack) -> None:
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model="chat-model", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8)
+    completion = raw.parse()
+    assert raw.headers["x-poolgate-worker"] in {"chat-a", "chat-b"}
+    assert completion.model == "chat-model"
+    assert completion.choices[0].message.content
+    assert completion.usage is not None and completion.usage.completion_tokens <= 8
+
+
+def test_completion_and_streaming(stack: RunningStack) -> None:
+    api = client(stack)
+    completion = api.completions.create(model="code-model", prompt="def add(a, b):", max_tokens=5)
+    assert completion.choices[0].finish_reason in {"length", "stop"}
+    assert completion.usage is not None and completion.usage.prompt_tokens > 0
+    chunks = list(api.chat.completions.create(
+        model="chat-model", messages=[{"role": "user", "content": "stream please"}], max_tokens=12, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == sum(1 for c in chunks if c.choices and
+                                                                 c.choices[0].delta.content)
+
+
+def test_each_model_stays_in_its_own_pool(stack: RunningStack) -> None:
+    api = client(stack)
+    seen: dict[str, set[str]] = {"chat-model": set(), "code-model": set()}
+    for index in range(24):
+        model = "chat-model" if index % 2 else "code-model"
+        raw = api.completions.with_raw_response.create(model=model, prompt=f"request {index}", max_tokens=2)
+        seen[model].add(raw.headers["x-poolgate-worker"])
+    assert seen["chat-model"] and seen["chat-model"] <= {"chat-a", "chat-b"}
+    assert seen["code-model"] and seen["code-model"] <= {"code-a", "code-b"}
+    # Least in-flight spreads sequential traffic over both workers of a pool.
+    assert len(seen["chat-model"]) == 2 and len(seen["code-model"]) == 2
+
+
+def test_models_endpoint_lists_every_served_model(stack: RunningStack) -> None:
+    ids = {m.id for m in client(stack).models.list()}
+    assert {"chat-model", "code-model"} <= ids
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code_word"),
+    [
+        (b"{not json", 400, "json"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "model"),
+        (b'{"model": 7, "messages": []}', 400, "model"),
+        (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, "no-such-model"),
+    ],
+)
+def test_bad_requests_get_json_errors(stack: RunningStack, body: bytes, status: int, code_word: str) -> None:
+    response = httpx.post(f"{stack.base_url}/chat/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert code_word in error["message"].lower()
+    assert_still_serving(stack)
+
+
+def test_oversized_body_gets_413_json(stack: RunningStack) -> None:
+    huge = "x" * (int(stack.config["extproc"]["max_request_bytes"]) + 1000)  # type: ignore[index]
+    response = httpx.post(f"{stack.base_url}/chat/completions", timeout=30,
+                          json={"model": "chat-model", "messages": [{"role": "user", "content": huge}]})
+    assert response.status_code == 413
+    assert "error" in response.json()
+    assert_still_serving(stack)
+
+
+def assert_still_serving(stack: RunningStack) -> None:
+    reply = client(stack).chat.completions.create(model="chat-model", messages=[{"role": "user", "content": "ok?"}],
+                                                  max_tokens=2)
+    assert reply.choices
+
+
+def test_client_routing_headers_cannot_choose_pool_or_worker(stack: RunningStack) -> None:
+    workers = {w: stack.worker_address(w) for w in ("code-a", "chat-a")}
+    forged = {
+        "x-poolgate-cluster": "pool-code",
+        "x-gateway-destination-endpoint": workers["code-a"],
+        "x-poolgate-pool": "code",
+    }
+    api = client(stack, default_headers=forged)
+    for _ in range(10):
+        raw = api.completions.with_raw_response.create(model="chat-model", prompt="hi", max_tokens=1)
+        assert raw.headers["x-poolgate-worker"] in {"chat-a", "chat-b"}
