@@ -50,9 +50,14 @@ class Heartbeat(BaseModel):
 
     state: WorkerState | None = None
     kv_capacity_tokens: int | None = Field(None, ge=0)
+    kv_block_size: int | None = Field(None, gt=0)
     kv_usage: float | None = Field(None, ge=0, le=1)
     running: int | None = Field(None, ge=0)
     waiting: int | None = Field(None, ge=0)
+    preemptions_total: int | None = Field(None, ge=0)
+    ttft_ewma_s: float | None = None
+    prefill_tokens_per_s: float | None = Field(None, ge=0)
+    gpu_memory_total_mib: float | None = None
     gpu_memory_free_mib: float | None = None
     gpu_utilization: float | None = None
 

@@ -44,11 +44,21 @@ class WorkerRecord:
     backend: str = "sim"
     state: WorkerState = WorkerState.READY
     kv_capacity_tokens: int = 0
+    """KV cache size in tokens (num_gpu_blocks × block_size); 0 = not reported yet."""
+    kv_block_size: int = 16
     kv_usage: float = 0.0
+    """Fraction of KV blocks in use, 0..1 (vllm:kv_cache_usage_perc)."""
     running: int = 0
     waiting: int = 0
+    preemptions_total: int = 0
+    ttft_ewma_s: float = -1.0
+    """Recent time to first token (moving average of the worker's histogram deltas); -1 = unknown."""
+    prefill_tokens_per_s: float = 0.0
+    """Observed prompt throughput while busy; 0 = unknown (the scheduler then uses its configured default)."""
+    gpu_memory_total_mib: float = -1.0
     gpu_memory_free_mib: float = -1.0
     gpu_utilization: float = -1.0
+    """0..1 across the worker's GPUs; -1 = unknown (no NVML and no simulated GPU)."""
     updated_at: float = field(default_factory=time.time)
 
     @property
@@ -93,8 +103,9 @@ class WorkerRecord:
         return replace(self, **live)
 
 
-LIVE_FIELDS = ("state", "kv_capacity_tokens", "kv_usage", "running", "waiting", "gpu_memory_free_mib",
-               "gpu_utilization", "updated_at")
+LIVE_FIELDS = ("state", "kv_capacity_tokens", "kv_block_size", "kv_usage", "running", "waiting",
+               "preemptions_total", "ttft_ewma_s", "prefill_tokens_per_s", "gpu_memory_total_mib",
+               "gpu_memory_free_mib", "gpu_utilization", "updated_at")
 
 
 class FleetKeys:
