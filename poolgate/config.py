@@ -60,6 +60,47 @@ class ControllerSettings(_Frozen):
         return self.token or os.environ.get(self.token_env) or None
 
 
+TaskClass = Literal["short_chat", "long_context", "code_completion", "streaming"]
+
+
+class TaskClassRules(_Frozen):
+    """How a request's task class is decided, first match wins: streaming with a long expected output →
+    ``streaming``; prompt ≥ ``long_context_min_tokens`` → ``long_context``; a model in ``code_models`` or a
+    ``/v1/completions`` call on one → ``code_completion``; otherwise ``short_chat``."""
+
+    long_context_min_tokens: int = Field(8000, gt=0)
+    streaming_min_output_tokens: int = Field(512, gt=0)
+    code_models: tuple[str, ...] = ()
+
+
+class SchedulingSettings(_Frozen):
+    """Weights and bounds of the resource-aware picker (extproc)."""
+
+    weights: dict[str, float] = Field(default_factory=lambda: {
+        "predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.0})
+    """Scorer name → weight; scores are in [0, 1] and combine as a weighted sum."""
+    default_prefill_tokens_per_s: float = Field(8000.0, gt=0)
+    """Prefill rate assumed for a worker that has not reported one yet."""
+    default_output_tokens: int = Field(256, gt=0)
+    """Expected output when the request sets no max_tokens and the pool has no history yet."""
+    gpu_memory_min_free_mib: float = Field(0.0, ge=0)
+    """GPU memory watermark: workers reporting less free memory than this are not picked (0 = off)."""
+    kv_reserve_fraction: float = Field(0.02, ge=0, lt=1)
+    """KV capacity kept free as a safety margin when checking that a request's footprint fits."""
+    tokenizer_path: str | None = None
+    """Local model directory with tokenizer files; default is the fast character-based estimate."""
+    debug_header: bool = False
+    """Add ``x-poolgate-decision`` (worker and scores) to the upstream request and response. Off in production."""
+    task_classes: TaskClassRules = TaskClassRules()
+
+
+class AgentSettings(_Frozen):
+    scrape_interval_s: float = Field(0.25, gt=0, le=5)
+    """How often the agent reads each worker's /metrics and the GPUs (≤ 0.25 s keeps picks current)."""
+    nvml: Literal["auto", "off"] = "auto"
+    """``auto``: read GPUs through NVML when a driver is present, else use only the workers' metrics."""
+
+
 class PoolSpec(_Frozen):
     """A pool is a set of interchangeable workers serving one model; it becomes one Envoy cluster."""
 
@@ -67,6 +108,8 @@ class PoolSpec(_Frozen):
     model: str = Field(min_length=1)
     """The served model name clients put in the request's ``model`` field."""
     max_model_len: int = Field(8192, gt=0)
+    task_classes: tuple[TaskClass, ...] = ()
+    """Task classes this pool takes (empty = all), e.g. ``[streaming]`` for a streaming-only pool."""
 
 
 class WorkerSpec(_Frozen):
@@ -99,6 +142,8 @@ class Config(_Frozen):
     ports: Ports = Ports()
     extproc: ExtprocSettings = ExtprocSettings()
     controller: ControllerSettings = ControllerSettings()
+    scheduling: SchedulingSettings = SchedulingSettings()
+    agent: AgentSettings = AgentSettings()
     pools: tuple[PoolSpec, ...] = Field(min_length=1)
     workers: tuple[WorkerSpec, ...] = ()
 
