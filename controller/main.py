@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 import uvloop
 from aiohttp import web
 
+from controller.agent.agent import run_agent
 from controller.local_backend import LocalProcessBackend
 from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
@@ -76,6 +77,8 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     print(f"controller ready: api http://{host}:{http_port} xds {host}:{bound_xds} "
           f"workers {len(config.workers) if start_workers else 0}", flush=True)
     watcher = asyncio.create_task(watch_fleet(redis, keys, xds))
+    # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
+    agent = asyncio.create_task(run_agent(config, redis, keys))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -84,9 +87,10 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
         await stop.wait()
     finally:
         log.info("stopping: workers, API, xDS")
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in (watcher, agent):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await backend.stop_all()
         await api.cleanup()
         await xds.stop()

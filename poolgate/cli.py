@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("controller.main", "run the controller (registry API, xDS, local workers)"),
     "extproc": ("extproc.cli", "run the Envoy external processor"),
     "simworker": ("controller.simworker.cli", "run simulated vLLM workers"),
+    "agent": ("controller.agent.cli", "scrape workers' metrics and GPUs into Redis"),
     "status": ("poolgate.status", "show the fleet from Redis"),
     "config": ("poolgate.config_cli", "check a configuration file"),
 }

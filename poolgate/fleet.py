@@ -60,6 +60,10 @@ class WorkerRecord:
     gpu_utilization: float = -1.0
     """0..1 across the worker's GPUs; -1 = unknown (no NVML and no simulated GPU)."""
     updated_at: float = field(default_factory=time.time)
+    """Last liveness report (registration or heartbeat)."""
+    metrics_at: float = 0.0
+    """When the agent last read this worker's metrics and GPUs; 0 = never. Live facts older than the
+    staleness bound must not be trusted for placement even while the worker still heartbeats."""
 
     @property
     def address(self) -> str:
@@ -105,7 +109,7 @@ class WorkerRecord:
 
 LIVE_FIELDS = ("state", "kv_capacity_tokens", "kv_block_size", "kv_usage", "running", "waiting",
                "preemptions_total", "ttft_ewma_s", "prefill_tokens_per_s", "gpu_memory_total_mib",
-               "gpu_memory_free_mib", "gpu_utilization", "updated_at")
+               "gpu_memory_free_mib", "gpu_utilization", "updated_at", "metrics_at")
 
 
 class FleetKeys:

@@ -1,0 +1,10 @@
+"""agent: per-node reader of workers' vLLM ``/metrics`` and GPUs, writing live facts into the fleet in Redis.
+
+It writes only live facts (KV usage and capacity, queue, throughput, GPU memory) with heartbeats; it never
+registers, deregisters or changes a worker's state: health is the controller's job. Parsing and rate
+derivations are pure; HTTP, NVML and Redis stay in thin adapters that tests replace.
+"""
+
+from controller.agent.agent import Agent, AgentStats, run_agent
+
+__all__ = ["Agent", "AgentStats", "run_agent"]

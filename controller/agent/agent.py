@@ -1,0 +1,268 @@
+"""The agent loop: scrape local workers' ``/metrics`` and the GPUs each tick, write live facts to Redis.
+
+Each tick reads all workers concurrently, so one slow worker delays a tick by at most the scrape timeout.
+A failed scrape writes nothing for that worker: stale facts must age out (``metrics_at``) rather than be
+refreshed. The agent never changes a worker's state and never registers one; the controller does that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from redis.exceptions import RedisError
+
+from controller.agent.gpus import GpuReader, GpuSample, open_gpus, summarize
+from controller.agent.live import live_fields, notable_change
+from controller.agent.rates import RateState, advance
+from controller.agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
+from poolgate.config import Config
+from poolgate.fleet import FleetKeys, RedisLike, WorkerRecord, heartbeat_worker, read_fleet
+
+log = logging.getLogger("poolgate.agent")
+
+FLEET_REFRESH_S = 2.0
+"""How often the list of workers to scrape is re-read from Redis (workers come and go slowly)."""
+
+
+class MetricsSource(Protocol):
+    """Fetches one worker's ``/metrics`` page; raises on any failure."""
+
+    async def fetch(self, host: str, port: int) -> str: ...
+
+
+class HttpMetricsSource:
+    """``GET http://host:port/metrics`` over one shared aiohttp session."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def fetch(self, host: str, port: int) -> str:
+        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        async with self._session.get(f"http://{netloc}/metrics", timeout=self._timeout) as response:
+            if response.status != 200:
+                raise ScrapeError(f"/metrics answered HTTP {response.status}")
+            return await response.text()
+
+
+class GpuSource(Protocol):
+    """This node's GPUs by index (``GpuReader`` over NVML in production)."""
+
+    def read(self) -> Mapping[int, GpuSample]: ...
+
+
+class ScrapeError(Exception):
+    """A worker's metrics could not be read or understood."""
+
+
+@dataclass
+class AgentStats:
+    """Counters for logs and tests; degraded operation shows here first."""
+
+    ticks: int = 0
+    scrapes: int = 0
+    scrape_failures: int = 0
+    writes: int = 0
+    write_failures: int = 0
+    announcements: int = 0
+    fleet_read_failures: int = 0
+
+
+@dataclass
+class _Tracked:
+    record: WorkerRecord
+    rates: RateState = field(default_factory=RateState)
+    announced: dict[str, Any] | None = None
+    consecutive_failures: int = 0
+
+
+def local_host_names() -> frozenset[str]:
+    """Names this node's workers may be registered under (loopback is recognised separately)."""
+    names = {"localhost", "0.0.0.0", "::", socket.gethostname(), socket.getfqdn()}
+    with contextlib.suppress(OSError):
+        names.update(str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None))
+    return frozenset(str(name) for name in names)
+
+
+def is_local(host: str, local_names: Collection[str]) -> bool:
+    if host in local_names:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Agent:
+    """One node's agent. ``tick`` does one round; ``run_agent`` calls it on the configured period."""
+
+    def __init__(
+        self, config: Config, redis: RedisLike, keys: FleetKeys, source: MetricsSource,
+        gpus: GpuSource | None = None, *, worker_ids: Collection[str] | None = None,
+        local_names: Collection[str] = frozenset(), gpu_ids: Mapping[str, Sequence[int | str]] | None = None,
+        clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+        fleet_refresh_s: float = FLEET_REFRESH_S,
+    ) -> None:
+        self._config = config
+        self._redis = redis
+        self._keys = keys
+        self._source = source
+        self._gpus = gpus
+        self._worker_ids = None if worker_ids is None else frozenset(worker_ids)
+        self._local_names = frozenset(local_names)
+        self._gpu_ids: dict[str, tuple[int | str, ...]] = {spec.id: spec.gpus for spec in config.workers}
+        self._gpu_ids.update({k: tuple(v) for k, v in (gpu_ids or {}).items()})
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._fleet_refresh_s = fleet_refresh_s
+        self._fleet_read_at: float | None = None
+        self._tracked: dict[str, _Tracked] = {}
+        self._redis_down = False
+        self.stats = AgentStats()
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return sorted(self._tracked)
+
+    async def tick(self) -> None:
+        now = self._clock()
+        if self._fleet_read_at is None or now - self._fleet_read_at >= self._fleet_refresh_s:
+            await self._refresh_fleet(now)
+        self.stats.ticks += 1
+        if not self._tracked:
+            return
+        # NVML answers in microseconds per call; a thread hop would cost more than it saves.
+        gpu_samples = self._gpus.read() if self._gpus is not None else {}
+        tracked = list(self._tracked.values())
+        scrapes = await asyncio.gather(*(self._scrape(t) for t in tracked))
+        await asyncio.gather(*(self._write(t, metrics, at, gpu_samples)
+                               for t, (metrics, at) in zip(tracked, scrapes, strict=True) if metrics is not None))
+
+    async def _refresh_fleet(self, now: float) -> None:
+        try:
+            records = await read_fleet(self._redis, self._keys)
+        except (RedisError, OSError) as exc:
+            self.stats.fleet_read_failures += 1
+            self._redis_trouble(exc)
+            # With workers known, keep scraping them and retry later; with none, retry next tick.
+            self._fleet_read_at = now if self._tracked else None
+            return
+        self._redis_ok()
+        self._fleet_read_at = now
+        wanted = {r.id: r for r in records if self._wanted(r)}
+        for worker_id in set(self._tracked) - set(wanted):
+            del self._tracked[worker_id]
+        for worker_id, record in wanted.items():
+            known = self._tracked.get(worker_id)
+            if known is None or known.record.address != record.address:
+                self._tracked[worker_id] = _Tracked(record)  # new, or restarted elsewhere: fresh rates
+            else:
+                known.record = record
+
+    def _wanted(self, record: WorkerRecord) -> bool:
+        if self._worker_ids is not None:
+            return record.id in self._worker_ids
+        return is_local(record.host, self._local_names)
+
+    async def _scrape(self, tracked: _Tracked) -> tuple[EngineMetrics | None, float]:
+        record = tracked.record
+        try:
+            metrics = parse_engine_metrics(await self._source.fetch(record.host, record.port))
+        except (aiohttp.ClientError, TimeoutError, OSError, ScrapeError, MetricsFormatError) as exc:
+            self.stats.scrape_failures += 1
+            tracked.consecutive_failures += 1
+            if tracked.consecutive_failures == 1:
+                log.warning("cannot scrape worker %s at %s (%s); its live facts are not refreshed",
+                            record.id, record.address, str(exc) or type(exc).__name__)
+            return None, self._clock()
+        self.stats.scrapes += 1
+        if tracked.consecutive_failures:
+            log.info("worker %s scraped again after %d failures", record.id, tracked.consecutive_failures)
+            tracked.consecutive_failures = 0
+        return metrics, self._clock()
+
+    async def _write(self, tracked: _Tracked, metrics: EngineMetrics, scraped_at: float,
+                     gpu_samples: Mapping[int, GpuSample]) -> None:
+        worker_id = tracked.record.id
+        tracked.rates = advance(tracked.rates, metrics, scraped_at)
+        gpus = summarize(gpu_samples, self._gpu_ids.get(worker_id, ()))
+        fields = live_fields(metrics, tracked.rates, gpus)
+        announce = notable_change(tracked.announced, fields)
+        ttl = self._config.controller.heartbeat_ttl_s
+        try:
+            alive = await heartbeat_worker(self._redis, self._keys, worker_id, ttl, announce=announce,
+                                           metrics_at=self._wall_clock(), **fields)
+        except (RedisError, OSError) as exc:
+            self.stats.write_failures += 1
+            self._redis_trouble(exc)
+            return
+        self._redis_ok()
+        if not alive:  # the registration expired; the controller re-registers and a fleet read finds it
+            self._tracked.pop(worker_id, None)
+            self._fleet_read_at = None
+            return
+        self.stats.writes += 1
+        if announce:
+            self.stats.announcements += 1
+            tracked.announced = fields
+
+    def _redis_trouble(self, exc: Exception) -> None:
+        if not self._redis_down:
+            log.warning("Redis unreachable (%s); live facts are not written until it is back", exc)
+            self._redis_down = True
+
+    def _redis_ok(self) -> None:
+        if self._redis_down:
+            log.info("Redis reachable again; writing live facts")
+            self._redis_down = False
+
+
+async def run_agent(
+    config: Config, redis: RedisLike, keys: FleetKeys, stop: asyncio.Event | None = None, *,
+    worker_ids: Collection[str] | None = None, gpu_ids: Mapping[str, Sequence[int | str]] | None = None,
+    source: MetricsSource | None = None, open_nvml: Callable[[str], GpuReader | None] = open_gpus,
+    clock: Callable[[], float] = time.monotonic, ready: Callable[[Agent], None] | None = None,
+) -> AgentStats:
+    """Run the agent until ``stop`` is set (or the task is cancelled); returns its counters.
+
+    ``worker_ids`` limits it to those workers (any host); otherwise it serves the workers registered with a
+    host of this node. GPU ids per worker come from the config's ``workers[].gpus``; ``gpu_ids`` adds or
+    overrides (e.g. parsed ``CUDA_VISIBLE_DEVICES``). ``poolgate up`` and the controller can run it in-process
+    with their own Redis client; the client is not closed here.
+    """
+    interval = config.agent.scrape_interval_s
+    # Both may block (driver load, host name lookup): keep them off the event loop.
+    gpus = await asyncio.to_thread(open_nvml, config.agent.nvml)
+    local_names = await asyncio.to_thread(local_host_names)
+    session: aiohttp.ClientSession | None = None
+    if source is None:
+        session = aiohttp.ClientSession()
+        # A scrape may outlast one tick a little (busy Python server), never by seconds.
+        source = HttpMetricsSource(session, timeout_s=max(0.2, min(2 * interval, 2.0)))
+    agent = Agent(config, redis, keys, source, gpus, worker_ids=worker_ids, local_names=local_names,
+                  gpu_ids=gpu_ids, clock=clock)
+    stop = stop or asyncio.Event()
+    if ready is not None:
+        ready(agent)
+    try:
+        next_tick = clock()
+        while not stop.is_set():
+            await agent.tick()
+            next_tick = max(next_tick + interval, clock())  # after an overrun, skip rather than burst
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=max(0.0, next_tick - clock()))
+    finally:
+        if session is not None:
+            await session.close()
+        if gpus is not None:
+            gpus.close()
+    return agent.stats

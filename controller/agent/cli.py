@@ -1,0 +1,64 @@
+"""``poolgate agent``: scrape this node's workers and GPUs into Redis until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from poolgate.config import ConfigError, load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="poolgate YAML configuration file")
+    parser.add_argument("--redis-url", default=None,
+                        help="Redis URL (default: redis_url from the configuration file)")
+    parser.add_argument("--workers", nargs="+", metavar="ID", default=None,
+                        help="scrape only these worker ids (default: every registered worker on this host)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    redis_url = args.redis_url or config.redis_url
+    if not redis_url:
+        print("agent needs Redis: pass --redis-url or set redis_url in the configuration", file=sys.stderr)
+        return 2
+
+    import redis.asyncio as aioredis
+    import uvloop
+
+    from controller.agent.agent import Agent, run_agent
+    from poolgate.fleet import FleetKeys
+
+    def ready(agent: Agent) -> None:
+        scope = " ".join(args.workers) if args.workers else "workers on this host"
+        print(f"poolgate agent ready: scraping {scope} every {config.agent.scrape_interval_s:g} s "
+              f"(redis {redis_url})", flush=True)
+
+    async def run() -> None:
+        redis = aioredis.from_url(redis_url)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            await redis.ping()  # fail fast: a wrong URL should not look like an idle agent
+            await run_agent(config, redis, FleetKeys(config.key_prefix), stop, worker_ids=args.workers,
+                            ready=ready)
+        finally:
+            await redis.aclose()
+
+    try:
+        uvloop.run(run())
+    except (aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+        print(f"agent: cannot reach Redis at {redis_url}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,61 @@
+"""Rates that need two scrapes: recent time to first token and observed prefill throughput.
+
+Both are exponentially weighted moving averages of per-interval samples, so a single odd interval does not
+swing routing. Timestamps are passed in (no clock here). A counter that went backwards means the worker
+restarted: the pair is skipped and the new reading becomes the baseline, keeping the averages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from controller.agent.vllm_metrics import EngineMetrics
+
+DEFAULT_ALPHA = 0.3
+"""Weight of the newest sample; at 4 scrapes a second, older samples fade within about a second."""
+
+
+@dataclass(frozen=True)
+class RateState:
+    """What one worker's derivation carries from one scrape to the next."""
+
+    at_s: float | None = None
+    """Monotonic time of the previous scrape; None before the first."""
+    ttft_sum_s: float | None = None
+    ttft_count: float | None = None
+    prompt_tokens: float | None = None
+    busy: bool = False
+    ttft_ewma_s: float = -1.0
+    """-1 = unknown (no request has finished its first token since the agent started)."""
+    prefill_tokens_per_s: float = 0.0
+    """0 = unknown."""
+
+
+def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float = DEFAULT_ALPHA) -> RateState:
+    """Fold one scrape taken at ``now_s`` into the averages."""
+    busy = bool((metrics.running or 0) + (metrics.waiting or 0))
+    ttft = state.ttft_ewma_s
+    ttft_seconds = _delta(state.ttft_sum_s, metrics.ttft_sum_s)
+    first_tokens = _delta(state.ttft_count, metrics.ttft_count)
+    if ttft_seconds is not None and first_tokens:  # else no request got its first token: keep the last value
+        ttft = _ewma(ttft, ttft_seconds / first_tokens, alpha, unknown=-1.0)
+    prefill = state.prefill_tokens_per_s
+    prompt_delta = _delta(state.prompt_tokens, metrics.prompt_tokens_total)
+    interval = None if state.at_s is None else now_s - state.at_s
+    # Only intervals where the worker had work say something about its speed; idle time would dilute it.
+    if prompt_delta and interval and interval > 0 and (busy or state.busy):
+        prefill = _ewma(prefill, prompt_delta / interval, alpha, unknown=0.0)
+    return replace(state, at_s=now_s, ttft_sum_s=metrics.ttft_sum_s, ttft_count=metrics.ttft_count,
+                   prompt_tokens=metrics.prompt_tokens_total, busy=busy, ttft_ewma_s=ttft,
+                   prefill_tokens_per_s=prefill)
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    """Growth of a counter; None when either reading is missing or the counter was reset."""
+    if before is None or after is None or after < before:
+        return None
+    return after - before
+
+
+def _ewma(previous: float, sample: float, alpha: float, unknown: float) -> float:
+    return sample if previous == unknown else alpha * sample + (1 - alpha) * previous
