@@ -1,0 +1,1 @@
+"""Benchmarks: each module runs one measurement and writes its report under ``bench/reports``."""

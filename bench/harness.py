@@ -1,0 +1,79 @@
+"""Benchmark plumbing: child processes that always get stopped, a fixed-reply upstream, CPU time per pid.
+
+``python bench/harness.py upstream PORT`` runs the upstream: an OpenAI-shaped chat completion answered at
+once, so a benchmark of the routing path measures the router and not a model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class ProcessGroup:
+    """Children started for one benchmark; each in its own session, all stopped (then killed) at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env={**os.environ, **(env or {})}, start_new_session=True)
+        self.children[name] = process
+        return process
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        for process in reversed(list(self.children.values())):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.children.values():
+            try:
+                process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+
+
+def run_upstream(port: int) -> None:
+    from aiohttp import web
+
+    body = (b'{"id":"cmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":'
+            b'[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
+            b'"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}')
+
+    async def reply(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=body, content_type="application/json",
+                            headers={"x-poolgate-worker": "upstream-1"})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", reply)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "upstream":
+        run_upstream(int(sys.argv[2]))
+    else:
+        sys.exit("usage: harness.py upstream PORT")

@@ -1,0 +1,124 @@
+"""``poolgate simworker``: serve one or more simulated vLLM workers from one process.
+
+Each ``--ports`` entry is an independent worker (own engine, KV cache, metrics registry, faults)
+sharing one asyncio loop (uvloop when installed). SIGINT/SIGTERM stop them all cleanly (exit 0);
+if every worker crashed through a fault the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from controller.simworker.engine import Engine
+from controller.simworker.faults import FaultSettings
+from controller.simworker.presets import DEFAULT_PRESET, PRESETS
+from controller.simworker.worker import SimWorker, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
+    ports = parser.add_mutually_exclusive_group()
+    ports.add_argument("--port", type=int, help="serve one worker on this port (default 8000)")
+    ports.add_argument("--ports", type=int, nargs="+", help="serve one independent worker per port")
+    ids = parser.add_mutually_exclusive_group()
+    ids.add_argument("--worker-id", help="worker id for the single worker (default sim-<port>)")
+    ids.add_argument("--worker-ids", nargs="+", help="one worker id per --ports entry")
+    parser.add_argument("--model", default="sim-llama-3-8b", help="served model name (default %(default)s)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+                        help="simulated GPU (default %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="prompt + output limit per request")
+    parser.add_argument("--max-num-seqs", type=int, help="concurrent sequences cap (default from preset)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default from preset)")
+    parser.add_argument("--num-gpu-blocks", type=int, help="override the KV cache size in blocks")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt prefixes")
+    parser.add_argument("--legacy-kv-metric", action="store_true",
+                        help="also export vllm:gpu_cache_usage_perc (the pre-V1 name)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="run the modelled GPU this many times faster than real time (default 1)")
+    faults = parser.add_argument_group("faults")
+    faults.add_argument("--enable-fault-api", action="store_true",
+                        help="serve GET/POST /sim/faults to change faults at run time")
+    faults.add_argument("--error-rate", type=float, default=0.0, help="share of requests answered with 500")
+    faults.add_argument("--added-latency-s", type=float, default=0.0, help="delay before each request runs")
+    faults.add_argument("--hang", action="store_true", help="accept requests and never answer")
+    faults.add_argument("--crash-after-requests", type=int, help="crash on the request after this many")
+    faults.add_argument("--crash-at-s", type=float, help="crash this many seconds after start")
+    faults.add_argument("--kv-leak-blocks-per-s", type=float, default=0.0, help="KV blocks lost per second")
+    faults.add_argument("--slow-start-s", type=float, default=0.0, help="report 503 for this long after start")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
+
+
+def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
+    """Turn parsed flags into one spec per port; ValueError explains a bad combination."""
+    ports: list[int] = args.ports or [args.port or 8000]
+    if len(set(ports)) != len(ports):
+        raise ValueError("--ports lists a port twice")
+    if args.worker_ids is not None and len(args.worker_ids) != len(ports):
+        raise ValueError(f"--worker-ids needs one id per port ({len(ports)} ports)")
+    if args.worker_id is not None and len(ports) != 1:
+        raise ValueError("--worker-id is for a single worker; use --worker-ids with --ports")
+    ids = args.worker_ids or ([args.worker_id] if args.worker_id else [f"sim-{port}" for port in ports])
+    faults = FaultSettings(
+        error_rate=args.error_rate, added_latency_s=args.added_latency_s, hang=args.hang,
+        crash_after_requests=args.crash_after_requests, crash_at_s=args.crash_at_s,
+        kv_leak_blocks_per_s=args.kv_leak_blocks_per_s, slow_start_s=args.slow_start_s,
+    )
+    return [
+        WorkerSpec(
+            port=port, worker_id=worker_id, preset=PRESETS[args.preset], host=args.host,
+            model_name=args.model, block_size=args.block_size, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            num_gpu_blocks=args.num_gpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
+            legacy_kv_metric=args.legacy_kv_metric, time_scale=args.time_scale, faults=faults,
+            enable_fault_api=args.enable_fault_api,
+        )
+        for port, worker_id in zip(ports, ids, strict=True)
+    ]
+
+
+async def serve_workers(workers: list[SimWorker], stop: asyncio.Event) -> int:
+    """Serve until ``stop``; 1 if every worker crashed, else 0."""
+    async with asyncio.TaskGroup() as tasks:
+        for worker in workers:
+            tasks.create_task(worker.serve(stop))
+    return 1 if all(worker.crashed.is_set() for worker in workers) and not stop.is_set() else 0
+
+
+async def _run(specs: list[WorkerSpec]) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    workers = [SimWorker(spec) for spec in specs]
+    return await serve_workers(workers, stop)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        specs = worker_specs(args)
+        for spec in specs:
+            Engine(spec.engine_config())  # fail fast on a model or context that does not fit the card
+    except ValueError as error:
+        print(f"poolgate simworker: {error}", file=sys.stderr)
+        return 2
+    runner_factory = None
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        runner_factory = uvloop.new_event_loop
+    try:
+        with asyncio.Runner(loop_factory=runner_factory) as runner:
+            return runner.run(_run(specs))
+    except* OSError as group:
+        for failure in group.exceptions:
+            print(f"poolgate simworker: cannot listen: {failure}", file=sys.stderr)
+    return 2

@@ -1,0 +1,245 @@
+"""HTTP surface of one simulated worker: vLLM's OpenAI server endpoints over aiohttp.
+
+Handlers translate between HTTP and the driver; request rules live in ``protocol``. Every response,
+errors and streams included, names the worker in the ``x-poolgate-worker`` header so a test or a
+router can tell which backend answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from controller.simworker import protocol, tokens
+from controller.simworker.driver import EngineDriver, TokenStream
+from controller.simworker.engine import EngineRequest
+from controller.simworker.faults import FaultSettings
+from controller.simworker.metrics import WorkerMetrics
+from controller.simworker.protocol import ApiError, GenerationPlan, GenerationRequest
+from poolgate.routing import WORKER_HEADER
+
+log = logging.getLogger(__name__)
+
+SIM_VERSION = "0.10.2+poolgate.sim"
+Health = Literal["starting", "ready", "dead"]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class WorkerControl(Protocol):
+    """What the HTTP layer needs from the worker that owns it."""
+
+    @property
+    def health(self) -> Health: ...
+
+    @property
+    def faults(self) -> FaultSettings: ...
+
+    def set_faults(self, faults: FaultSettings) -> None: ...
+
+    def note_inference_request(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    worker_id: str
+    model_name: str
+    model_root: str
+    max_model_len: int
+    block_size: int
+    enable_prefix_caching: bool
+    enable_fault_api: bool
+
+
+class WorkerApi:
+    def __init__(self, config: ServingConfig, driver: EngineDriver, metrics: WorkerMetrics,
+                 control: WorkerControl, rng: random.Random) -> None:
+        self.config = config
+        self.driver = driver
+        self.metrics = metrics
+        self.control = control
+        self.rng = rng
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._hang_middleware, self._error_middleware])
+        app.on_response_prepare.append(self._name_worker)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        if self.config.enable_fault_api:
+            app.router.add_get("/sim/faults", self.get_faults)
+            app.router.add_post("/sim/faults", self.set_faults)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.control.health == "ready" else 503)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": SIM_VERSION})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(protocol.model_list(self.config.model_name, self.config.model_root,
+                                         self.config.max_model_len))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, protocol.parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, protocol.parse_chat)
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return _json(self.control.faults.as_dict())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object of fault settings")
+        try:
+            faults = self.control.faults.updated(body)
+        except ValueError as error:
+            raise ApiError(400, str(error)) from error
+        self.control.set_faults(faults)
+        return _json(faults.as_dict())
+
+    async def _generate(self, request: web.Request,
+                        parse: Callable[[object], GenerationRequest]) -> web.StreamResponse:
+        self._require_serving()
+        generation = parse(await _read_json(request))
+        if generation.model is not None and generation.model != self.config.model_name:
+            raise ApiError(404, f"The model `{generation.model}` does not exist.", "model")
+        plan = protocol.plan_generation(generation, self.config.max_model_len)
+        self.control.note_inference_request()
+        self._require_serving()
+        faults = self.control.faults
+        if faults.error_rate and self.rng.random() < faults.error_rate:
+            raise ApiError(500, "simulated internal server error (fault injection)")
+        if faults.added_latency_s:
+            await asyncio.sleep(faults.added_latency_s)
+        request_id = protocol.new_request_id(generation.kind)
+        hashes = (tokens.block_hashes(generation.prompt_tokens, self.config.block_size)
+                  if self.config.enable_prefix_caching else ())
+        stream = self.driver.submit(EngineRequest(
+            request_id=request_id, prompt_tokens=plan.prompt_tokens, output_target=plan.output_target,
+            finish_reason_at_target=plan.finish_reason, prompt_block_hashes=hashes,
+        ))
+        try:
+            if generation.stream:
+                return await self._stream(request, generation, plan, request_id, stream)
+            return await self._respond_when_done(generation, plan, request_id, stream)
+        finally:
+            self.driver.abort(request_id)  # no-op once finished; frees KV if the client went away
+
+    async def _respond_when_done(self, generation: GenerationRequest, plan: GenerationPlan, request_id: str,
+                                 stream: TokenStream) -> web.Response:
+        while stream.finished is None:
+            await stream.wait_change()
+        finished = stream.finished
+        if finished.reason == "error":
+            raise ApiError(500, "the engine failed while serving this request")
+        text = protocol.generated_text(plan.text_seed, 0, finished.output_tokens)
+        return _json(protocol.full_response(
+            generation.kind, request_id, self.config.model_name, int(time.time()), text, finished.reason,
+            plan.prompt_tokens, finished.output_tokens,
+        ))
+
+    async def _stream(self, request: web.Request, generation: GenerationRequest, plan: GenerationPlan,
+                      request_id: str, stream: TokenStream) -> web.StreamResponse:
+        kind, model, created = generation.kind, self.config.model_name, int(time.time())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        if kind == "chat":
+            await response.write(_event(protocol.stream_chunk(kind, request_id, model, created, "", None,
+                                                              first=True)))
+        sent = 0
+        try:
+            while True:
+                await stream.wait_change()
+                finished = stream.finished
+                if finished is not None and finished.reason == "error":
+                    await response.write(_event(ApiError(500, "the engine failed while serving this request")
+                                                .body()) + b"data: [DONE]\n\n")
+                    break
+                available = stream.tokens if finished is None else finished.output_tokens
+                chunks = []
+                for index in range(sent, available):
+                    reason = finished.reason if finished is not None and index == available - 1 else None
+                    chunks.append(_event(protocol.stream_chunk(
+                        kind, request_id, model, created, tokens.filler_token(plan.text_seed, index), reason)))
+                sent = available
+                if finished is not None:
+                    if generation.include_usage:
+                        chunks.append(_event(protocol.usage_chunk(kind, request_id, model, created,
+                                                                  plan.prompt_tokens, finished.output_tokens)))
+                    chunks.append(b"data: [DONE]\n\n")
+                if chunks:
+                    await response.write(b"".join(chunks))
+                if finished is not None:
+                    break
+            await response.write_eof()
+        except ConnectionResetError:
+            log.debug("client of %s went away mid-stream", request_id)
+        return response
+
+    def _require_serving(self) -> None:
+        health = self.control.health
+        if health == "dead":
+            raise ApiError(500, "The engine is dead (simulated crash); restart the worker.")
+        if health == "starting":
+            raise ApiError(503, "The server is still starting.")
+
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return _json(error.body(), status=error.status)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            return _json(ApiError(error.status, error.reason).body(), status=error.status)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            return _json(ApiError(500, "internal error in the simulated worker").body(), status=500)
+
+    @web.middleware
+    async def _hang_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.control.faults.hang and not request.path.startswith("/sim/"):
+            await asyncio.get_running_loop().create_future()  # never answers; a disconnect cancels it
+        return await handler(request)
+
+    async def _name_worker(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[WORKER_HEADER] = self.config.worker_id
+
+
+async def _read_json(request: web.Request) -> object:
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _event(payload: object) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"

@@ -1,0 +1,185 @@
+"""One simulated worker's lifecycle: build its parts, listen, run the engine, die on cue.
+
+``SimWorker.serve(stop)`` owns everything the worker starts (listener, driver loop, fault timers) and
+returns once ``stop`` is set or the worker crashed (see ``faults`` for what a crash means).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from controller.simworker import tokens
+from controller.simworker.driver import EngineDriver
+from controller.simworker.engine import Engine, EngineConfig
+from controller.simworker.faults import FaultSettings
+from controller.simworker.metrics import WorkerMetrics
+from controller.simworker.presets import GpuPreset, ModelShape, default_num_gpu_blocks, step_cost
+from controller.simworker.server import Health, ServingConfig, WorkerApi
+
+log = logging.getLogger(__name__)
+
+CRASH_LINGER_S = 1.0
+SHUTDOWN_TIMEOUT_S = 0.5
+LEAK_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    port: int
+    worker_id: str
+    preset: GpuPreset
+    host: str = "127.0.0.1"
+    model_name: str = "sim-llama-3-8b"
+    model_root: str = "meta-llama/Meta-Llama-3-8B-Instruct"
+    model: ModelShape = field(default_factory=ModelShape)
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_gpu_blocks: int | None = None
+    enable_prefix_caching: bool = False
+    legacy_kv_metric: bool = False
+    time_scale: float = 1.0
+    faults: FaultSettings = field(default_factory=FaultSettings)
+    enable_fault_api: bool = False
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            num_gpu_blocks=self.num_gpu_blocks or default_num_gpu_blocks(self.preset, self.model, self.block_size),
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs or self.preset.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or self.preset.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            cost=step_cost(self.preset, self.model),
+        )
+
+
+class SimWorker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.engine_config = spec.engine_config()
+        self.engine = Engine(self.engine_config)  # validates the sizing before anything listens
+        self.listening = asyncio.Event()
+        self.crashed = asyncio.Event()
+        self._faults = spec.faults
+        self._inference_requests = 0
+        self._started_at = 0.0
+        self._driver: EngineDriver | None = None
+
+    @property
+    def health(self) -> Health:
+        if self.crashed.is_set():
+            return "dead"
+        if asyncio.get_running_loop().time() - self._started_at < self._faults.slow_start_s:
+            return "starting"
+        return "ready"
+
+    @property
+    def faults(self) -> FaultSettings:
+        return self._faults
+
+    def set_faults(self, faults: FaultSettings) -> None:
+        log.info("worker %s faults now %s", self.spec.worker_id, faults)
+        self._faults = faults
+
+    def note_inference_request(self) -> None:
+        self._inference_requests += 1
+        limit = self._faults.crash_after_requests
+        if limit is not None and self._inference_requests > limit:
+            self.crash(f"crash_after_requests={limit} reached")
+
+    def crash(self, reason: str) -> None:
+        if self.crashed.is_set():
+            return
+        log.warning("worker %s crashes: %s", self.spec.worker_id, reason)
+        self.crashed.set()
+        if self._driver is not None:
+            self._driver.kill()
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        spec, config = self.spec, self.engine_config
+        loop = asyncio.get_running_loop()
+        self._started_at = loop.time()
+        kv_block_bytes = spec.model.kv_bytes_per_token * spec.block_size
+        metrics = WorkerMetrics(spec.model_name, self._cache_config_labels(), spec.preset.memory_bytes,
+                                spec.legacy_kv_metric)
+        driver = EngineDriver(self.engine, metrics, time_scale=spec.time_scale,
+                              weight_bytes=spec.model.weight_bytes, kv_block_bytes=kv_block_bytes)
+        self._driver = driver
+        serving = ServingConfig(
+            worker_id=spec.worker_id, model_name=spec.model_name, model_root=spec.model_root,
+            max_model_len=config.max_model_len, block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching, enable_fault_api=spec.enable_fault_api,
+        )
+        api = WorkerApi(serving, driver, metrics, self, random.Random(tokens.stable_hash(spec.worker_id)))
+        runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, spec.host, spec.port, reuse_address=True).start()
+            self.listening.set()
+            log.info("worker %s (%s, %d KV blocks) listening on %s:%d", spec.worker_id, spec.preset.name,
+                     config.num_gpu_blocks, spec.host, spec.port)
+            async with asyncio.TaskGroup() as tasks:
+                background = [tasks.create_task(driver.run()), tasks.create_task(self._leak_loop(driver)),
+                              tasks.create_task(self._crash_timer())]
+                await _first_of(stop.wait(), self.crashed.wait())
+                if self.crashed.is_set() and not stop.is_set():
+                    await _first_of(asyncio.sleep(CRASH_LINGER_S), stop.wait())
+                driver.kill()
+                for task in background:
+                    task.cancel()
+        finally:
+            await runner.cleanup()
+
+    async def _leak_loop(self, driver: EngineDriver) -> None:
+        owed = 0.0
+        while True:
+            await asyncio.sleep(LEAK_INTERVAL_S)
+            owed += self._faults.kv_leak_blocks_per_s * LEAK_INTERVAL_S
+            if owed >= 1:
+                driver.leak_blocks(int(owed))
+                owed -= int(owed)
+
+    async def _crash_timer(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            crash_at = self._faults.crash_at_s
+            if crash_at is not None and loop.time() - self._started_at >= crash_at:
+                self.crash(f"crash_at_s={crash_at} reached")
+                return
+            await asyncio.sleep(0.1)
+
+    def _cache_config_labels(self) -> dict[str, str]:
+        config = self.engine_config
+        return {
+            "block_size": str(config.block_size),
+            "num_gpu_blocks": str(config.num_gpu_blocks),
+            "kv_cache_size_tokens": str(config.num_gpu_blocks * config.block_size),
+            "gpu_memory_utilization": str(self.spec.preset.gpu_memory_utilization),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "cache_dtype": "auto",
+            "num_gpu_blocks_override": str(self.spec.num_gpu_blocks),
+        }
+
+
+async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Wait until the first of several coroutines finishes, cancelling the rest."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,82 @@
+"""``poolgate simworker`` as a process: several workers on one loop, clean exit on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from email.message import Message
+
+import pytest
+
+from poolgate.procs import free_port, port_open
+from poolgate.routing import WORKER_HEADER
+
+
+def http(url: str, body: bytes | None = None) -> tuple[Message, bytes]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.headers, response.read()
+
+
+def wait_ports(ports: list[int], proc: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(port_open("127.0.0.1", port) for port in ports):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"simworker did not listen on {ports}")
+        time.sleep(0.05)
+
+
+@pytest.fixture()
+def stop_later() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(5)
+
+
+def test_multi_port_process_serves_independent_workers(stop_later: list[subprocess.Popen[bytes]]) -> None:
+    ports = [free_port(), free_port()]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poolgate.cli", "simworker", "--ports", *map(str, ports),
+         "--worker-ids", "alpha", "beta", "--preset", "l4-24gb", "--time-scale", "50", "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stop_later.append(proc)
+    wait_ports(ports, proc)
+    answers = [http(f"http://127.0.0.1:{port}/v1/completions", b'{"prompt": "hi", "max_tokens": 3}')
+               for port in ports]
+    assert [headers[WORKER_HEADER] for headers, _ in answers] == ["alpha", "beta"]
+    assert all(json.loads(body)["usage"]["completion_tokens"] == 3 for _, body in answers)
+    generated = [
+        next(line for line in http(f"http://127.0.0.1:{port}/metrics")[1].decode().splitlines()
+             if line.startswith("vllm:generation_tokens_total"))
+        for port in ports
+    ]
+    assert all(line.endswith(" 3.0") for line in generated)  # one registry per worker
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    assert not any(port_open("127.0.0.1", port) for port in ports)
+
+
+def test_crash_of_the_only_worker_exits_the_process(stop_later: list[subprocess.Popen[bytes]]) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(port), "--crash-at-s", "0.3",
+         "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stop_later.append(proc)
+    assert proc.wait(15) == 1
+
+
+def test_bad_flags_fail_fast(stop_later: list[subprocess.Popen[bytes]]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(free_port()), "--preset", "l4-24gb",
+         "--num-gpu-blocks", "10"], capture_output=True, timeout=15, check=False)
+    assert result.returncode == 2
+    assert b"max_model_len" in result.stderr
