@@ -169,6 +169,27 @@ async def heartbeat_worker(
     return True
 
 
+# HSET only while the worker is registered: never creates a record, never extends its life.
+_UPDATE_IF_REGISTERED = """
+if redis.call('exists', KEYS[1]) == 0 then return 0 end
+redis.call('hset', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+
+async def update_live_facts(redis: RedisLike, keys: FleetKeys, worker_id: str, announce: bool = False,
+                            **live: Any) -> bool:
+    """Write observed facts (the agent's) without touching the TTL: liveness stays the registrant's job,
+    so a worker whose heartbeats stop still leaves even while its /metrics answers. False = not registered."""
+    args: list[str] = []
+    for key, value in live.items():
+        args += [key, str(value)]
+    written = await redis.eval(_UPDATE_IF_REGISTERED, 1, keys.worker(worker_id), *args)
+    if written and announce:
+        await redis.publish(keys.events, f"update {worker_id}")
+    return bool(written)
+
+
 async def deregister_worker(redis: RedisLike, keys: FleetKeys, worker_id: str) -> None:
     pipe = redis.pipeline(transaction=False)
     pipe.delete(keys.worker(worker_id))

@@ -25,7 +25,7 @@ from controller.agent.live import live_fields, notable_change
 from controller.agent.rates import RateState, advance
 from controller.agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
 from poolgate.config import Config
-from poolgate.fleet import FleetKeys, RedisLike, WorkerRecord, heartbeat_worker, read_fleet
+from poolgate.fleet import FleetKeys, RedisLike, WorkerRecord, read_fleet, update_live_facts
 
 log = logging.getLogger("poolgate.agent")
 
@@ -197,10 +197,9 @@ class Agent:
         gpus = summarize(gpu_samples, self._gpu_ids.get(worker_id, ()))
         fields = live_fields(metrics, tracked.rates, gpus)
         announce = notable_change(tracked.announced, fields)
-        ttl = self._config.controller.heartbeat_ttl_s
         try:
-            alive = await heartbeat_worker(self._redis, self._keys, worker_id, ttl, announce=announce,
-                                           metrics_at=self._wall_clock(), **fields)
+            alive = await update_live_facts(self._redis, self._keys, worker_id, announce=announce,
+                                            metrics_at=self._wall_clock(), **fields)
         except (RedisError, OSError) as exc:
             self.stats.write_failures += 1
             self._redis_trouble(exc)

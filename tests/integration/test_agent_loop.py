@@ -156,7 +156,7 @@ async def test_failed_scrape_writes_nothing_and_recovers(redis: aioredis.Redis) 
     for _ in range(3):
         clock.now += 0.25
         await agent.tick()
-    assert (await fleet(redis))["w"] == written  # facts age out by updated_at instead of being refreshed
+    assert (await fleet(redis))["w"] == written  # facts age out by metrics_at instead of being refreshed
     assert agent.stats.scrape_failures == 3
     source.pages[7001] = "<html>bad gateway</html>"
     clock.now += 0.25
@@ -235,3 +235,24 @@ async def test_run_agent_until_stopped(redis: aioredis.Redis) -> None:
     assert len(ready) == 1
     assert 3 <= stats.ticks <= 8  # 0.05 s period
     assert (await fleet(redis))["w"].running == 3
+
+
+async def test_live_facts_never_keep_an_unheartbeated_worker_alive(redis_url: str) -> None:
+    """The agent's writes must not extend a registration: liveness belongs to the registrant."""
+    from redis.asyncio import Redis
+
+    from poolgate.fleet import update_live_facts
+
+    client = Redis.from_url(redis_url)
+    keys = FleetKeys("live")
+    try:
+        record = WorkerRecord(id="w", pool="chat", model="m", host="127.0.0.1", port=1)
+        await register_worker(client, keys, record, ttl_s=0.4)
+        for _ in range(6):
+            await update_live_facts(client, keys, "w", kv_usage=0.5)
+            await asyncio.sleep(0.1)
+        assert await read_fleet(client, keys) == []
+        assert not await update_live_facts(client, keys, "w", kv_usage=0.5)  # and never recreates it
+        assert await client.exists(keys.worker("w")) == 0
+    finally:
+        await client.aclose()

@@ -110,7 +110,7 @@ async def test_agent_reports_a_simulated_worker(redis: aioredis.Redis, simworker
 
         await wait_for(settled)
         after = await record_of(redis)
-        assert after.updated_at > idle.updated_at
+        assert after.metrics_at > idle.metrics_at
         assert after.waiting == 0 and after.kv_usage == 0.0
     finally:
         stop.set()
