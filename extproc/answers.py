@@ -19,6 +19,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     TrailersResponse,
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.struct_pb2 import Struct
 
 from extproc.errors import ApiError
@@ -56,10 +57,12 @@ def continue_trailers() -> ProcessingResponse:
     return ProcessingResponse(request_trailers=TrailersResponse())
 
 
-def routed_body(decision: Decision, remove: Iterable[str] = ()) -> ProcessingResponse:
+def routed_body(decision: Decision, remove: Iterable[str] = (),
+                extra_headers: Iterable[tuple[str, str]] = ()) -> ProcessingResponse:
     """Send the request to the decision's pool (cluster header + route re-evaluation) and pin its worker."""
     mutation = _mutation(
-        [h for h in remove if h != CLUSTER_HEADER], [_header(CLUSTER_HEADER, decision.cluster)]
+        [h for h in remove if h != CLUSTER_HEADER],
+        [_header(CLUSTER_HEADER, decision.cluster), *(_header(k, v) for k, v in extra_headers)],
     )
     pin = Struct()
     pin.fields[LB_METADATA_NAMESPACE].struct_value.fields[DESTINATION_ENDPOINT_KEY].string_value = decision.pin
@@ -67,6 +70,14 @@ def routed_body(decision: Decision, remove: Iterable[str] = ()) -> ProcessingRes
         request_body=BodyResponse(response=CommonResponse(header_mutation=mutation, clear_route_cache=True)),
         dynamic_metadata=pin,
     )
+
+
+def extend_timeout(seconds: float) -> ProcessingResponse:
+    """Ask Envoy to wait this long for the next answer (bounded by the filter's ``max_message_timeout``),
+    sent before holding a request."""
+    whole = int(seconds)
+    return ProcessingResponse(override_message_timeout=Duration(seconds=whole,
+                                                                nanos=int((seconds - whole) * 1e9)))
 
 
 def json_answer(status: int, body: bytes, headers: Iterable[tuple[str, str]] = (), details: str = "") -> (

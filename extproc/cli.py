@@ -54,6 +54,9 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(run())
+    except ConfigError as exc:  # e.g. scheduling.tokenizer_path, checked before listening
+        print(exc, file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"extproc: {exc}", file=sys.stderr)
         return 1

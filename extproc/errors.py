@@ -57,5 +57,10 @@ def no_worker(model: str, retry_after_s: int = 1) -> ApiError:
                     "no_ready_worker", retry_after_s=retry_after_s)
 
 
+def no_capacity(model: str, waited_s: float, retry_after_s: int = 1) -> ApiError:
+    return ApiError(429, f"Every worker serving {model!r} is at capacity (waited {waited_s:.1f} s); retry after "
+                    f"{retry_after_s} s.", "rate_limit_error", "no_capacity", retry_after_s=retry_after_s)
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "The router failed to process the request.", "internal_error", "internal_error")

@@ -12,8 +12,22 @@ class Metrics:
             "poolgate_extproc_requests", "Requests handled, by outcome (routed, passthrough, model_list or an "
             "error code)", ["outcome"], registry=self.registry)
         self.pick_seconds = Histogram(
-            "poolgate_extproc_pick_seconds", "Time spent in the scheduler's pick",
+            "poolgate_extproc_pick_seconds", "Decision time: the scheduler's pick over the snapshot",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2), registry=self.registry)
+        self.picks = Counter(
+            "poolgate_extproc_picks", "Requests placed, by pool and worker", ["pool", "worker"],
+            registry=self.registry)
+        self.pick_refusals = Counter(
+            "poolgate_extproc_pick_refusals", "Picks that found no worker, by model and the filter that left "
+            "none (kv-fits and gpu-memory are no-capacity refusals a request may wait out)", ["model", "reason"],
+            registry=self.registry)
+        self.held_requests = Gauge(
+            "poolgate_extproc_held_requests", "Requests held now, waiting for KV or GPU capacity",
+            registry=self.registry)
+        self.hold_seconds = Histogram(
+            "poolgate_extproc_hold_seconds",
+            "Time requests were held for capacity, by outcome (placed, refused, cancelled)",
+            ["outcome"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
         self.internal_errors = Counter(
             "poolgate_extproc_internal_errors", "Unexpected exceptions on the request path (answered 500)",
             registry=self.registry)

@@ -1,6 +1,6 @@
 """Per-request CPU of extproc's own work, without gRPC or Envoy: ``python -m extproc.microbench``.
 
-Measures (1) parse + pick over a fleet snapshot and (2) the servicer path per request: decode the two
+Measures (1) parse + profile + pick over a fleet snapshot and (2) the servicer path per request: decode the two
 ext_proc messages from bytes, answer both, encode the answers, release at stream end. gRPC's own cost per
 stream comes on top (see the design notes for the measured end-to-end hop).
 """
@@ -17,11 +17,11 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeade
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
-from extproc.request import RequestHead, parse_request
-from extproc.scheduling import default_scheduler
+from extproc.request import RequestFacts, RequestHead, parse_request
+from extproc.scheduling import PickContext, RequestProfiler, default_scheduler
 from extproc.service import ExtProcService, RequestState
 from extproc.snapshot import FleetSnapshot, build_snapshot
-from poolgate.config import PoolSpec
+from poolgate.config import PoolSpec, SchedulingSettings
 from poolgate.fleet import WorkerRecord
 
 
@@ -45,17 +45,18 @@ def _body(prompt_chars: int) -> bytes:
 
 
 def measure(n: int = 10_000, workers: int = 8, prompt_chars: int = 2_000) -> dict[str, float]:
-    """Microseconds per request for parse+pick and for the whole servicer path."""
+    """Microseconds per request for parse+profile+pick and for the whole servicer path."""
     snapshot = _fleet(workers)
     scheduler = default_scheduler(random.Random(0))
     head = RequestHead("POST", "/v1/chat/completions", None)
     body = _body(prompt_chars)
-    inflight: dict[str, int] = {}
+    profiler = RequestProfiler(SchedulingSettings())
+    context = PickContext(snapshot, {})
     started = time.process_time()
     for _ in range(n):
         facts = parse_request(head, body)
-        assert not isinstance(facts, Exception)
-        scheduler.pick(facts, snapshot, inflight)  # type: ignore[arg-type]
+        assert isinstance(facts, RequestFacts)
+        scheduler.pick(profiler.profile(facts), context)
     parse_pick_us = (time.process_time() - started) / n * 1e6
 
     tracker = InflightTracker()
@@ -80,5 +81,5 @@ def measure(n: int = 10_000, workers: int = 8, prompt_chars: int = 2_000) -> dic
 if __name__ == "__main__":
     for workers in (8, 100):
         result = measure(workers=workers)
-        print(f"{workers:>4} workers: parse+pick {result['parse_pick_us']:.1f} µs/request, "
+        print(f"{workers:>4} workers: parse+profile+pick {result['parse_pick_us']:.1f} µs/request, "
               f"servicer path {result['servicer_path_us']:.1f} µs/request")

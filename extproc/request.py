@@ -19,6 +19,7 @@ from poolgate.routing import ROUTING_HEADERS
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
+SESSION_HEADER = "x-session-id"
 INFERENCE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 _ROUTING_HEADERS = frozenset(ROUTING_HEADERS)
 
@@ -34,6 +35,8 @@ class RequestHead:
     client_routing_headers: tuple[str, ...] = ()
     """Routing headers the client sent (lower case); the answer removes them so a client cannot pin itself."""
     request_id: str = ""
+    session_id: str = ""
+    """``x-session-id``: requests of one session prefer the worker that holds their cached prefix."""
 
     @property
     def is_inference(self) -> bool:
@@ -60,10 +63,14 @@ class RequestFacts:
     message_count: int = 0
     client_routing_headers: tuple[str, ...] = ()
     request_id: str = ""
+    prompt_parts: tuple[str, ...] = ()
+    """The prompt's text pieces in order (message contents or prompt strings), for tokenizers and affinity."""
+    session_id: str = ""
+    """``x-session-id`` header, else the body's ``user`` field; empty when neither is given."""
 
 
 def parse_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
-    method = path = request_id = ""
+    method = path = request_id = session_id = ""
     content_length: int | None = None
     routing: list[str] = []
     for raw_key, value in headers:
@@ -76,9 +83,11 @@ def parse_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
             content_length = int(value) if value.isdigit() else None
         elif key == "x-request-id":
             request_id = value
+        elif key == SESSION_HEADER:
+            session_id = value
         elif key in _ROUTING_HEADERS:
             routing.append(key)
-    return RequestHead(method, path, content_length, tuple(dict.fromkeys(routing)), request_id)
+    return RequestHead(method, path, content_length, tuple(dict.fromkeys(routing)), request_id, session_id)
 
 
 def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
@@ -113,11 +122,14 @@ def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
         prompt = _measure_prompt(data.get("prompt"))
     if isinstance(prompt, ApiError):
         return prompt
-    chars, token_ids, messages = prompt
+    chars, token_ids, messages, parts = prompt
+    user = data.get("user")
+    session_id = head.session_id or (user if isinstance(user, str) else "")
     return RequestFacts(
         path=head.path, method=head.method, model=model, stream=bool(stream), max_tokens=max_tokens,
         prompt_chars=chars, prompt_token_ids=token_ids, message_count=messages,
         client_routing_headers=head.client_routing_headers, request_id=head.request_id,
+        prompt_parts=parts, session_id=session_id,
     )
 
 
@@ -125,18 +137,24 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _measure_messages(messages: Any) -> tuple[int, int, int] | ApiError:
+_Measured = tuple[int, int, int, tuple[str, ...]]
+"""Prompt characters, token ids, messages, text pieces."""
+
+
+def _measure_messages(messages: Any) -> _Measured | ApiError:
     if messages is None:
         return invalid_request("You must provide a 'messages' parameter.", "messages", "missing_messages")
     if not isinstance(messages, list) or not messages:
         return invalid_request("'messages' must be a non-empty array.", "messages", "invalid_type")
     chars = 0
+    parts: list[str] = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             return invalid_request(f"'messages.{index}' must be an object.", f"messages.{index}", "invalid_type")
         content = message.get("content")
         if isinstance(content, str):
             chars += len(content)
+            parts.append(content)
         elif isinstance(content, list):
             for part in content:
                 if not isinstance(part, dict):
@@ -145,23 +163,24 @@ def _measure_messages(messages: Any) -> tuple[int, int, int] | ApiError:
                 text = part.get("text")
                 if isinstance(text, str):
                     chars += len(text)
+                    parts.append(text)
         elif content is not None:
             return invalid_request(f"'messages.{index}.content' must be a string, an array or null.",
                                    f"messages.{index}.content", "invalid_type")
-    return chars, 0, len(messages)
+    return chars, 0, len(messages), tuple(parts)
 
 
-def _measure_prompt(prompt: Any) -> tuple[int, int, int] | ApiError:
+def _measure_prompt(prompt: Any) -> _Measured | ApiError:
     if prompt is None:
         return invalid_request("You must provide a 'prompt' parameter.", "prompt", "missing_prompt")
     if isinstance(prompt, str):
-        return len(prompt), 0, 0
+        return len(prompt), 0, 0, (prompt,)
     if isinstance(prompt, list):
         if all(isinstance(p, str) for p in prompt):
-            return sum(len(p) for p in prompt), 0, 0
+            return sum(len(p) for p in prompt), 0, 0, tuple(prompt)
         if all(_is_int(p) for p in prompt):
-            return 0, len(prompt), 0
+            return 0, len(prompt), 0, ()
         if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
-            return 0, sum(len(p) for p in prompt), 0
+            return 0, sum(len(p) for p in prompt), 0, ()
     return invalid_request("'prompt' must be a string, an array of strings or an array of token ids.",
                            "prompt", "invalid_type")

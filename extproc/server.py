@@ -19,8 +19,8 @@ from redis.backoff import ExponentialBackoff
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
-from extproc.scheduling import default_scheduler
-from extproc.service import ExtProcService
+from extproc.scheduling import build_profiler, build_scheduler
+from extproc.service import CapacitySignal, ExtProcService
 from extproc.watcher import FleetWatcher
 from poolgate.config import Config
 from poolgate.fleet import FleetKeys
@@ -59,7 +59,9 @@ async def serve(
     metrics_port: int | None = None,
     on_listening: Callable[[int], None] | None = None,
 ) -> None:
-    """Run extproc until cancelled. ``on_listening`` gets the bound port (useful with port 0)."""
+    """Run extproc until cancelled. ``on_listening`` gets the bound port (useful with port 0). Raises
+    ``ConfigError`` before listening when a configured tokenizer cannot be loaded."""
+    profiler = build_profiler(config.scheduling)
     metrics = Metrics()
     metrics_server = None
     if metrics_port is not None:
@@ -67,8 +69,11 @@ async def serve(
         log.info("extproc metrics on http://%s:%d/metrics", host, metrics_server.server_port)
     client = redis_client(redis_url)
     inflight = InflightTracker()
-    watcher = FleetWatcher(client, FleetKeys(config.key_prefix), config.pools, config.extproc, inflight, metrics)
-    service = ExtProcService(default_scheduler(), watcher, inflight, config.extproc.max_request_bytes, metrics)
+    capacity_changed = CapacitySignal()
+    watcher = FleetWatcher(client, FleetKeys(config.key_prefix), config.pools, config.extproc, inflight, metrics,
+                           on_refresh=capacity_changed.notify)
+    service = ExtProcService(build_scheduler(config.scheduling), watcher, inflight, config.extproc.max_request_bytes,
+                             metrics, settings=config.scheduling, profiler=profiler, capacity_changed=capacity_changed)
     server = grpc.aio.server(options=grpc_options(config.extproc.max_request_bytes))
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")

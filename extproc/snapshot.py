@@ -7,12 +7,14 @@ time the records were read (``taken_at``): if Redis goes away, the last picture 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from poolgate.config import PoolSpec
-from poolgate.fleet import WorkerRecord
+from poolgate.fleet import WorkerRecord, WorkerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,9 +28,23 @@ class FleetSnapshot:
     """Wall-clock time (same clock as ``WorkerRecord.updated_at``) when the records were read."""
     stale_after_s: float
     pools: Mapping[str, PoolSpec] = field(default_factory=lambda: MappingProxyType({}))
+    by_id: Mapping[str, WorkerRecord] = field(default_factory=lambda: MappingProxyType({}))
+    pool_task_classes: Mapping[str, frozenset[str]] = field(default_factory=lambda: MappingProxyType({}))
+    """Pool → the task classes it takes, for pools that restrict them (absent = takes every class)."""
+    class_restricted_models: frozenset[str] = frozenset()
+    """Served names with at least one class-restricted pool among their workers' pools."""
+    ready_by_model: Mapping[str, tuple[WorkerRecord, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    """Served name → its Ready workers that are fresh at ``taken_at`` (known when the records are read)."""
+    smallest_max_model_len: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Served name → the smallest ``max_model_len`` among its workers (a request below it fits them all)."""
+    least_gpu_memory_free_mib: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    """Served name → the least free GPU memory its workers report (unknown counts as unlimited)."""
 
     def workers_for(self, model: str) -> tuple[WorkerRecord, ...]:
         return self.by_model.get(model, ())
+
+    def ready_workers_for(self, model: str) -> tuple[WorkerRecord, ...]:
+        return self.ready_by_model.get(model, ())
 
     def is_fresh(self, worker: WorkerRecord) -> bool:
         return self.taken_at - worker.updated_at <= self.stale_after_s
@@ -37,13 +53,27 @@ class FleetSnapshot:
         return sum(1 for w in self.workers if not self.is_fresh(w))
 
 
+_AGENT_FACTS = ("kv_capacity_tokens", "kv_usage", "running", "waiting", "preemptions_total", "ttft_ewma_s",
+                "prefill_tokens_per_s", "gpu_memory_total_mib", "gpu_memory_free_mib", "gpu_utilization")
+_UNKNOWN_LIVE_FACTS: dict[str, Any] = {name: WorkerRecord.__dataclass_fields__[name].default for name in _AGENT_FACTS}
+
+
+def trusted(record: WorkerRecord, oldest: float) -> WorkerRecord:
+    """The record with its agent-observed facts reset to "unknown" when the agent last read them before
+    ``oldest``: a worker that still heartbeats is kept, but its old KV and queue numbers are not believed."""
+    if 0 < record.metrics_at < oldest:
+        return record.with_live(**_UNKNOWN_LIVE_FACTS)
+    return record
+
+
 def build_snapshot(
     records: Iterable[WorkerRecord], pools: Iterable[PoolSpec], taken_at: float, stale_after_s: float
 ) -> FleetSnapshot:
     """Index workers by served name. Workers of pools missing from the config are left out: Envoy has no
-    cluster for them."""
+    cluster for them. Agent facts older than ``stale_after_s`` count as unknown (see ``trusted``)."""
     pool_map = {pool.name: pool for pool in pools}
-    workers = tuple(sorted((r for r in records if r.pool in pool_map), key=lambda r: r.id))
+    oldest = taken_at - stale_after_s
+    workers = tuple(sorted((trusted(r, oldest) for r in records if r.pool in pool_map), key=lambda r: r.id))
     by_model: dict[str, list[WorkerRecord]] = {}
     for worker in workers:
         names = dict.fromkeys((*worker.names, pool_map[worker.pool].model))
@@ -51,6 +81,13 @@ def build_snapshot(
             by_model.setdefault(name, []).append(worker)
     models = dict.fromkeys(pool.model for pool in pool_map.values())
     models.update(dict.fromkeys(by_model))
+    pool_task_classes = {pool.name: frozenset(pool.task_classes) for pool in pool_map.values() if pool.task_classes}
+    restricted = frozenset(name for name, ws in by_model.items() if any(w.pool in pool_task_classes for w in ws))
+    ready_by_model = {name: tuple(w for w in ws if w.state is WorkerState.READY and w.updated_at >= oldest)
+                      for name, ws in by_model.items()}
+    smallest_len = {name: min(w.max_model_len for w in ws) for name, ws in by_model.items()}
+    least_gpu_free = {name: min((w.gpu_memory_free_mib for w in ws if w.gpu_memory_free_mib >= 0), default=math.inf)
+                      for name, ws in by_model.items()}
     return FleetSnapshot(
         workers=workers,
         by_model=MappingProxyType({name: tuple(ws) for name, ws in by_model.items()}),
@@ -58,6 +95,12 @@ def build_snapshot(
         taken_at=taken_at,
         stale_after_s=stale_after_s,
         pools=MappingProxyType(pool_map),
+        by_id=MappingProxyType({w.id: w for w in workers}),
+        pool_task_classes=MappingProxyType(pool_task_classes),
+        class_restricted_models=restricted,
+        ready_by_model=MappingProxyType(ready_by_model),
+        smallest_max_model_len=MappingProxyType(smallest_len),
+        least_gpu_memory_free_mib=MappingProxyType(least_gpu_free),
     )
 
 

@@ -37,6 +37,7 @@ class FleetWatcher:
         inflight: InflightTracker,
         metrics: Metrics,
         clock: Callable[[], float] = time.time,
+        on_refresh: Callable[[], None] | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -45,6 +46,8 @@ class FleetWatcher:
         self._inflight = inflight
         self._metrics = metrics
         self._clock = clock
+        self._on_refresh = on_refresh
+        """Called after each new snapshot (the service wakes requests held for capacity)."""
         self._wake = asyncio.Event()
         self._io_lock = asyncio.Lock()
         self._redis_ok: bool | None = None
@@ -77,6 +80,8 @@ class FleetWatcher:
         self._metrics.stale_workers.set(snapshot.stale_count())
         self._set_redis_ok(True)
         self.refreshed.set()
+        if self._on_refresh is not None:
+            self._on_refresh()
         return True
 
     async def flush(self) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(Exception):
@@ -65,33 +65,70 @@ TaskClass = Literal["short_chat", "long_context", "code_completion", "streaming"
 
 class TaskClassRules(_Frozen):
     """How a request's task class is decided, first match wins: streaming with a long expected output →
-    ``streaming``; prompt ≥ ``long_context_min_tokens`` → ``long_context``; a model in ``code_models`` or a
-    ``/v1/completions`` call on one → ``code_completion``; otherwise ``short_chat``."""
+    ``streaming``; prompt ≥ ``long_context_min_tokens`` → ``long_context``; a model in ``code_models`` →
+    ``code_completion``; otherwise ``short_chat``. Token counts are extproc's estimates."""
 
     long_context_min_tokens: int = Field(8000, gt=0)
     streaming_min_output_tokens: int = Field(512, gt=0)
     code_models: tuple[str, ...] = ()
 
 
+SCORER_NAMES = ("predicted_ttft", "kv_headroom", "inflight", "prefix_affinity")
+"""Scorers extproc knows, by the name ``scheduling.weights`` uses."""
+MAX_WAIT_LIMIT_S = 50.0
+"""Longest hold allowed: Envoy's ext_proc ``max_message_timeout`` is 60 s and the hold asks for a bit more."""
+
+
 class SchedulingSettings(_Frozen):
     """Weights and bounds of the resource-aware picker (extproc)."""
 
     weights: dict[str, float] = Field(default_factory=lambda: {
-        "predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.0})
-    """Scorer name → weight; scores are in [0, 1] and combine as a weighted sum."""
+        "predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5})
+    """Scorer name → weight; scores are in [0, 1] and combine as a weighted sum. A missing name weighs 0.
+    Affinity outweighs in-flight balance (a cached prefix skips its prefill) but not a longer queue or less KV."""
     default_prefill_tokens_per_s: float = Field(8000.0, gt=0)
     """Prefill rate assumed for a worker that has not reported one yet."""
     default_output_tokens: int = Field(256, gt=0)
-    """Expected output when the request sets no max_tokens and the pool has no history yet."""
+    """Expected output when the request sets no max_tokens (response usage is not observed yet)."""
     gpu_memory_min_free_mib: float = Field(0.0, ge=0)
     """GPU memory watermark: workers reporting less free memory than this are not picked (0 = off)."""
     kv_reserve_fraction: float = Field(0.02, ge=0, lt=1)
     """KV capacity kept free as a safety margin when checking that a request's footprint fits."""
     tokenizer_path: str | None = None
-    """Local model directory with tokenizer files; default is the fast character-based estimate."""
+    """Local model directory with ``tokenizer.json`` (needs the ``tokenizers`` package); default is the fast
+    character-based estimate."""
+    chars_per_token: float = Field(4.0, gt=0.5, le=16)
+    """The fast estimate's characters per prompt token (BPE tokenizers: about 4 on English prose)."""
     debug_header: bool = False
-    """Add ``x-poolgate-decision`` (worker and scores) to the upstream request and response. Off in production."""
+    """Add ``x-poolgate-decision`` (worker, task class, token estimates and scores) to the upstream request.
+    Off in production: it tells the worker how it was chosen."""
+    max_wait_s: float = Field(5.0, ge=0, le=MAX_WAIT_LIMIT_S)
+    """How long a request that fits on no worker now is held, re-picking as capacity frees, before the answer
+    is 429 with Retry-After (0 = answer at once)."""
+    retry_after_s: int = Field(1, ge=1, le=3600)
+    """The Retry-After sent with a 503 (no ready worker) or a 429 (no capacity)."""
+    ttft_reference_s: float = Field(0.5, gt=0)
+    """Predicted time to first token that scores 0.5 (score = t_ref / (t_ref + t))."""
+    reservation_settle_s: float = Field(0.5, ge=0)
+    """A placement counts as seen by the agent once the worker's record is this much newer than it."""
+    prefix_chunk_chars: int = Field(256, ge=16)
+    """Prompt-prefix affinity hashes the prompt in chunks of this many characters."""
+    prefix_max_chunks: int = Field(32, ge=1, le=1024)
+    """Only the first this many chunks of a prompt count for affinity (bounds the hashing per request)."""
+    affinity_max_entries: int = Field(50_000, ge=0)
+    """Size of the affinity map (session or prefix → worker), least recently used out first (0 = off)."""
     task_classes: TaskClassRules = TaskClassRules()
+
+    @field_validator("weights")
+    @classmethod
+    def _known_weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(weights) - set(SCORER_NAMES))
+        if unknown:
+            raise ValueError(f"unknown scorer {', '.join(unknown)}; known: {', '.join(SCORER_NAMES)}")
+        negative = sorted(name for name, weight in weights.items() if weight < 0)
+        if negative:
+            raise ValueError(f"{', '.join(negative)} must be 0 or more")
+        return weights
 
 
 class AgentSettings(_Frozen):
@@ -99,6 +136,117 @@ class AgentSettings(_Frozen):
     """How often the agent reads each worker's /metrics and the GPUs (≤ 0.25 s keeps picks current)."""
     nvml: Literal["auto", "off"] = "auto"
     """``auto``: read GPUs through NVML when a driver is present, else use only the workers' metrics."""
+
+
+
+class HealthSettings(_Frozen):
+    """The controller's health monitor: active probes of every registered worker plus passive failure reports.
+
+    A worker turns Failed after ``failures_to_fail`` bad probes in a row (or ``passive_failures_to_fail``
+    failures reported by the data path within one probe interval) and Ready again after
+    ``successes_to_ready`` good ones; Busy while saturated. One bad probe never ejects a worker."""
+
+    probe_interval_s: float = Field(0.5, gt=0, le=30)
+    probe_timeout_s: float = Field(1.0, gt=0, le=30)
+    """A probe slower than this is a failure: a hung worker fails its probes, it does not block them."""
+    check_models: bool = True
+    """Also ``GET /v1/models`` and require the pool's model in it (catches a worker serving the wrong model)."""
+    slow_probe_s: float = Field(0.0, ge=0)
+    """Probe latency above this counts as a failure (0 = off; the timeout still applies)."""
+    failures_to_fail: int = Field(3, ge=1)
+    successes_to_ready: int = Field(2, ge=1)
+    passive_failures_to_fail: int = Field(3, ge=1)
+    """Data-path failures (5xx, timeouts, resets) reported through Redis within one probe interval that make
+    a worker Failed at once, without waiting for probes."""
+    busy_kv_usage: float = Field(0.95, gt=0, le=1)
+    """A worker with requests waiting and KV usage at or above this is Busy (not picked) until it clears."""
+    replace_failed_after_s: float = Field(5.0, gt=0)
+    """A worker the controller runs that stays Failed this long is restarted (a hung engine never recovers)."""
+    kv_leak_usage: float = Field(0.9, gt=0, le=1)
+    kv_leak_after_s: float = Field(5.0, gt=0)
+    """KV usage at or above ``kv_leak_usage`` with nothing running or waiting for this long is a KV leak: the
+    worker is drained and replaced."""
+
+    @model_validator(mode="after")
+    def _timeout_fits_interval(self) -> HealthSettings:
+        if self.probe_timeout_s > 10 * self.probe_interval_s:
+            raise ValueError("probe_timeout_s must be at most 10 × probe_interval_s")
+        return self
+
+
+class DrainSettings(_Frozen):
+    """How a worker leaves: Draining (Envoy DRAINING, extproc stops choosing it) → in-flight 0 → stop."""
+
+    grace_s: float = Field(60.0, gt=0)
+    """Longest wait for in-flight requests and streams; the worker stops when it ends even if some remain."""
+    poll_s: float = Field(0.25, gt=0, le=5)
+    settle_s: float = Field(1.0, ge=0)
+    """Minimum time in Draining before stopping, so every extproc replica has seen the state change."""
+
+
+class PlacementSettings(_Frozen):
+    """GPU-aware placement of new ``vllm`` workers on this node."""
+
+    model_memory_mib: dict[str, float] = Field(default_factory=dict)
+    """Pool name → GPU memory one worker of it needs (weights + KV budget), per GPU."""
+    default_memory_mib: float = Field(0.0, ge=0)
+    """Need assumed for a pool not listed above (0 = any GPU fits)."""
+
+
+class WorkerTemplate(_Frozen):
+    """What a worker added by the autoscaler or ``poolgate scale`` looks like (ids are ``{pool}-{n}``)."""
+
+    backend: Literal["sim", "vllm"] = "sim"
+    host: str = "127.0.0.1"
+    preset: str = "h100-80gb"
+    model_path: str | None = None
+    gpu_count: int = Field(1, ge=0, le=64)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    extra_args: tuple[str, ...] = ()
+
+
+class PoolScaling(_Frozen):
+    min_workers: int = Field(1, ge=0)
+    max_workers: int = Field(4, ge=1)
+    template: WorkerTemplate = WorkerTemplate()
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> PoolScaling:
+        if self.min_workers > self.max_workers:
+            raise ValueError("min_workers must not exceed max_workers")
+        return self
+
+
+class AutoscaleSettings(_Frozen):
+    """Per-pool autoscaling over a short metrics history; every decision is logged and counted."""
+
+    enabled: bool = False
+    interval_s: float = Field(1.0, gt=0, le=60)
+    pools: dict[str, PoolScaling] = Field(default_factory=dict)
+    """Pool name → bounds and worker template; pools not listed are not scaled (nor by ``poolgate scale``)."""
+    up_waiting_per_worker: float = Field(2.0, gt=0)
+    """Scale up when requests waiting (engine queues + extproc queue) per worker stay above this …"""
+    up_kv_usage: float = Field(0.85, gt=0, le=1)
+    """… or the pool's mean KV usage stays above this …"""
+    up_sustain_s: float = Field(3.0, ge=0)
+    """… for this long."""
+    up_step: int = Field(1, ge=1)
+    down_running_per_worker: float = Field(4.0, ge=0)
+    """Scale down (through a drain) when nothing waits and the pool's running requests, spread over one
+    worker fewer, stay at or below this per worker for ``down_cooldown_s``."""
+    down_cooldown_s: float = Field(20.0, ge=0)
+    """Quiet time needed, after any scale event and of idleness, before removing a worker."""
+    lease_ttl_s: float = Field(5.0, gt=0)
+    """Leader lease in Redis: only the holder scales, drains and replaces."""
+
+
+class KubernetesSettings(_Frozen):
+    """The Kubernetes backend scales one Deployment per pool (``{deployment_prefix}{pool}``)."""
+
+    enabled: bool = False
+    """Run workers as Kubernetes pods (in-cluster service account or kubeconfig) instead of local processes."""
+    namespace: str = "poolgate"
+    deployment_prefix: str = "poolgate-worker-"
 
 
 class PoolSpec(_Frozen):
@@ -109,7 +257,8 @@ class PoolSpec(_Frozen):
     """The served model name clients put in the request's ``model`` field."""
     max_model_len: int = Field(8192, gt=0)
     task_classes: tuple[TaskClass, ...] = ()
-    """Task classes this pool takes (empty = all), e.g. ``[streaming]`` for a streaming-only pool."""
+    """Task classes this pool takes (empty = all), e.g. ``[streaming]`` for a streaming-only pool. When no
+    pool of a model takes a request's class, every pool of the model may serve it."""
 
 
 class WorkerSpec(_Frozen):
@@ -146,6 +295,11 @@ class Config(_Frozen):
     agent: AgentSettings = AgentSettings()
     pools: tuple[PoolSpec, ...] = Field(min_length=1)
     workers: tuple[WorkerSpec, ...] = ()
+    health: HealthSettings = HealthSettings()
+    drain: DrainSettings = DrainSettings()
+    placement: PlacementSettings = PlacementSettings()
+    autoscale: AutoscaleSettings = AutoscaleSettings()
+    kubernetes: KubernetesSettings = KubernetesSettings()
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
@@ -166,6 +320,12 @@ class Config(_Frozen):
         fixed = [w.port for w in self.workers if w.port]
         if len(fixed) != len(set(fixed)):
             raise ValueError("workers: two workers use the same port; give each its own or use 0 (free)")
+        for name in self.autoscale.pools:
+            if name not in pool_names:
+                raise ValueError(f"autoscale.pools.{name}: unknown pool; known: {', '.join(pool_names)}")
+        for name in self.placement.model_memory_mib:
+            if name not in pool_names:
+                raise ValueError(f"placement.model_memory_mib.{name}: unknown pool; known: {', '.join(pool_names)}")
         return self
 
     def pool(self, name: str) -> PoolSpec:

@@ -2,9 +2,24 @@
 
 Pure and synchronous: no I/O, no await, no clock reads. Extension points are filters (drop candidates)
 and scorers (rate candidates in [0, 1]); a ``Scheduler`` is a list of filters and a weighted list of scorers.
+A request is first profiled (``estimate``: tokens, task class, affinity keys), then picked. With
+``scheduling.debug_header`` the upstream request carries ``x-poolgate-decision`` (worker, task class, token
+estimates and each scorer's score); log it with ``%REQ(X-POOLGATE-DECISION)%`` in an Envoy access-log format
+or read it in the worker's request log.
 """
 
-from extproc.scheduling.plugins import Decision, Filter, PickContext, Scorer
-from extproc.scheduling.scheduler import Scheduler, default_scheduler
+from extproc.scheduling.estimate import RequestProfiler, build_profiler
+from extproc.scheduling.plugins import (
+    Decision,
+    Filter,
+    NoCapacity,
+    Outcome,
+    PickContext,
+    PickRequest,
+    Refusal,
+    Scorer,
+)
+from extproc.scheduling.scheduler import Scheduler, build_scheduler, default_scheduler
 
-__all__ = ["Decision", "Filter", "PickContext", "Scheduler", "Scorer", "default_scheduler"]
+__all__ = ["Decision", "Filter", "NoCapacity", "Outcome", "PickContext", "PickRequest", "Refusal",
+           "RequestProfiler", "Scheduler", "Scorer", "build_profiler", "build_scheduler", "default_scheduler"]

@@ -1,22 +1,46 @@
-"""Candidate filters: each drops the workers that must not (or cannot) take the request."""
+"""Candidate filters: each drops the workers that must not (or cannot) take the request.
+
+Order matters only for the answer when nothing is left: the first filter that empties the list explains
+why. Filters that judge the request (task class, context length) come before those that judge the workers'
+present load (KV, GPU memory), whose refusal is a ``NoCapacity`` the service may wait out.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from extproc import errors
-from extproc.errors import ApiError
-from extproc.request import RequestFacts
-from extproc.scheduling.estimate import tokens_needed_lower_bound
-from extproc.scheduling.plugins import PickContext
+from extproc.scheduling.plugins import NoCapacity, PickContext, PickRequest, Refusal
 from poolgate.fleet import WorkerRecord, WorkerState
 
-PICKABLE_STATES = frozenset({WorkerState.READY})
-"""Envoy honours a pin even to a draining or unhealthy host, so only Ready workers may ever be pinned."""
+
+class TaskClassPools:
+    """Keeps workers of pools that take the request's task class (a pool with no ``task_classes`` takes all).
+
+    When no pool of the model takes the class, every pool of the model may serve it: a class-restricted
+    fleet then still answers rather than refusing requests nobody planned for.
+    """
+
+    name = "task-class"
+
+    def filter(
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
+    ) -> Sequence[WorkerRecord]:
+        snapshot = context.snapshot
+        if request.model not in snapshot.class_restricted_models:
+            return candidates
+        restricted = snapshot.pool_task_classes
+        wanted = request.task_class
+        kept = [w for w in candidates if w.pool not in restricted or wanted in restricted[w.pool]]
+        return kept or candidates
+
+    def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
+        return errors.no_worker(request.model)  # unreachable: the filter never empties a non-empty list
 
 
 class ReadyAndFresh:
-    """Keeps workers that are Ready and whose live state is recent (``taken_at - updated_at <= stale_after``)."""
+    """Keeps workers that are Ready and whose live state is recent (``taken_at - updated_at <= stale_after``).
+    Envoy honours a pin even to a draining or unhealthy host, so only Ready workers may ever be pinned."""
 
     name = "ready-and-fresh"
 
@@ -24,26 +48,114 @@ class ReadyAndFresh:
         self.retry_after_s = retry_after_s
 
     def filter(
-        self, facts: RequestFacts, candidates: Sequence[WorkerRecord], context: PickContext
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[WorkerRecord]:
         snapshot = context.snapshot
-        return [w for w in candidates if w.state in PICKABLE_STATES and snapshot.is_fresh(w)]
+        if candidates is snapshot.workers_for(request.model):  # the whole model: use the snapshot's index
+            return snapshot.ready_workers_for(request.model)
+        oldest = snapshot.taken_at - snapshot.stale_after_s
+        ready = WorkerState.READY
+        return [w for w in candidates if w.state is ready and w.updated_at >= oldest]
 
-    def rejection(self, facts: RequestFacts, context: PickContext) -> ApiError:
-        return errors.no_worker(facts.model, self.retry_after_s)
+    def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
+        return errors.no_worker(request.model, self.retry_after_s)
 
 
 class FitsContext:
-    """Keeps workers whose ``max_model_len`` can hold a lower bound of the prompt plus ``max_tokens``."""
+    """Keeps workers whose ``max_model_len`` holds the estimated prompt plus the expected output.
+
+    When none does, keeps those that hold the prompt's lower bound plus ``max_tokens`` (or one token): the
+    engine accepts such a request (it caps the output), so only when even that fails is the answer 400.
+    """
 
     name = "fits-context"
 
     def filter(
-        self, facts: RequestFacts, candidates: Sequence[WorkerRecord], context: PickContext
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[WorkerRecord]:
-        needed = tokens_needed_lower_bound(facts)
+        expected = request.total_tokens
+        if expected <= context.snapshot.smallest_max_model_len.get(request.model, 0):
+            return candidates  # fits every worker of the model: no need to look at each
+        kept = [w for w in candidates if w.max_model_len >= expected]
+        if kept:
+            return kept
+        needed = _hard_minimum(request)
         return [w for w in candidates if w.max_model_len >= needed]
 
-    def rejection(self, facts: RequestFacts, context: PickContext) -> ApiError:
-        limit = max((w.max_model_len for w in context.snapshot.workers_for(facts.model)), default=0)
-        return errors.context_too_long(facts.model, tokens_needed_lower_bound(facts), limit)
+    def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
+        limit = max((w.max_model_len for w in context.snapshot.workers_for(request.model)), default=0)
+        return errors.context_too_long(request.model, _hard_minimum(request), limit)
+
+
+def _hard_minimum(request: PickRequest) -> int:
+    return request.min_prompt_tokens + (request.facts.max_tokens or 1)
+
+
+class GpuMemoryWatermark:
+    """Drops workers that report less free GPU memory than ``gpu_memory_min_free_mib`` (unknown = kept)."""
+
+    name = "gpu-memory"
+
+    def __init__(self, min_free_mib: float, retry_after_s: int = 1) -> None:
+        self.min_free_mib = min_free_mib
+        self.retry_after_s = retry_after_s
+
+    def filter(
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
+    ) -> Sequence[WorkerRecord]:
+        floor = self.min_free_mib
+        if floor <= 0 or context.snapshot.least_gpu_memory_free_mib.get(request.model, 0.0) >= floor:
+            return candidates
+        return [w for w in candidates if not 0 <= w.gpu_memory_free_mib < floor]
+
+    def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
+        return NoCapacity(request.model, self.name, self.retry_after_s)
+
+
+def kv_footprint_tokens(request: PickRequest, block_size: int) -> int:
+    """Prompt plus expected output, rounded up to whole KV blocks (the engine allocates blocks)."""
+    block = max(1, block_size)
+    return -(-request.total_tokens // block) * block
+
+
+def kv_free_tokens(worker: WorkerRecord, reserved_tokens: int, reserve_fraction: float) -> float:
+    """capacity × (1 − usage − reserve) − what this replica placed there that the record does not show."""
+    return worker.kv_capacity_tokens * (1.0 - worker.kv_usage - reserve_fraction) - reserved_tokens
+
+
+class KvFits:
+    """Keeps workers whose free KV tokens hold the request's footprint (see ``kv_footprint_tokens``).
+
+    free = capacity × (1 − usage − kv_reserve_fraction) − reserved, where reserved is extproc's optimistic
+    count of what it placed on the worker since the record was written plus the decode room of its open
+    streams. A footprint larger than a whole empty worker only needs an empty worker. Unknown capacity (0:
+    not reported yet) counts as fitting; the KV headroom scorer rates it low.
+    """
+
+    name = "kv-fits"
+
+    def __init__(self, reserve_fraction: float, retry_after_s: int = 1) -> None:
+        self.reserve_fraction = reserve_fraction
+        self.retry_after_s = retry_after_s
+
+    def filter(
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
+    ) -> Sequence[WorkerRecord]:
+        reserved = context.reserved_kv_tokens.get
+        usable = 1.0 - self.reserve_fraction
+        total = request.total_tokens
+        kept = []
+        for w in candidates:
+            capacity = w.kv_capacity_tokens
+            if capacity <= 0:
+                kept.append(w)
+                continue
+            block = w.kv_block_size or 1
+            need = (total + block - 1) // block * block
+            free = capacity * (usable - w.kv_usage) - reserved(w.id, 0)
+            if need <= free or (need > capacity * usable and free >= capacity * usable):
+                kept.append(w)
+        return kept
+
+    def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
+        return NoCapacity(request.model, self.name, self.retry_after_s)

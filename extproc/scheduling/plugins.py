@@ -1,28 +1,66 @@
-"""The shapes shared by every scheduling plugin, and the decision a pick returns.
+"""The shapes shared by every scheduling plugin, and the outcomes a pick returns.
 
 Every filter has the same signature, every scorer has the same signature; the scheduler never needs to know
-which plugin it is calling.
+which plugin it is calling. A plugin reads the request (``PickRequest``: parsed facts plus the estimates made
+before the pick) and the context (``PickContext``: the frozen fleet plus extproc's own accounting), and
+nothing else: no clock, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol, TypeAlias
 
 from extproc.errors import ApiError
 from extproc.request import RequestFacts
 from extproc.snapshot import FleetSnapshot
+from poolgate.config import TaskClass
 from poolgate.fleet import WorkerRecord
+
+_EMPTY: Mapping[str, int] = MappingProxyType({})
+_NO_AFFINITY: Mapping[Hashable, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    """One request as the scheduler sees it: what was asked and what it is expected to cost."""
+
+    facts: RequestFacts
+    prompt_tokens: int
+    """Estimated prompt tokens (template overhead included)."""
+    min_prompt_tokens: int
+    """A count the real prompt cannot be below; the only one allowed to refuse a request as too long."""
+    output_tokens: int
+    """Expected output tokens: ``max_tokens`` when given, else the configured default."""
+    task_class: TaskClass
+    affinity_keys: tuple[Hashable, ...] = ()
+    """Keys of the affinity map, strongest first: the session key, then prompt-prefix hashes longest first."""
+
+    @property
+    def model(self) -> str:
+        return self.facts.model
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class PickContext:
-    """Everything a plugin may look at besides the request: the fleet and the live in-flight counts."""
+    """Everything a plugin may look at besides the request: the fleet and extproc's own accounting."""
 
     snapshot: FleetSnapshot
     inflight: Mapping[str, int]
     """Worker id → requests in flight across all extproc replicas (as known to this one)."""
+    reserved_kv_tokens: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """Worker id → KV tokens this replica placed there that the worker's record does not show yet, plus the
+    decode room of requests still streaming there."""
+    pending_prefill_tokens: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """Worker id → prompt tokens this replica placed there that the record does not show yet."""
+    affinity: Mapping[Hashable, str] = field(default_factory=lambda: _NO_AFFINITY)
+    """Affinity key (session or prompt prefix) → worker that last took a request with it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +73,27 @@ class Decision:
     """``ip:port`` of the picked worker."""
     fallbacks: tuple[str, ...] = ()
     """Further ``ip:port`` of the same pool, in order, for Envoy to try if the first is unavailable."""
+    scores: tuple[tuple[str, float], ...] = ()
+    """Per-scorer scores of the picked worker, filled only when the scheduler explains itself."""
 
     @property
     def pin(self) -> str:
         """The value of the endpoint-pin metadata: a comma list, best first."""
         return ",".join((self.endpoint, *self.fallbacks))
+
+
+@dataclass(frozen=True, slots=True)
+class NoCapacity:
+    """Ready workers exist but none has room for the request now; it may be held and tried again."""
+
+    model: str
+    reason: str
+    """Name of the filter that left no candidate."""
+    retry_after_s: int
+
+
+Refusal: TypeAlias = ApiError | NoCapacity
+Outcome: TypeAlias = Decision | Refusal
 
 
 class Filter(Protocol):
@@ -48,10 +102,10 @@ class Filter(Protocol):
     name: str
 
     def filter(
-        self, facts: RequestFacts, candidates: Sequence[WorkerRecord], context: PickContext
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[WorkerRecord]: ...
 
-    def rejection(self, facts: RequestFacts, context: PickContext) -> ApiError: ...
+    def rejection(self, request: PickRequest, context: PickContext) -> Refusal: ...
 
 
 class Scorer(Protocol):
@@ -60,5 +114,5 @@ class Scorer(Protocol):
     name: str
 
     def score(
-        self, facts: RequestFacts, candidates: Sequence[WorkerRecord], context: PickContext
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[float]: ...

@@ -9,10 +9,10 @@ import pytest
 
 from extproc.errors import ApiError
 from extproc.request import RequestFacts
-from extproc.scheduling import Decision, PickContext, default_scheduler
+from extproc.scheduling import Decision, PickContext, PickRequest, RequestProfiler, default_scheduler
 from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.snapshot import FleetSnapshot, build_snapshot
-from poolgate.config import PoolSpec
+from poolgate.config import PoolSpec, SchedulingSettings
 from poolgate.fleet import WorkerRecord, WorkerState
 
 NOW = 1_000_000.0
@@ -31,13 +31,14 @@ def snapshot(*workers: WorkerRecord) -> FleetSnapshot:
     return build_snapshot(workers, POOLS, taken_at=NOW, stale_after_s=3.0)
 
 
-def facts(model: str = "llama", **extra: object) -> RequestFacts:
-    return RequestFacts("/v1/chat/completions", "POST", model, **extra)  # type: ignore[arg-type]
+def facts(model: str = "llama", **extra: object) -> PickRequest:
+    parsed = RequestFacts("/v1/chat/completions", "POST", model, **extra)  # type: ignore[arg-type]
+    return RequestProfiler(SchedulingSettings()).profile(parsed)
 
 
 def pick(snap: FleetSnapshot, inflight: dict[str, int] | None = None, model: str = "llama", **extra: object) -> (
-        Decision | ApiError):
-    return default_scheduler(random.Random(7)).pick(facts(model, **extra), snap, inflight or {})
+        object):
+    return default_scheduler(random.Random(7)).pick(facts(model, **extra), PickContext(snap, inflight or {}))
 
 
 def test_routes_to_the_only_ready_worker() -> None:
@@ -83,7 +84,7 @@ def test_ties_are_spread() -> None:
     scheduler = default_scheduler(random.Random(1))
     chosen: Counter[str] = Counter()
     for _ in range(300):
-        decision = scheduler.pick(facts(), snap, {})
+        decision = scheduler.pick(facts(), PickContext(snap, {}))
         assert isinstance(decision, Decision)
         chosen[decision.worker_id] += 1
     assert set(chosen) == {"a", "b", "c"} and min(chosen.values()) > 60
@@ -94,7 +95,7 @@ def test_inflight_accounting_spreads_back_to_back_picks() -> None:
     scheduler = default_scheduler(random.Random(3))
     inflight: dict[str, int] = {}
     for _ in range(40):
-        decision = scheduler.pick(facts(), snap, inflight)
+        decision = scheduler.pick(facts(), PickContext(snap, inflight))
         assert isinstance(decision, Decision)
         inflight[decision.worker_id] = inflight.get(decision.worker_id, 0) + 1
     assert inflight == {"a": 10, "b": 10, "c": 10, "d": 10}

@@ -41,7 +41,24 @@ def test_chat_facts() -> None:
                          {"role": "assistant", "content": None, "tool_calls": []}]}
     facts = parse_request(CHAT, orjson.dumps(body))
     assert facts == RequestFacts("/v1/chat/completions", "POST", "m", stream=True, max_tokens=16, prompt_chars=7,
-                                 message_count=3)
+                                 message_count=3, prompt_parts=("abcd", "xyz"))
+
+
+@pytest.mark.parametrize(("header", "user", "expected"), [
+    (None, None, ""),
+    ("s-1", None, "s-1"),
+    (None, "alice", "alice"),
+    ("s-1", "alice", "s-1"),  # the header wins over the body
+    (None, 7, ""),  # a non-string user is ignored (it is the engine's business to reject it)
+])
+def test_session_key(header: str | None, user: object, expected: str) -> None:
+    head = parse_head([(":method", "POST"), (":path", "/v1/chat/completions"),
+                       *((("X-Session-Id", header),) if header else ())])
+    body: dict[str, object] = {"model": "m", "messages": [{"content": "x"}]}
+    if user is not None:
+        body["user"] = user
+    facts = parse_request(head, orjson.dumps(body))
+    assert isinstance(facts, RequestFacts) and facts.session_id == expected
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
@@ -50,16 +67,17 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
     assert isinstance(facts, RequestFacts) and facts.max_tokens == 7
 
 
-@pytest.mark.parametrize(("prompt", "chars", "ids"), [
-    ("hello", 5, 0),
-    (["ab", "cde"], 5, 0),
-    ([1, 2, 3], 0, 3),
-    ([[1, 2], [3]], 0, 3),
+@pytest.mark.parametrize(("prompt", "chars", "ids", "parts"), [
+    ("hello", 5, 0, ("hello",)),
+    (["ab", "cde"], 5, 0, ("ab", "cde")),
+    ([1, 2, 3], 0, 3, ()),
+    ([[1, 2], [3]], 0, 3, ()),
 ])
-def test_completion_prompt_forms(prompt: object, chars: int, ids: int) -> None:
+def test_completion_prompt_forms(prompt: object, chars: int, ids: int, parts: tuple[str, ...]) -> None:
     facts = parse_request(COMPLETIONS, orjson.dumps({"model": "m", "prompt": prompt}))
     assert isinstance(facts, RequestFacts)
     assert (facts.prompt_chars, facts.prompt_token_ids, facts.stream, facts.max_tokens) == (chars, ids, False, None)
+    assert facts.prompt_parts == parts
 
 
 @pytest.mark.parametrize(("head", "body", "code", "param"), [

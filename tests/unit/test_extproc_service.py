@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from dataclasses import dataclass
 
 import orjson
@@ -18,9 +20,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.scheduling import default_scheduler
-from extproc.service import ExtProcService, RequestState
+from extproc.service import DECISION_HEADER, ExtProcService, Phase, RequestState
 from extproc.snapshot import FleetSnapshot, build_snapshot
-from poolgate.config import PoolSpec
+from poolgate.config import PoolSpec, SchedulingSettings
 from poolgate.fleet import WorkerRecord, WorkerState
 from poolgate.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, ROUTING_HEADERS
 
@@ -34,11 +36,13 @@ class Fleet:
     snapshot: FleetSnapshot
 
 
-def make_service(*workers: WorkerRecord) -> tuple[ExtProcService, InflightTracker, Metrics]:
+def make_service(*workers: WorkerRecord, settings: SchedulingSettings | None = None) -> (
+        tuple[ExtProcService, InflightTracker, Metrics]):
+    settings = settings or SchedulingSettings()
     fleet = Fleet(build_snapshot(workers, POOLS, taken_at=NOW, stale_after_s=3))
     tracker, metrics = InflightTracker(), Metrics()
-    service = ExtProcService(default_scheduler(random.Random(0)), fleet, tracker, LIMIT, metrics,
-                             clock=lambda: NOW)
+    service = ExtProcService(default_scheduler(random.Random(0), settings), fleet, tracker, LIMIT, metrics,
+                             clock=lambda: NOW, settings=settings)
     return service, tracker, metrics
 
 
@@ -150,3 +154,113 @@ def test_body_without_headers_is_a_500_not_a_crash() -> None:
     service, _, _ = make_service()
     [answer] = exchange(service, body(CHAT))
     assert answer.immediate_response.status.code == 500
+
+
+def kv_worker(worker_id: str, port: int, usage: float, capacity: int = 10_000) -> WorkerRecord:
+    return ready(worker_id, port).with_live(kv_capacity_tokens=capacity, kv_usage=usage)
+
+
+LONG_CHAT = {"model": "llama", "max_tokens": 100, "messages": [{"role": "user", "content": "word " * 2000}]}
+"""About 2500 + 100 tokens: fits in an empty 10 000-token worker, not in one at 80 % usage."""
+
+
+def body_answer(service: ExtProcService, state: RequestState, data: object = LONG_CHAT) -> ProcessingResponse:
+    service.handle(state, headers("POST", "/v1/chat/completions"))
+    return service.handle(state, body(data))
+
+
+def error_of(answer: ProcessingResponse) -> tuple[int, str, dict[str, bytes]]:
+    reply = answer.immediate_response
+    sent = {h.header.key: h.header.raw_value for h in reply.headers.set_headers}
+    return reply.status.code, orjson.loads(reply.body)["error"]["code"], sent
+
+
+def test_no_capacity_without_waiting_is_429_with_retry_after() -> None:
+    service, tracker, metrics = make_service(kv_worker("w1", 9001, 0.8),
+                                             settings=SchedulingSettings(max_wait_s=0, retry_after_s=3))
+    state = RequestState()
+    status, code, sent = error_of(body_answer(service, state))
+    assert (status, code, sent["retry-after"]) == (429, "no_capacity", b"3")
+    assert tracker.counts == {}
+    assert metrics.registry.get_sample_value("poolgate_extproc_pick_refusals_total",
+                                             {"model": "llama", "reason": "kv-fits"}) == 1
+
+
+async def test_held_request_is_refused_after_the_bounded_wait() -> None:
+    service, tracker, metrics = make_service(kv_worker("w1", 9001, 0.8), settings=SchedulingSettings(max_wait_s=0.3))
+    state = RequestState()
+    first = body_answer(service, state)
+    assert first.HasField("override_message_timeout") and first.WhichOneof("response") is None
+    assert first.override_message_timeout.ToTimedelta().total_seconds() == pytest.approx(2.3)
+    assert state.phase is Phase.HELD
+    started = time.perf_counter()
+    status, code, sent = error_of(await service.hold(state))
+    assert 0.3 <= time.perf_counter() - started < 1.0
+    assert (status, code, sent["retry-after"]) == (429, "no_capacity", b"1")
+    assert tracker.counts == {} and service.reservations.kv_tokens == {}
+    assert metrics.registry.get_sample_value("poolgate_extproc_hold_seconds_count", {"outcome": "refused"}) == 1
+    assert metrics.registry.get_sample_value("poolgate_extproc_held_requests") == 0
+
+
+async def test_held_request_is_placed_when_the_fleet_shows_room() -> None:
+    service, tracker, metrics = make_service(kv_worker("w1", 9001, 0.8), settings=SchedulingSettings(max_wait_s=5))
+    state = RequestState()
+    body_answer(service, state)
+    held = asyncio.create_task(service.hold(state))
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    fleet = service._fleet
+    assert isinstance(fleet, Fleet)
+    fleet.snapshot = build_snapshot([kv_worker("w1", 9001, 0.1)], POOLS, taken_at=NOW, stale_after_s=3)
+    service.capacity_changed.notify()
+    answer = await asyncio.wait_for(held, 1)
+    assert answer.request_body.response.clear_route_cache and tracker.counts == {"w1": 1}
+    assert metrics.registry.get_sample_value("poolgate_extproc_hold_seconds_count", {"outcome": "placed"}) == 1
+
+
+async def test_held_request_is_placed_when_an_earlier_one_ends() -> None:
+    """Reservations: the first request's footprint counts before the record shows it, so the second waits for
+    it to end instead of landing on a worker that is about to be full."""
+    service, tracker, _ = make_service(kv_worker("w1", 9001, 0.5), settings=SchedulingSettings(max_wait_s=5))
+    first, second = RequestState(), RequestState()
+    assert body_answer(service, first).request_body.response.clear_route_cache
+    assert service.reservations.kv_tokens["w1"] > 2500
+    assert body_answer(service, second).HasField("override_message_timeout")
+    held = asyncio.create_task(service.hold(second))
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    service.finish(first)
+    answer = await asyncio.wait_for(held, 1)
+    assert answer.request_body.response.clear_route_cache and tracker.counts == {"w1": 1}
+    service.finish(second)
+    assert service.reservations.kv_tokens == {} and tracker.counts == {"w1": 0}
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_debug_header(enabled: bool) -> None:
+    service, _, metrics = make_service(kv_worker("w1", 9001, 0.1), settings=SchedulingSettings(debug_header=enabled))
+    _, answer = exchange(service, headers("POST", "/v1/chat/completions"), body(CHAT))
+    sent = {h.header.key: h.header.raw_value.decode()
+            for h in answer.request_body.response.header_mutation.set_headers}
+    assert (DECISION_HEADER in sent) == enabled
+    if enabled:
+        value = sent[DECISION_HEADER]
+        assert value.startswith("worker=w1 pool=chat class=short_chat prompt_tokens=9 output_tokens=256 ")
+        assert "kv_headroom=0." in value and "predicted_ttft=" in value
+    assert metrics.registry.get_sample_value("poolgate_extproc_picks_total", {"pool": "chat", "worker": "w1"}) == 1
+
+
+def test_session_requests_follow_their_worker() -> None:
+    service, _, _ = make_service(ready("a", 9001), ready("b", 9002))
+    state = RequestState()
+    service.handle(state, headers("POST", "/v1/chat/completions", x_session_id="s1"))
+    first = pin_of(service.handle(state, body(CHAT)))
+    for _ in range(5):  # the first request is still in flight: least-inflight alone would alternate
+        other = RequestState()
+        service.handle(other, headers("POST", "/v1/chat/completions", x_session_id="s1"))
+        assert pin_of(service.handle(other, body(CHAT))) == first
+
+
+def pin_of(answer: ProcessingResponse) -> str:
+    fields = answer.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields
+    return fields[DESTINATION_ENDPOINT_KEY].string_value.split(",")[0]

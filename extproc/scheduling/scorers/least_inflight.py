@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.request import RequestFacts
-from extproc.scheduling.plugins import PickContext
+from extproc.scheduling.plugins import PickContext, PickRequest
 from poolgate.fleet import WorkerRecord
 
 
 class LeastInflight:
-    name = "least-inflight"
+    name = "inflight"
 
     def score(
-        self, facts: RequestFacts, candidates: Sequence[WorkerRecord], context: PickContext
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[float]:
         inflight = context.inflight
         counts = [inflight.get(w.id, 0) for w in candidates]

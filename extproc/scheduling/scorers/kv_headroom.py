@@ -1,0 +1,37 @@
+"""KV headroom: prefer the worker with the most KV cache left after this request is placed there.
+
+score(w) = clamp((free_w − footprint_w) / capacity_w, 0, 1), where free_w = capacity × (1 − usage −
+kv_reserve_fraction) − reserved_w (see ``filters.KvFits``) and footprint_w the request's tokens rounded up to
+the worker's KV blocks. A worker whose capacity is unknown (0) scores 0: it may fit, but nothing says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from extproc.scheduling.plugins import PickContext, PickRequest
+from poolgate.fleet import WorkerRecord
+
+
+class KvHeadroom:
+    name = "kv_headroom"
+
+    def __init__(self, reserve_fraction: float) -> None:
+        self.reserve_fraction = reserve_fraction
+
+    def score(
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
+    ) -> Sequence[float]:
+        reserved = context.reserved_kv_tokens.get
+        usable = 1.0 - self.reserve_fraction
+        total = request.total_tokens
+        scores = []
+        for w in candidates:
+            capacity = w.kv_capacity_tokens
+            if capacity <= 0:
+                scores.append(0.0)
+                continue
+            block = w.kv_block_size or 1
+            after = capacity * (usable - w.kv_usage) - reserved(w.id, 0) - (total + block - 1) // block * block
+            scores.append(0.0 if after <= 0 else (after / capacity if after < capacity else 1.0))
+        return scores

@@ -1,0 +1,81 @@
+"""extproc-local state the pick reads: optimistic KV reservations and the bounded affinity map."""
+
+from __future__ import annotations
+
+from extproc.affinity import AffinityMap
+from extproc.reservations import ReservationBook
+from extproc.snapshot import build_snapshot
+from poolgate.config import PoolSpec
+from poolgate.fleet import WorkerRecord
+
+POOLS = (PoolSpec(name="chat", model="llama"),)
+
+
+def snapshot_at(updated_at: float, *ids: str) -> object:
+    records = [WorkerRecord(id=i, pool="chat", model="llama", host="h", port=1, updated_at=updated_at) for i in ids]
+    return build_snapshot(records, POOLS, taken_at=updated_at, stale_after_s=3.0)
+
+
+def test_reservation_counts_the_whole_footprint_until_the_record_shows_it() -> None:
+    book = ReservationBook(settle_s=0.5)
+    first = book.reserve("w", prompt_tokens=1000, output_tokens=200, placed_at=10.0)
+    book.reserve("w", prompt_tokens=500, output_tokens=100, placed_at=10.3)
+    assert book.kv_tokens == {"w": 1800} and book.prefill_tokens == {"w": 1500}
+    book.settle(snapshot_at(10.4, "w"))  # a record written before the placements settled: nothing changes
+    assert book.kv_tokens == {"w": 1800}
+    book.settle(snapshot_at(10.6, "w"))  # newer than the first placement + 0.5 s: only its decode room stays
+    assert book.kv_tokens == {"w": 200 + 600} and book.prefill_tokens == {"w": 500}
+    book.settle(snapshot_at(11.0, "w"))
+    assert book.kv_tokens == {"w": 300} and book.prefill_tokens == {}
+    book.release(first)
+    book.release(first)  # twice is harmless
+    assert book.kv_tokens == {"w": 100}
+
+
+def test_stream_end_releases_everything_even_before_settling() -> None:
+    book = ReservationBook(settle_s=0.5)
+    reservation = book.reserve("w", 100, 100, placed_at=1.0)
+    book.settle(snapshot_at(5.0))  # the worker left the snapshot: kept until the stream ends
+    assert book.kv_tokens == {"w": 200}
+    book.release(reservation)
+    assert book.kv_tokens == {} and book.prefill_tokens == {}
+
+
+def test_affinity_map_is_bounded_and_least_recently_used_goes_first() -> None:
+    affinity = AffinityMap(max_entries=3)
+    affinity.record(("a", "b"), "w1")
+    affinity.record(("c",), "w2")
+    affinity.record(("a",), "w3")  # refreshed: now the newest, and moved to w3
+    affinity.record(("d",), "w2")
+    assert dict(affinity.entries) == {"c": "w2", "a": "w3", "d": "w2"}
+    assert len(affinity) == 3
+
+
+def test_affinity_map_of_size_zero_keeps_nothing() -> None:
+    affinity = AffinityMap(max_entries=0)
+    affinity.record(("a",), "w")
+    assert len(affinity) == 0
+
+
+def test_reservations_settle_on_the_agents_reading_not_on_heartbeats() -> None:
+    book = ReservationBook(settle_s=0.5)
+    book.reserve("w", 100, 50, placed_at=10.0)
+    record = WorkerRecord(id="w", pool="chat", model="llama", host="h", port=1, updated_at=20.0, metrics_at=10.2)
+    book.settle(build_snapshot([record], POOLS, taken_at=20.0, stale_after_s=30.0))
+    assert book.kv_tokens == {"w": 150}  # heartbeats went on, but the metrics were read before it settled
+    book.settle(build_snapshot([record.with_live(metrics_at=10.6)], POOLS, taken_at=20.0, stale_after_s=30.0))
+    assert book.kv_tokens == {"w": 50}
+
+
+def test_old_agent_facts_count_as_unknown() -> None:
+    live = {"kv_capacity_tokens": 1000, "kv_usage": 0.9, "waiting": 7, "gpu_memory_free_mib": 10.0}
+    fresh = WorkerRecord(id="f", pool="chat", model="llama", host="h", port=1, updated_at=100.0, metrics_at=99.0,
+                         **live)  # type: ignore[arg-type]
+    old = fresh.with_live(id="o", metrics_at=90.0)
+    never = fresh.with_live(id="n", metrics_at=0.0)  # no agent: the fields are whatever was registered
+    snapshot = build_snapshot([fresh, old, never], POOLS, taken_at=100.0, stale_after_s=3.0)
+    by_id = snapshot.by_id
+    assert (by_id["f"].kv_capacity_tokens, by_id["f"].waiting) == (1000, 7)
+    assert (by_id["o"].kv_capacity_tokens, by_id["o"].kv_usage, by_id["o"].waiting) == (0, 0.0, 0)
+    assert by_id["o"].gpu_memory_free_mib == -1.0 and by_id["o"].kv_block_size == fresh.kv_block_size
+    assert by_id["n"].kv_capacity_tokens == 1000
