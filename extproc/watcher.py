@@ -127,12 +127,17 @@ class FleetWatcher:
                 with contextlib.suppress(*_REDIS_ERRORS):
                     await pubsub.aclose()
 
-    async def _flush_loop(self) -> None:
+    async def _flush_loop(self, batch_window_s: float = 0.02) -> None:
+        """Write in-flight deltas at most every ``batch_window_s``: at high request rates one pipeline carries
+        many requests' changes instead of one Redis round trip per request (measured: that round trip was
+        the largest CPU cost of a request), and other replicas still see the load within 20 ms."""
         period = self._settings.snapshot_refresh_s
         while True:
             await self._inflight.dirty.wait()
             if not await self.flush():
                 await asyncio.sleep(period)
+                continue
+            await asyncio.sleep(batch_window_s)
 
     def _set_redis_ok(self, ok: bool, exc: BaseException | None = None) -> None:
         if ok == self._redis_ok:
