@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("controller.agent.cli", "scrape workers' metrics and GPUs into Redis"),
     "status": ("poolgate.status", "show the fleet from Redis"),
     "config": ("poolgate.config_cli", "check a configuration file"),
+    "bench": ("poolgate.bench_cli", "run a benchmark under bench/"),
 }
 
 
