@@ -1,13 +1,17 @@
-"""Local process backend: starts the configured workers on this machine and keeps them registered.
+"""Local process backend: starts workers on this machine as child processes and keeps them registered.
 
 A worker is a ``poolgate simworker`` process (backend ``sim``) or a real ``vllm serve`` process (backend
-``vllm``, with ``CUDA_VISIBLE_DEVICES`` from the spec). Each worker gets a supervisor task that:
+``vllm``, with ``CUDA_VISIBLE_DEVICES`` from its spec or from GPU-aware placement). Each worker gets a
+supervisor task that:
 
 1. waits for ``/health`` to answer 200 (connection refused = still loading; vLLM opens its port only when
-   the engine is ready), then registers the worker in Redis;
-2. probes ``/health`` every heartbeat interval and refreshes the registration (Ready, or Failed after
-   ``failures_to_fail`` consecutive failed probes);
-3. deregisters at once when the process exits, and restarts it with exponential backoff.
+   the engine is ready), then registers the worker in Redis as Ready;
+2. refreshes the registration every heartbeat interval while the process lives (liveness only: the health
+   monitor owns Ready/Busy/Failed, the drainer owns Draining);
+3. deregisters at once when the process exits, and restarts it with exponential backoff (at once when
+   the controller asked for the restart).
+
+Workers come from the config, or are added at run time from a pool's template (``launch``).
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
+from controller.backend import PlacementRefused
+from controller.placement import GpuFree, Placement, place
 from poolgate.config import Config, WorkerSpec
 from poolgate.fleet import (
     FleetKeys,
@@ -39,22 +46,36 @@ from poolgate.procs import free_port
 log = logging.getLogger("poolgate.controller.local")
 
 
+def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[str, ...], max_model_len: int,
+                 gpu_memory_utilization: float, gpus: tuple[int, ...],
+                 extra_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """``vllm serve`` for one worker, and ``CUDA_VISIBLE_DEVICES`` from its placement.
+
+    ``--tensor-parallel-size`` follows the GPU count (a worker on two GPUs shards over both) unless the
+    extra arguments set it. Never ``--disable-log-stats``: the agent needs the engine's metrics.
+    """
+    cmd = ["vllm", "serve", model_path, "--host", host, "--port", str(port),
+           "--served-model-name", *served_names, "--max-model-len", str(max_model_len),
+           "--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    if len(gpus) > 1 and not any(a in ("--tensor-parallel-size", "-tp") for a in extra_args):
+        cmd += ["--tensor-parallel-size", str(len(gpus))]
+    cmd += [a for a in extra_args if a != "--disable-log-stats"]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)} if gpus else {}
+    return cmd, env
+
+
 def worker_command(config: Config, spec: WorkerSpec, port: int) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment that start one worker."""
     pool = config.pool(spec.pool)
-    env: dict[str, str] = {}
     if spec.backend == "sim":
         cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--host", spec.host, "--port", str(port),
                "--model", pool.model, "--worker-id", spec.id, "--preset", spec.preset,
                "--max-model-len", str(pool.max_model_len)]
-    else:
-        assert spec.model_path is not None  # the config validator guarantees it
-        cmd = ["vllm", "serve", spec.model_path, "--host", spec.host, "--port", str(port),
-               "--served-model-name", pool.model, "--max-model-len", str(pool.max_model_len),
-               "--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-        if spec.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
-    return [*cmd, *spec.extra_args], env
+        return [*cmd, *spec.extra_args], {}
+    assert spec.model_path is not None  # the config validator guarantees it
+    return vllm_command(spec.model_path, host=spec.host, port=port, served_names=(pool.model,),
+                        max_model_len=pool.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
+                        gpus=spec.gpus, extra_args=spec.extra_args)
 
 
 @dataclass
@@ -64,39 +85,128 @@ class WorkerProcess:
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
     registered: bool = False
-    consecutive_failures: int = 0
-    state: WorkerState = WorkerState.STARTING
     stopping: bool = False
+    restart_now: bool = False
     log_path: Path | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
+GpuFacts = Callable[[], Mapping[int, GpuFree]]
+"""This node's GPUs as the agent reads them (NVML), or a simulated set."""
+
+
 class LocalProcessBackend:
-    """Starts, supervises and stops the config's workers as child processes of the controller."""
+    """Starts, supervises and stops workers as child processes of the controller."""
+
+    name = "local"
 
     def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, log_dir: Path,
-                 failures_to_fail: int = 3, max_backoff_s: float = 30.0) -> None:
+                 max_backoff_s: float = 30.0, gpu_facts: GpuFacts | None = None) -> None:
         self._config = config
         self._redis = redis
         self._keys = keys
         self._log_dir = log_dir
-        self._failures_to_fail = failures_to_fail
         self._max_backoff_s = max_backoff_s
+        self._gpu_facts = gpu_facts
         self._workers: dict[str, WorkerProcess] = {}
         self._http: aiohttp.ClientSession | None = None
+        self._launched = 0
+        self.events: list[str] = []
+        """Placement refusals and other operator-facing events, newest last."""
 
     @property
     def workers(self) -> dict[str, WorkerProcess]:
         return self._workers
 
-    async def start_all(self) -> None:
-        self._log_dir.mkdir(parents=True, exist_ok=True)
+    def owns(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    async def pool_workers(self, pool: str) -> list[str]:
+        return sorted(w.spec.id for w in self._workers.values() if w.spec.pool == pool and not w.stopping)
+
+    async def start_all(self, configured: bool = True) -> None:
+        """Get ready to run workers, and start the config's (unless ``configured`` is False)."""
+        await asyncio.to_thread(self._log_dir.mkdir, parents=True, exist_ok=True)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
-        for spec in self._config.workers:
-            worker = WorkerProcess(spec=spec, port=spec.port or free_port(spec.host),
-                                   log_path=self._log_dir / f"{spec.id}.log")
-            self._workers[spec.id] = worker
-            worker.task = asyncio.create_task(self._supervise(worker), name=f"worker-{spec.id}")
+        for spec in self._config.workers if configured else ():
+            self._start(spec)
+
+    def _start(self, spec: WorkerSpec) -> WorkerProcess:
+        worker = WorkerProcess(spec=spec, port=spec.port or free_port(spec.host),
+                               log_path=self._log_dir / f"{spec.id}.log")
+        self._workers[spec.id] = worker
+        worker.task = asyncio.create_task(self._supervise(worker), name=f"worker-{spec.id}")
+        return worker
+
+    def _next_id(self, pool: str) -> str:
+        while True:
+            self._launched += 1
+            worker_id = f"{pool}-w{self._launched}"
+            if worker_id not in self._workers:
+                return worker_id
+
+    def _placement(self, pool: str, gpu_count: int) -> Placement:
+        need = self._config.placement.model_memory_mib.get(pool, self._config.placement.default_memory_mib)
+        gpus = dict(self._gpu_facts()) if self._gpu_facts is not None else {}
+        # GPUs promised to workers that are still loading do not show as used yet.
+        pending: dict[int, float] = {}
+        for worker in self._workers.values():
+            if not worker.registered and not worker.stopping:
+                held = self._config.placement.model_memory_mib.get(worker.spec.pool,
+                                                                   self._config.placement.default_memory_mib)
+                for index in worker.spec.gpus:
+                    pending[index] = pending.get(index, 0.0) + held
+        return place(need, gpu_count, gpus, pending)
+
+    async def launch(self, pool: str, count: int = 1) -> list[str]:
+        """Start ``count`` workers from the pool's template; PlacementRefused when no GPU fits one."""
+        scaling = self._config.autoscale.pools.get(pool)
+        if scaling is None:
+            raise KeyError(f"pool {pool!r} has no autoscale.pools entry (bounds and worker template)")
+        template = scaling.template
+        started: list[str] = []
+        for _ in range(count):
+            gpus: tuple[int, ...] = ()
+            if template.backend == "vllm":
+                placement = self._placement(pool, template.gpu_count)
+                if not placement.placed:
+                    event = f"pool {pool}: worker not started: {placement.reason}"
+                    self.events.append(event)
+                    log.warning("%s", event)
+                    raise PlacementRefused(event)
+                gpus = placement.gpus
+            spec = WorkerSpec(id=self._next_id(pool), pool=pool, backend=template.backend, host=template.host,
+                              preset=template.preset, model_path=template.model_path, gpus=gpus,
+                              gpu_memory_utilization=template.gpu_memory_utilization,
+                              extra_args=template.extra_args)
+            self._start(spec)
+            started.append(spec.id)
+        return started
+
+    async def stop(self, worker_id: str, grace_s: float = 5.0) -> None:
+        """Stop one worker for good (after its drain) and forget it."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        worker.stopping = True
+        if worker.task:
+            worker.task.cancel()
+            await asyncio.gather(worker.task, return_exceptions=True)
+        await self._terminate(worker, grace_s)
+        if worker.registered:
+            with contextlib.suppress(Exception):
+                await deregister_worker(self._redis, self._keys, worker_id)
+        self._workers.pop(worker_id, None)
+        log.info("stopped worker %s", worker_id)
+
+    async def restart(self, worker_id: str) -> None:
+        """Kill the process now and start a fresh one without backoff (a hung engine ignores SIGTERM)."""
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.process is None or worker.process.returncode is not None:
+            return
+        worker.restart_now = True
+        with contextlib.suppress(ProcessLookupError):
+            worker.process.kill()
 
     async def stop_all(self, grace_s: float = 5.0) -> None:
         for worker in self._workers.values():
@@ -171,31 +281,28 @@ class LocalProcessBackend:
             if worker.registered:
                 await deregister_worker(self._redis, self._keys, worker.spec.id)
                 worker.registered = False
+            worker.restarts += 1
+            if worker.restart_now:
+                worker.restart_now = False
+                log.warning("worker %s replaced (exit code %s); starting a fresh one", worker.spec.id,
+                            worker.process.returncode)
+                continue
             log.warning("worker %s exited with code %s; restarting in %.0f s", worker.spec.id,
                         worker.process.returncode, backoff)
-            worker.restarts += 1
             if time.monotonic() - started > 60:
                 backoff = 1.0
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max_backoff_s)
 
     async def _tick(self, worker: WorkerProcess) -> None:
-        """One health probe and the registry update that follows from it."""
+        """Before registration: wait for a good /health. After: keep the registration alive."""
         ttl = self._config.controller.heartbeat_ttl_s
-        healthy = await self._probe(worker)
         if not worker.registered:
-            if healthy:
+            if await self._probe(worker):
                 await register_worker(self._redis, self._keys, self._record(worker), ttl)
                 worker.registered = True
-                worker.consecutive_failures = 0
-                worker.state = WorkerState.READY
                 log.info("worker %s is ready at %s:%s", worker.spec.id, worker.spec.host, worker.port)
             return
-        worker.consecutive_failures = 0 if healthy else worker.consecutive_failures + 1
-        # Tolerate a few missed probes before ejecting; one good probe brings the worker back.
-        state = WorkerState.FAILED if worker.consecutive_failures >= self._failures_to_fail else WorkerState.READY
-        changed = state != worker.state
-        worker.state = state
-        alive = await heartbeat_worker(self._redis, self._keys, worker.spec.id, ttl, state=state, announce=changed)
+        alive = await heartbeat_worker(self._redis, self._keys, worker.spec.id, ttl)
         if not alive:  # the registration expired (Redis restarted, long pause): register again
-            await register_worker(self._redis, self._keys, self._record(worker).with_live(state=state), ttl)
+            await register_worker(self._redis, self._keys, self._record(worker), ttl)

@@ -1,8 +1,10 @@
-"""``poolgate controller``: wires the registry API, the fleet watcher, the xDS server and local workers.
+"""``poolgate controller``: wires the registry API, the fleet watcher, the xDS server, local workers, the
+health monitor, the drainer, the autoscaler and the leader lease.
 
 The fleet watcher is the only bridge from Redis to Envoy: it reads the registry on every change
 notification and at least every ``poll_s``, and hands the workers to the xDS server, which pushes new
 endpoints only when their content changed. Expired workers vanish from the registry and so from Envoy.
+Every controller serves xDS; only the lease holder probes, drains, replaces and scales.
 """
 
 from __future__ import annotations
@@ -11,21 +13,40 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import signal
+import socket
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import aiohttp
 import redis.asyncio as aioredis
 import uvloop
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from controller.agent.agent import run_agent
-from controller.local_backend import LocalProcessBackend
+from controller.agent.gpus import open_gpus
+from controller.autoscaler import Autoscaler, run_autoscaler
+from controller.backend import InstanceBackend
+from controller.drain import Drainer
+from controller.instances import InstanceController
+from controller.lease import LeaderLease
+from controller.local_backend import GpuFacts, LocalProcessBackend
+from controller.monitor import HealthMonitor, run_monitor
+from controller.placement import GpuFree
+from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
 from poolgate.config import Config, ConfigError, load_config
 from poolgate.fleet import FleetKeys, read_fleet
+
+if TYPE_CHECKING:
+    from controller.kube_backend import KubernetesBackend
 
 log = logging.getLogger("poolgate.controller")
 
@@ -60,26 +81,95 @@ async def watch_fleet(redis: aioredis.Redis, keys: FleetKeys, xds: XdsServer, po
             await asyncio.sleep(poll_s)
 
 
+def node_gpus(config: Config) -> GpuFacts | None:
+    """This node's GPUs through NVML for placement, or None without a driver."""
+    reader = open_gpus(config.agent.nvml)
+    if reader is None:
+        return None
+
+    def read() -> Mapping[int, GpuFree]:
+        return {i: GpuFree(i, s.memory_total_mib, s.memory_free_mib) for i, s in reader.read().items()}
+
+    return read
+
+
+async def sync_pods(kube: KubernetesBackend, interval_s: float, stop: asyncio.Event) -> None:
+    """Keep the pool Deployments' Ready pods registered (they do not register themselves)."""
+    while not stop.is_set():
+        try:
+            await kube.sync_registry()
+        except Exception as exc:  # the API server or Redis away: keep trying, Envoy keeps its endpoints
+            log.warning("kubernetes pod sync failed: %s", exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+
+
+async def _publish_api(redis: aioredis.Redis, keys: FleetKeys, api_url: str) -> None:
+    with contextlib.suppress(aioredis.RedisError, OSError):
+        await redis.set(keys.controller, api_url)
+
+
 async def run_controller(config: Config, redis_url: str, *, host: str, xds_port: int, http_port: int,
                          token: str, log_dir: Path, start_workers: bool = True) -> None:
     redis = aioredis.from_url(redis_url)
     keys = FleetKeys(config.key_prefix)
+    stop = asyncio.Event()
+    lease = LeaderLease(redis, keys, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+                        config.autoscale.lease_ttl_s)
     xds = XdsServer(config.pools)
     bound_xds = await xds.start(host, xds_port)
-    api = web.AppRunner(RegistryApi(config, redis, keys, token).app(), access_log=None)
+    backend: InstanceBackend
+    kube: KubernetesBackend | None = None
+    if config.kubernetes.enabled:
+        from controller.kube_backend import KubernetesBackend, api_client_from_environment
+
+        kube = KubernetesBackend(config, await asyncio.to_thread(api_client_from_environment), redis, keys)
+        backend = kube
+        local = None
+    else:
+        local = LocalProcessBackend(config, redis, keys, log_dir, gpu_facts=await asyncio.to_thread(node_gpus, config))
+        backend = local
+    drainer = Drainer(redis, keys, config.drain)
+    instances = InstanceController(config, redis, keys, backend, drainer, is_leader=lease.is_leader)
+    metrics = CollectorRegistry()
+    api = web.AppRunner(RegistryApi(config, redis, keys, token, instances, metrics).app(), access_log=None)
     await api.setup()
     site = web.TCPSite(api, host, http_port)
     await site.start()
     http_port = api.addresses[0][1]
-    backend = LocalProcessBackend(config, redis, keys, log_dir)
-    if start_workers:
-        await backend.start_all()
-    print(f"controller ready: api http://{host}:{http_port} xds {host}:{bound_xds} "
-          f"workers {len(config.workers) if start_workers else 0}", flush=True)
-    watcher = asyncio.create_task(watch_fleet(redis, keys, xds))
-    # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
-    agent = asyncio.create_task(run_agent(config, redis, keys))
-    stop = asyncio.Event()
+    api_url = f"http://{host}:{http_port}"
+    if local is not None:
+        await local.start_all(configured=start_workers)
+    print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
+          f"workers {len(config.workers) if start_workers and local else 0}", flush=True)
+    await lease.renew()
+
+    announcements: set[asyncio.Task[object]] = set()
+
+    def announce_api() -> None:
+        # Operator commands (`poolgate drain`, `poolgate scale`) find the leader here.
+        task: asyncio.Task[object] = asyncio.create_task(_publish_api(redis, keys, api_url))
+        announcements.add(task)
+        task.add_done_callback(announcements.discard)
+
+    if lease.is_leader():
+        announce_api()
+    health = config.health
+    probe_session = aiohttp.ClientSession()
+    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
+    monitor = HealthMonitor(config, redis, keys, prober, instances, is_leader=lease.is_leader)
+    tasks = [
+        asyncio.create_task(watch_fleet(redis, keys, xds)),
+        # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
+        asyncio.create_task(run_agent(config, redis, keys)),
+        asyncio.create_task(lease.run(stop, on_gain=announce_api)),
+        asyncio.create_task(run_monitor(monitor, health.probe_interval_s, stop)),
+    ]
+    if kube is not None:
+        tasks.append(asyncio.create_task(sync_pods(kube, config.controller.heartbeat_interval_s, stop)))
+    if config.autoscale.enabled and config.autoscale.pools:
+        autoscaler = Autoscaler(config, redis, keys, instances, metrics, is_leader=lease.is_leader)
+        tasks.append(asyncio.create_task(run_autoscaler(autoscaler, config.autoscale.interval_s, stop)))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -87,11 +177,16 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
         await stop.wait()
     finally:
         log.info("stopping: workers, API, xDS")
-        for task in (watcher, agent):
+        stop.set()
+        for task in tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await backend.stop_all()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await drainer.close()
+        if local is not None:
+            await local.stop_all()
+        await probe_session.close()
+        with contextlib.suppress(Exception):
+            await lease.release()
         await api.cleanup()
         await xds.stop()
         await redis.aclose()

@@ -13,8 +13,11 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from controller.backend import PlacementRefused
+from controller.instances import InstanceController, NotLeader
 from poolgate.config import Config
 from poolgate.fleet import (
     LIVE_FIELDS,
@@ -72,30 +75,39 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
+OPEN_PATHS = frozenset({"/healthz", "/metrics"})
+"""Paths without the token: liveness and Prometheus counters (they reveal no addresses)."""
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class RegistryApi:
     """Routes for the registry. Redis is passed in; the token check is constant-time."""
 
-    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, token: str) -> None:
+    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, token: str,
+                 instances: InstanceController | None = None, metrics: CollectorRegistry | None = None) -> None:
         self._config = config
         self._redis = redis
         self._keys = keys
         self._token = token.encode()
+        self._instances = instances
+        self._metrics = metrics
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics_page)
         app.router.add_get("/v1/workers", self._list)
         app.router.add_post("/v1/workers", self._register)
         app.router.add_post("/v1/workers/{worker_id}/heartbeat", self._heartbeat)
         app.router.add_delete("/v1/workers/{worker_id}", self._deregister)
+        app.router.add_post("/v1/workers/{worker_id}/drain", self._drain)
+        app.router.add_post("/v1/pools/{pool}/scale", self._scale)
         return app
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path == "/healthz":
+        if request.path in OPEN_PATHS:
             return await handler(request)
         supplied = request.headers.get("Authorization", "")
         scheme, _, token = supplied.partition(" ")
@@ -106,6 +118,10 @@ class RegistryApi:
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return _json({"status": "ok"})
+
+    async def _metrics_page(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._metrics) if self._metrics is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _list(self, request: web.Request) -> web.Response:
         workers = await read_fleet(self._redis, self._keys)
@@ -155,3 +171,51 @@ class RegistryApi:
         await deregister_worker(self._redis, self._keys, worker_id)
         log.info("deregistered worker %s", worker_id)
         return web.Response(status=204)
+
+    def _instances_or_error(self) -> InstanceController | web.Response:
+        if self._instances is None:
+            return _error(501, "this controller does not manage instances", "not_supported")
+        return self._instances
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        """Start draining a worker; 202 at once (``?wait=1`` answers when the drain is over)."""
+        instances = self._instances_or_error()
+        if isinstance(instances, web.Response):
+            return instances
+        worker_id = request.match_info["worker_id"]
+        try:
+            started = await instances.drain(worker_id)
+        except NotLeader as exc:
+            return _error(409, str(exc), "not_leader")
+        if not started:
+            return _error(404, f"worker {worker_id!r} is not registered", "not_registered")
+        if request.query.get("wait") in ("1", "true"):
+            reason = await instances.drainer.wait(worker_id)
+            return _json({"worker": worker_id, "state": "drained", "reason": reason})
+        return _json({"worker": worker_id, "state": "Draining"}, status=202)
+
+    async def _scale(self, request: web.Request) -> web.Response:
+        instances = self._instances_or_error()
+        if isinstance(instances, web.Response):
+            return instances
+        pool = request.match_info["pool"]
+        scaling = self._config.autoscale.pools.get(pool)
+        if scaling is None:
+            return _error(400, f"pool {pool!r} has no autoscale.pools entry (bounds and worker template)",
+                          "not_scalable")
+        try:
+            body = await self._body(request)
+            target = int(body["workers"])
+        except (web.HTTPBadRequest, KeyError, TypeError, ValueError):
+            return _error(400, 'expected {"workers": N}', "invalid_scale")
+        if not scaling.min_workers <= target <= scaling.max_workers:
+            return _error(400, f"pool {pool}: {target} is outside min_workers {scaling.min_workers} .. "
+                          f"max_workers {scaling.max_workers}", "out_of_bounds")
+        try:
+            result = await instances.scale(pool, target)
+        except NotLeader as exc:
+            return _error(409, str(exc), "not_leader")
+        except PlacementRefused as exc:
+            return _error(409, str(exc), "placement_refused")
+        return _json({"pool": pool, "before": result.before, "target": result.target,
+                      "started": list(result.started), "draining": list(result.draining)})

@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("poolgate.status", "show the fleet from Redis"),
     "config": ("poolgate.config_cli", "check a configuration file"),
     "bench": ("poolgate.bench_cli", "run a benchmark under bench/"),
+    "scale": ("poolgate.scale_cli", "set a pool's number of workers (through the controller)"),
+    "drain": ("poolgate.drain_cli", "drain a worker: no new requests, finish in-flight ones, then stop it"),
 }
 
 

@@ -7,6 +7,14 @@ Layout under one key prefix (every key is single-key or within one hash slot, so
 - ``{prefix}:workers``      set of worker ids (an index; readers prune ids whose hash has expired).
 - ``{prefix}:inflight:{id}`` cross-replica count of requests extproc has in flight on a worker.
 - ``{prefix}:events``       pub/sub channel; any message means "the fleet changed, refresh now".
+- ``{prefix}:passive:{id}`` count of data-path failures (5xx, timeouts, resets before headers) seen on a
+  worker; any data-path process ``INCR``s it (``record_passive_failure``); the controller's health monitor
+  reads the growth per probe interval. It expires a minute after the last failure.
+- ``{prefix}:queued:{pool}`` hash: requests each extproc replica holds in its queue for a pool (``HSET``
+  field = replica id, value = its current count, with ``PEXPIRE`` of a few seconds on every write so a
+  dead replica's count fades); the autoscaler reads the sum as queue pressure.
+- ``{prefix}:leader``       the controller leader lease (holder id, ``SET NX PX``).
+- ``{prefix}:controller``   the leader controller's API base URL, for operator commands.
 
 Writes happen per worker and per heartbeat, never per request (except the in-flight counters).
 """
@@ -64,6 +72,9 @@ class WorkerRecord:
     metrics_at: float = 0.0
     """When the agent last read this worker's metrics and GPUs; 0 = never. Live facts older than the
     staleness bound must not be trusted for placement even while the worker still heartbeats."""
+    registered_at: float = 0.0
+    """When this registration was written (set by ``register_worker``): tells a restarted worker from the
+    same worker seen again."""
 
     @property
     def address(self) -> str:
@@ -126,6 +137,20 @@ class FleetKeys:
     def inflight(self, worker_id: str) -> str:
         return f"{self.prefix}:inflight:{worker_id}"
 
+    def passive(self, worker_id: str) -> str:
+        return f"{self.prefix}:passive:{worker_id}"
+
+    def queued(self, pool: str) -> str:
+        return f"{self.prefix}:queued:{pool}"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}:leader"
+
+    @property
+    def controller(self) -> str:
+        return f"{self.prefix}:controller"
+
 
 RedisLike: TypeAlias = Redis
 """The async client every poolgate process uses (works with redis://, rediss://, unix:// URLs)."""
@@ -139,6 +164,8 @@ async def register_worker(redis: RedisLike, keys: FleetKeys, record: WorkerRecor
     """Write a worker's full record, index it, and announce the change."""
     pipe = redis.pipeline(transaction=False)
     name = keys.worker(record.id)
+    if not record.registered_at:
+        record = replace(record, registered_at=time.time())
     pipe.delete(name)
     pipe.hset(name, mapping=dict[Any, Any](record.to_redis()))
     pipe.pexpire(name, _ttl_ms(ttl_s))
@@ -194,6 +221,7 @@ async def deregister_worker(redis: RedisLike, keys: FleetKeys, worker_id: str) -
     pipe = redis.pipeline(transaction=False)
     pipe.delete(keys.worker(worker_id))
     pipe.delete(keys.inflight(worker_id))
+    pipe.delete(keys.passive(worker_id))
     pipe.srem(keys.workers, worker_id)
     pipe.publish(keys.events, f"deregister {worker_id}")
     await pipe.execute()
@@ -233,3 +261,33 @@ async def read_inflight(redis: RedisLike, keys: FleetKeys, worker_ids: list[str]
         pipe.get(keys.inflight(worker_id))
     values = await pipe.execute()
     return {w: max(0, int(v or 0)) for w, v in zip(worker_ids, values, strict=True)}
+
+
+PASSIVE_TTL_S = 60.0
+
+
+async def record_passive_failure(redis: RedisLike, keys: FleetKeys, worker_id: str, count: int = 1) -> None:
+    """A data-path failure on a worker (5xx answered by it, upstream timeout, reset before headers)."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.incrby(keys.passive(worker_id), count)
+    pipe.pexpire(keys.passive(worker_id), _ttl_ms(PASSIVE_TTL_S))
+    await pipe.execute()
+
+
+async def read_passive_failures(redis: RedisLike, keys: FleetKeys, worker_ids: list[str]) -> dict[str, int]:
+    """Cumulative data-path failure counts (0 when none or expired); readers compare with their last read."""
+    if not worker_ids:
+        return {}
+    values = await redis.mget([keys.passive(w) for w in worker_ids])
+    return {w: max(0, int(v or 0)) for w, v in zip(worker_ids, values, strict=True)}
+
+
+async def set_worker_state(redis: RedisLike, keys: FleetKeys, worker_id: str, state: WorkerState) -> bool:
+    """Change a registered worker's state and announce it; False when it is not registered."""
+    return await update_live_facts(redis, keys, worker_id, announce=True, state=state.value)
+
+
+async def read_queued(redis: RedisLike, keys: FleetKeys, pool: str) -> int:
+    """Requests extproc replicas hold for a pool (the sum of their fields; 0 when none report)."""
+    values = await redis.hvals(keys.queued(pool))
+    return sum(max(0, int(v)) for v in values)

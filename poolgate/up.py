@@ -151,7 +151,7 @@ class Stack:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             while pending:
                 for model in sorted(pending):
-                    if await _chat_ok(http, self.base_url, model):
+                    if await _chat_ok(http, self.base_url, model, self.config.tenancy.require_api_key):
                         pending.discard(model)
                 self.raise_if_child_died()
                 if pending and time.monotonic() > deadline:
@@ -193,12 +193,14 @@ class Stack:
         return f"http://127.0.0.1:{self.ports.envoy}/v1"
 
 
-async def _chat_ok(http: aiohttp.ClientSession, base_url: str, model: str) -> bool:
+async def _chat_ok(http: aiohttp.ClientSession, base_url: str, model: str, keys_required: bool = False) -> bool:
+    """With API keys required the probe has no key (the config holds only hashes): extproc's 401 then shows
+    the router is up, not that the model's workers are."""
     body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     try:
         async with http.post(f"{base_url}/chat/completions", json=body) as response:
             await response.read()
-            return response.status == 200
+            return response.status == 200 or (keys_required and response.status == 401)
     except (aiohttp.ClientError, TimeoutError):
         return False
 

@@ -64,6 +64,14 @@ STREAM_IDLE_TIMEOUT_S = 600
 BUFFER_HEADROOM_BYTES = 64 * 1024
 """Headers and framing on top of the largest accepted body."""
 FALLBACK_404_RETRIES = 3
+POOL_RETRY_ON = "connect-failure,refused-stream,reset"
+"""Retry only while the response has not started: the connection failed, the HTTP/2 stream was refused, or
+the upstream reset/disconnected before sending response headers (Envoy's ``reset``). Envoy never retries
+once headers went downstream, so a stream cut mid-way ends with an error and is not replayed.
+``reset-before-request`` alone is too narrow (measured): a request written to a pooled connection of a
+worker killed a moment earlier dies with "connection termination" after it was sent and would fail. A
+generation retried elsewhere costs GPU time twice but the client sees one answer."""
+POOL_RETRIES = 2
 
 REQUEST_ACCESS_LOG_FORMAT = (
     "[%START_TIME%] \"%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%\" %RESPONSE_CODE% "
@@ -144,11 +152,29 @@ def _ext_proc(config: Config) -> hcm_pb2.HttpFilter:
         metadata_options=ext_proc_pb2.MetadataOptions(
             receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(untyped=[LB_METADATA_NAMESPACE])
         ),
-        allow_mode_override=False,
+        # extproc asks for the response body (mode_override at the request headers) only for requests
+        # whose token usage it must read: tenants with a tokens-per-minute limit. Everyone else keeps NONE.
+        allow_mode_override=any(t.tokens_per_minute for t in config.tenants) and config.tenancy.reconcile_usage,
     )
     if not settings.fail_open:
         filter_config.status_on_error.CopyFrom(http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable))
     return hcm_pb2.HttpFilter(**_typed("envoy.filters.http.ext_proc", filter_config))
+
+
+def _other_hosts() -> list[route_components_pb2.RetryPolicy.RetryHostPredicate]:
+    return [route_components_pb2.RetryPolicy.RetryHostPredicate(
+        **_typed("envoy.retry_host_predicates.previous_hosts", previous_hosts_pb2.PreviousHostsPredicate())
+    )]
+
+
+def pool_retry_policy() -> route_components_pb2.RetryPolicy:
+    """Another worker of the pool when the chosen one could not take the request (never the same one)."""
+    return route_components_pb2.RetryPolicy(
+        retry_on=POOL_RETRY_ON,
+        num_retries=UInt32Value(value=POOL_RETRIES),
+        retry_host_predicate=_other_hosts(),
+        host_selection_retry_max_attempts=5,
+    )
 
 
 def _routes() -> route_pb2.RouteConfiguration:
@@ -158,16 +184,15 @@ def _routes() -> route_pb2.RouteConfiguration:
             prefix="/",
             headers=[route_components_pb2.HeaderMatcher(name=CLUSTER_HEADER, present_match=True)],
         ),
-        route=route_components_pb2.RouteAction(cluster_header=CLUSTER_HEADER, timeout=_duration(0)),
+        route=route_components_pb2.RouteAction(cluster_header=CLUSTER_HEADER, timeout=_duration(0),
+                                               retry_policy=pool_retry_policy()),
         request_headers_to_remove=[CLUSTER_HEADER],  # routing detail; workers need not see it
     )
     retry = route_components_pb2.RetryPolicy(
         retry_on="retriable-status-codes",
         retriable_status_codes=[404],  # this worker does not serve the model: try another
         num_retries=UInt32Value(value=FALLBACK_404_RETRIES),
-        retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
-            **_typed("envoy.retry_host_predicates.previous_hosts", previous_hosts_pb2.PreviousHostsPredicate())
-        )],
+        retry_host_predicate=_other_hosts(),
         host_selection_retry_max_attempts=5,
     )
     fail_open = route_components_pb2.Route(

@@ -12,7 +12,7 @@ import ipaddress
 import logging
 from collections.abc import Iterable, Sequence
 
-from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, config_source_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
@@ -48,6 +48,36 @@ HEALTH_BY_STATE: dict[WorkerState, int] = {
     WorkerState.STARTING: health_check_pb2.UNHEALTHY,
 }
 """Busy still serves (it only scores lower in extproc); Draining finishes in-flight work but takes no new."""
+
+
+OUTLIER_LOCAL_ORIGIN_FAILURES = 2
+"""Connect failures, timeouts and resets in a row (Envoy's own view) that eject a host: a killed worker
+leaves rotation after two refused connections, long before the controller's probes notice."""
+OUTLIER_CONSECUTIVE_5XX = 5
+OUTLIER_BASE_EJECTION_S = 5
+OUTLIER_MAX_EJECTION_PERCENT = 50
+"""Never eject more than half a pool on passive evidence alone; the probes decide about the rest."""
+
+
+def outlier_detection() -> outlier_detection_pb2.OutlierDetection:
+    """Passive health in Envoy: a pool's failing host leaves rotation on the next failure, not the next probe.
+
+    Local-origin errors (connect failure, reset, timeout) count apart from the worker's own 5xx answers, so a
+    dead process is ejected after ``OUTLIER_LOCAL_ORIGIN_FAILURES`` attempts while a model that answers a few
+    500s needs ``OUTLIER_CONSECUTIVE_5XX`` in a row. Success-rate ejection stays off (pools are small).
+    """
+    return outlier_detection_pb2.OutlierDetection(
+        split_external_local_origin_errors=True,
+        consecutive_local_origin_failure=UInt32Value(value=OUTLIER_LOCAL_ORIGIN_FAILURES),
+        enforcing_consecutive_local_origin_failure=UInt32Value(value=100),
+        consecutive_5xx=UInt32Value(value=OUTLIER_CONSECUTIVE_5XX),
+        enforcing_consecutive_5xx=UInt32Value(value=100),
+        enforcing_success_rate=UInt32Value(value=0),
+        enforcing_local_origin_success_rate=UInt32Value(value=0),
+        interval=duration_pb2.Duration(seconds=1),
+        base_ejection_time=duration_pb2.Duration(seconds=OUTLIER_BASE_EJECTION_S),
+        max_ejection_percent=UInt32Value(value=OUTLIER_MAX_EJECTION_PERCENT),
+    )
 
 
 def relaxed_circuit_breakers() -> circuit_breaker_pb2.CircuitBreakers:
@@ -101,8 +131,10 @@ def _eds_cluster(name: str, policy: cluster_pb2.LoadBalancingPolicy) -> cluster_
 
 
 def build_clusters(pools: Sequence[PoolSpec]) -> list[cluster_pb2.Cluster]:
-    """One override_host cluster per pool, plus the least_request fallback cluster."""
+    """One override_host cluster per pool (with outlier detection), plus the least_request fallback cluster."""
     clusters = [_eds_cluster(cluster_name(pool.name), _override_host()) for pool in pools]
+    for cluster in clusters:
+        cluster.outlier_detection.CopyFrom(outlier_detection())
     clusters.append(_eds_cluster(FALLBACK_CLUSTER, _least_request()))
     return clusters
 

@@ -1,0 +1,276 @@
+"""``poolgate bench autoscale --out DIR [--quick]``: autoscaled pool vs a static fleet sized for the peak.
+
+A request-level discrete-event model of one pool on a diurnal trace (peak / trough = 10): Poisson arrivals
+whose rate follows ``trough + (peak - trough) · ((1 - cos 2πt/T) / 2)²`` (a flat night and one daytime
+peak), requests that hold one of a worker's ``slots`` for a lognormal service time, a pool queue in front
+(extproc's), time to first token = queue wait + prefill. The autoscaled fleet is driven by the production
+decision function (``controller.autoscale.decide``) sampled every ``interval_s``; new workers serve after
+``startup_s``; removed workers drain (take nothing new, leave when their last request ends). The static
+fleet is the smallest size that meets the SLO target on the same trace.
+
+Reported: worker-seconds (every second a worker exists: starting, serving or draining) and SLO attainment
+(share of requests whose TTFT ≤ ``slo_ttft_s``). A model, not a measurement of real engines: it tests the
+scaling policy, not vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from controller.autoscale import Action, PoolSample, decide
+from poolgate.config import AutoscaleSettings, PoolScaling
+
+
+@dataclass(frozen=True)
+class Scenario:
+    period_s: float = 7200.0
+    peak_rps: float = 60.0
+    peak_to_trough: float = 10.0
+    slots: int = 16
+    service_mean_s: float = 4.0
+    service_sigma: float = 0.5
+    prefill_s: float = 0.1
+    startup_s: float = 20.0
+    slo_ttft_s: float = 1.0
+    slo_target: float = 0.99
+    seed: int = 7
+
+    def rate(self, t: float) -> float:
+        trough = self.peak_rps / self.peak_to_trough
+        shape = ((1 - math.cos(2 * math.pi * t / self.period_s)) / 2) ** 2
+        return trough + (self.peak_rps - trough) * shape
+
+
+QUICK = Scenario(period_s=1800.0, peak_rps=30.0, startup_s=10.0)
+"""A quarter of the day and half the traffic; the shorter day needs proportionally quicker starts."""
+
+SETTINGS = AutoscaleSettings(enabled=True, interval_s=2.0, up_waiting_per_worker=2.0, up_kv_usage=0.9,
+                             up_sustain_s=4.0, down_running_per_worker=0.8 * 16, down_cooldown_s=40.0)
+"""Bench policy: grow on slot (KV) pressure above 90 % before requests queue, shrink while one worker fewer
+stays at or under 80 % busy. ``down_running_per_worker`` is in requests; it is rescaled to the slots."""
+
+
+@dataclass
+class _Worker:
+    started_at: float
+    ready_at: float
+    running: int = 0
+    draining: bool = False
+    ended_at: float | None = None
+
+
+@dataclass
+class Result:
+    name: str
+    workers_min: int
+    workers_max: int
+    worker_seconds: float
+    requests: int
+    slo_attainment: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    decisions: dict[str, int] = field(default_factory=dict)
+    timeline: list[tuple[float, int, float]] = field(default_factory=list)
+    """(time, workers, offered requests per second) every minute."""
+
+
+def _arrivals(scenario: Scenario, rng: random.Random) -> list[float]:
+    """Non-homogeneous Poisson arrivals by thinning."""
+    times: list[float] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(scenario.peak_rps)
+        if t >= scenario.period_s:
+            return times
+        if rng.random() < scenario.rate(t) / scenario.peak_rps:
+            times.append(t)
+
+
+def simulate(scenario: Scenario, static_workers: int | None, settings: AutoscaleSettings = SETTINGS,
+             bounds: PoolScaling | None = None) -> Result:
+    """One run: a fixed fleet of ``static_workers``, or the autoscaler within ``bounds`` when None."""
+    rng = random.Random(scenario.seed)
+    arrivals = _arrivals(scenario, rng)
+    mu = math.log(scenario.service_mean_s) - scenario.service_sigma ** 2 / 2
+    services = [rng.lognormvariate(mu, scenario.service_sigma) for _ in arrivals]
+    autoscaled = static_workers is None
+    bounds = bounds or PoolScaling(min_workers=1, max_workers=200)
+    # Both fleets start warm: the autoscaled one with what the trough needs at the scale-down threshold.
+    trough_busy = scenario.rate(0.0) * scenario.service_mean_s / scenario.slots
+    warm = max(bounds.min_workers, math.ceil(trough_busy * scenario.slots / max(1.0, settings.down_running_per_worker)))
+    initial = warm if autoscaled else static_workers or 0
+    workers = [_Worker(0.0, 0.0) for _ in range(initial)]
+    events: list[tuple[float, int, str, int]] = []
+    sequence = 0
+
+    def push(at: float, kind: str, data: int) -> None:
+        nonlocal sequence
+        sequence += 1
+        heapq.heappush(events, (at, sequence, kind, data))
+
+    for index, at in enumerate(arrivals):
+        push(at, "arrive", index)
+    if autoscaled:
+        push(0.0, "tick", 0)
+    for minute in range(int(scenario.period_s // 60) + 1):
+        push(minute * 60.0, "record", 0)
+    queue: list[int] = []
+    queue_head = 0
+    ttfts: list[float] = []
+    history: list[PoolSample] = []
+    last_change: float | None = None
+    decisions: dict[str, int] = {}
+    timeline: list[tuple[float, int, float]] = []
+    keep_s = max(settings.up_sustain_s, settings.down_cooldown_s) + 2 * settings.interval_s
+
+    def serving(now: float) -> list[int]:
+        return [i for i, w in enumerate(workers)
+                if w.ended_at is None and not w.draining and w.ready_at <= now]
+
+    def dispatch(now: float) -> None:
+        nonlocal queue_head
+        while queue_head < len(queue):
+            open_workers = [i for i in serving(now) if workers[i].running < scenario.slots]
+            if not open_workers:
+                return
+            chosen = min(open_workers, key=lambda i: workers[i].running)
+            request = queue[queue_head]
+            queue_head += 1
+            workers[chosen].running += 1
+            ttfts.append(now - arrivals[request] + scenario.prefill_s)
+            push(now + services[request], "finish", chosen)
+
+    while events:
+        now, _, kind, data = heapq.heappop(events)
+        if now > scenario.period_s + 600:
+            break
+        if kind == "arrive":
+            queue.append(data)
+            dispatch(now)
+        elif kind == "finish":
+            worker = workers[data]
+            worker.running -= 1
+            if worker.draining and worker.running == 0:
+                worker.ended_at = now
+            dispatch(now)
+        elif kind == "ready":
+            dispatch(now)
+        elif kind == "record":
+            alive = sum(1 for w in workers if w.ended_at is None)
+            timeline.append((now, alive, round(scenario.rate(now), 2)))
+        elif kind == "tick":
+            if now < scenario.period_s:
+                push(now + settings.interval_s, "tick", 0)
+            alive = [w for w in workers if w.ended_at is None and not w.draining]
+            ready = [workers[i] for i in serving(now)]
+            running = sum(w.running for w in ready)
+            kv = sum(w.running / scenario.slots for w in ready) / len(ready) if ready else 0.0
+            history.append(PoolSample(now, len(alive), len(ready), len(queue) - queue_head, running, kv))
+            history = [s for s in history if now - s.at <= keep_s]
+            decision = decide(history, bounds, settings, now, last_change)
+            decisions[decision.action.value] = decisions.get(decision.action.value, 0) + 1
+            if decision.action is Action.UP:
+                for _ in range(decision.target - len(alive)):
+                    workers.append(_Worker(now, now + scenario.startup_s))
+                    push(now + scenario.startup_s, "ready", len(workers) - 1)
+            elif decision.action is Action.DOWN:
+                candidates = sorted((i for i, w in enumerate(workers) if w.ended_at is None and not w.draining),
+                                    key=lambda i: (workers[i].ready_at <= now, workers[i].running))
+                for index in candidates[:len(alive) - decision.target]:
+                    workers[index].draining = True
+                    if workers[index].running == 0:
+                        workers[index].ended_at = now
+            if decision.action is not Action.HOLD:
+                last_change = now
+                history = []
+    end = scenario.period_s
+    worker_seconds = sum(min(w.ended_at if w.ended_at is not None else end, end) - w.started_at
+                         for w in workers if w.started_at < end)
+    # Requests still queued at the end waited at least this long.
+    ttfts += [end - arrivals[r] + scenario.prefill_s for r in queue[queue_head:]]
+    ordered = sorted(ttfts)
+    met = sum(1 for t in ordered if t <= scenario.slo_ttft_s)
+    counts = [n for _, n, _ in timeline]
+    return Result(
+        name="autoscaled" if autoscaled else f"static-{static_workers}",
+        workers_min=min(counts), workers_max=max(counts), worker_seconds=round(worker_seconds, 1),
+        requests=len(ordered), slo_attainment=round(met / len(ordered), 5),
+        ttft_p50_s=round(ordered[len(ordered) // 2], 4), ttft_p99_s=round(ordered[int(len(ordered) * 0.99)], 4),
+        decisions=decisions, timeline=timeline,
+    )
+
+
+def static_for_peak(scenario: Scenario) -> Result:
+    """The smallest static fleet that meets the SLO target on the trace (i.e. sized for its peak)."""
+    low = 1
+    high = max(2, math.ceil(scenario.peak_rps * scenario.service_mean_s / scenario.slots) * 2)
+    best = simulate(scenario, high)
+    while low < high:
+        middle = (low + high) // 2
+        result = simulate(scenario, middle)
+        if result.slo_attainment >= scenario.slo_target:
+            best, high = result, middle
+        else:
+            low = middle + 1
+    return best
+
+
+def run(scenario: Scenario, out: Path) -> dict[str, object]:
+    settings = SETTINGS.model_copy(update={"down_running_per_worker": 0.8 * scenario.slots})
+    static = static_for_peak(scenario)
+    auto = simulate(scenario, None, settings, PoolScaling(min_workers=1, max_workers=static.workers_max * 2))
+    ratio = auto.worker_seconds / static.worker_seconds
+    verdict = ratio <= 0.6 and auto.slo_attainment >= static.slo_attainment
+    summary: dict[str, object] = {
+        "scenario": asdict(scenario), "policy": settings.model_dump(),
+        "static": {k: v for k, v in asdict(static).items() if k != "timeline"},
+        "autoscaled": {k: v for k, v in asdict(auto).items() if k != "timeline"},
+        "worker_seconds_ratio": round(ratio, 4), "goal": "ratio <= 0.60 at the same or better SLO attainment",
+        "goal_met": verdict,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "autoscale.json").write_text(json.dumps(summary, indent=2))
+    with (out / "autoscale_timeline.csv").open("w") as handle:
+        handle.write("time_s,offered_rps,autoscaled_workers,static_workers\n")
+        for (t, n, rate), (_, s, _) in zip(auto.timeline, static.timeline, strict=False):
+            handle.write(f"{t:.0f},{rate},{n},{s}\n")
+    lines = [
+        "# Autoscaling vs a static fleet sized for the peak (model)",
+        "",
+        f"Diurnal trace: {scenario.period_s:.0f} s, {scenario.peak_rps:g} req/s peak, peak/trough "
+        f"{scenario.peak_to_trough:g}; {scenario.slots} slots per worker, {scenario.service_mean_s:g} s mean service, "
+        f"start-up {scenario.startup_s:g} s; SLO TTFT ≤ {scenario.slo_ttft_s:g} s, target {scenario.slo_target:.0%}.",
+        "",
+        "| fleet | workers (min–max) | worker-seconds | SLO attainment | TTFT p50 | TTFT p99 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for result in (static, auto):
+        lines.append(f"| {result.name} | {result.workers_min}–{result.workers_max} | {result.worker_seconds:,.0f} | "
+                     f"{result.slo_attainment:.2%} | {result.ttft_p50_s:.2f} s | {result.ttft_p99_s:.2f} s |")
+    lines += ["", f"Autoscaled worker-seconds: **{ratio:.0%}** of static; goal (≤ 60 % at the same or better "
+                  f"attainment) {'met' if verdict else 'NOT met'}. Decisions: {auto.decisions}."]
+    (out / "autoscale.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="poolgate bench autoscale", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for autoscale.json/.md and the timeline CSV")
+    parser.add_argument("--quick", action="store_true", help="a shorter, lighter trace (seconds, for CI)")
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+    scenario = QUICK if args.quick else Scenario()
+    scenario = Scenario(**{**asdict(scenario), "seed": args.seed})
+    run(scenario, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""The autoscaler loop: sample each scalable pool, decide (``controller.autoscale``), act, log, count.
+
+Runs on the leader only. Samples come from the registry (workers' engine facts from the agent) and from
+extproc's per-pool queue counts; the history kept per pool is just long enough for the longest window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter
+from redis.exceptions import RedisError
+
+from controller.autoscale import Action, Decision, PoolSample, decide
+from controller.backend import PlacementRefused
+from controller.instances import InstanceController
+from poolgate.config import Config
+from poolgate.fleet import FleetKeys, RedisLike, WorkerState, read_fleet, read_queued
+
+log = logging.getLogger("poolgate.controller.autoscale")
+
+
+class Autoscaler:
+    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, instances: InstanceController,
+                 registry: CollectorRegistry, *, is_leader: Callable[[], bool] = lambda: True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._settings = config.autoscale
+        self._redis = redis
+        self._keys = keys
+        self._instances = instances
+        self._is_leader = is_leader
+        self._clock = clock
+        span = max(self._settings.up_sustain_s, self._settings.down_cooldown_s) + 2 * self._settings.interval_s
+        self._keep_s = span
+        self._history: dict[str, deque[PoolSample]] = {p: deque() for p in self._settings.pools}
+        self._last_change: dict[str, float] = {}
+        self._decisions = Counter("poolgate_autoscale_decisions", "Autoscaler decisions by pool and action.",
+                                  ["pool", "action"], registry=registry)
+        self.last: dict[str, Decision] = {}
+
+    async def sample(self, pool: str, now: float) -> PoolSample:
+        records = [r for r in await read_fleet(self._redis, self._keys) if r.pool == pool]
+        serving = [r for r in records if r.state in (WorkerState.READY, WorkerState.BUSY)]
+        active = await self._instances.active_workers(pool)
+        queued = await read_queued(self._redis, self._keys, pool)
+        kv = sum(r.kv_usage for r in serving) / len(serving) if serving else 0.0
+        ready = len([r for r in serving if r.id in active])
+        return PoolSample(at=now, workers=len(active), ready=ready,
+                          waiting=sum(r.waiting for r in serving) + queued,
+                          running=sum(r.running for r in serving), kv_usage=kv)
+
+    async def step(self) -> None:
+        """One sample and decision per pool; acts when the decision changes the size."""
+        if not self._is_leader():
+            for history in self._history.values():
+                history.clear()
+            return
+        now = self._clock()
+        for pool, bounds in self._settings.pools.items():
+            history = self._history[pool]
+            history.append(await self.sample(pool, now))
+            while history and now - history[0].at > self._keep_s:
+                history.popleft()
+            decision = decide(list(history), bounds, self._settings, now, self._last_change.get(pool))
+            self._decisions.labels(pool=pool, action=decision.action.value).inc()
+            self.last[pool] = decision
+            if decision.action is Action.HOLD:
+                log.debug("pool %s: hold at %d (%s)", pool, decision.target, decision.reason)
+                continue
+            log.info("pool %s: scale %s to %d (%s)", pool, decision.action.value, decision.target, decision.reason)
+            try:
+                await self._instances.scale(pool, decision.target)
+            except PlacementRefused as exc:
+                log.warning("pool %s: scale-up refused: %s", pool, exc)
+            self._last_change[pool] = now
+            history.clear()  # the next decision looks at the pool as it is after this change
+
+
+async def run_autoscaler(autoscaler: Autoscaler, interval_s: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await autoscaler.step()
+        except (RedisError, OSError) as exc:
+            log.warning("autoscaler skipped a round: %s", exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)

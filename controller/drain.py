@@ -1,0 +1,111 @@
+"""Draining: a worker stops taking new requests, finishes what it has, then goes.
+
+Draining in Redis makes Envoy's endpoint DRAINING (no new connections from its load balancer) and extproc
+stop choosing the worker; requests and streams already on it continue, because Envoy never moves an
+open stream. The worker may stop once nothing is in flight on it — neither in extproc's cross-replica
+count nor in the engine's own running/waiting queues — or when the grace period ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from poolgate.config import DrainSettings
+from poolgate.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, read_fleet, read_inflight, set_worker_state
+
+log = logging.getLogger("poolgate.controller.drain")
+
+
+@dataclass(frozen=True)
+class DrainView:
+    """What the drainer sees of a draining worker at one moment."""
+
+    elapsed_s: float
+    registered: bool
+    inflight: int
+    running: int
+    waiting: int
+
+
+def drain_finished(view: DrainView, settings: DrainSettings) -> str | None:
+    """Why the drain is over, or None while the worker must keep serving what it has."""
+    if not view.registered:
+        return "the worker left the registry"
+    if view.elapsed_s >= settings.grace_s:
+        return (f"grace period of {settings.grace_s:g} s ended with {view.inflight} in flight, "
+                f"{view.running} running, {view.waiting} waiting")
+    if view.elapsed_s < settings.settle_s:
+        return None  # every extproc replica must have seen Draining before "0 in flight" means anything
+    if view.inflight == 0 and view.running == 0 and view.waiting == 0:
+        return f"nothing in flight after {view.elapsed_s:.1f} s"
+    return None
+
+
+@dataclass
+class DrainStatus:
+    worker_id: str
+    started_at: float
+    finished: str | None = None
+
+
+class Drainer:
+    """Runs drains as tasks, one per worker; ``then`` stops or replaces the worker when its drain ends."""
+
+    def __init__(self, redis: RedisLike, keys: FleetKeys, settings: DrainSettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._settings = settings
+        self._clock = clock
+        self._tasks: dict[str, asyncio.Task[str]] = {}
+        self.history: dict[str, DrainStatus] = {}
+
+    def draining(self, worker_id: str) -> bool:
+        task = self._tasks.get(worker_id)
+        return task is not None and not task.done()
+
+    async def start(self, worker_id: str, then: Callable[[], Awaitable[None]]) -> bool:
+        """Mark the worker Draining and finish the drain in the background; False if it is not registered."""
+        if self.draining(worker_id):
+            return True
+        if not await set_worker_state(self._redis, self._keys, worker_id, WorkerState.DRAINING):
+            return False
+        status = DrainStatus(worker_id, self._clock())
+        self.history[worker_id] = status
+        log.info("worker %s: draining (grace %.0f s)", worker_id, self._settings.grace_s)
+        self._tasks[worker_id] = asyncio.create_task(self._finish(status, then), name=f"drain-{worker_id}")
+        return True
+
+    async def wait(self, worker_id: str) -> str | None:
+        task = self._tasks.get(worker_id)
+        return await task if task is not None else None
+
+    async def _view(self, status: DrainStatus) -> DrainView:
+        records = {r.id: r for r in await read_fleet(self._redis, self._keys)}
+        record: WorkerRecord | None = records.get(status.worker_id)
+        inflight = (await read_inflight(self._redis, self._keys, [status.worker_id])).get(status.worker_id, 0)
+        elapsed = self._clock() - status.started_at
+        if record is None:
+            return DrainView(elapsed, False, inflight, 0, 0)
+        return DrainView(elapsed, True, inflight, record.running, record.waiting)
+
+    async def _finish(self, status: DrainStatus, then: Callable[[], Awaitable[None]]) -> str:
+        while True:
+            view = await self._view(status)
+            reason = drain_finished(view, self._settings)
+            if reason is not None:
+                break
+            await asyncio.sleep(self._settings.poll_s)
+        status.finished = reason
+        log.info("worker %s: drain over (%s)", status.worker_id, reason)
+        await then()
+        return reason
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -1,0 +1,120 @@
+"""Health verdicts: from one probe, the data path's failure reports and the live facts to a worker state.
+
+Pure and synchronous (the monitor does the I/O). Hysteresis on both sides: ``failures_to_fail`` bad probes
+in a row eject a worker, ``successes_to_ready`` good ones bring it back, so one slow answer never flaps
+Envoy's endpoints. A burst of data-path failures ejects at once; probes alone decide the way back.
+Draining is the drainer's state: health never leaves it, never enters it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from poolgate.config import HealthSettings
+from poolgate.fleet import WorkerRecord, WorkerState
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    latency_s: float
+    reason: str = ""
+    """Why the probe failed (``timeout``, ``connection refused``, ``/health 503`` …); empty when ok."""
+
+
+class Remedy(StrEnum):
+    NONE = "none"
+    REPLACE = "replace"
+    """Failed for too long (a hung or dead engine): kill it and start a fresh one."""
+    DRAIN_AND_REPLACE = "drain_and_replace"
+    """Serving but unhealthy inside (KV leak): let its requests finish, then start a fresh one."""
+
+
+@dataclass(frozen=True)
+class HealthMemory:
+    """What the monitor remembers about one registration of a worker between probes."""
+
+    state: WorkerState
+    failures: int = 0
+    successes: int = 0
+    failed_since: float | None = None
+    leak_since: float | None = None
+    remedy_sent: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    memory: HealthMemory
+    state: WorkerState
+    remedy: Remedy = Remedy.NONE
+    reason: str = ""
+
+
+HEALTHY = (WorkerState.READY, WorkerState.BUSY)
+
+
+def initial_memory(record: WorkerRecord) -> HealthMemory:
+    return HealthMemory(state=record.state)
+
+
+def _saturated(record: WorkerRecord, settings: HealthSettings, live_fresh: bool) -> bool:
+    return live_fresh and record.waiting > 0 and record.kv_usage >= settings.busy_kv_usage
+
+
+def _leaking(record: WorkerRecord, settings: HealthSettings, live_fresh: bool) -> bool:
+    """KV held with no request to hold it: usage high while nothing runs or waits."""
+    return (live_fresh and record.kv_usage >= settings.kv_leak_usage
+            and record.running == 0 and record.waiting == 0)
+
+
+def judge(memory: HealthMemory, record: WorkerRecord, probe: ProbeResult, passive_failures: int,
+          settings: HealthSettings, now: float, live_fresh: bool) -> Verdict:
+    """The worker's next state and whether it needs a remedy.
+
+    ``passive_failures`` is the number of data-path failures reported since the previous judgement;
+    ``live_fresh`` says whether the record's KV/queue facts are recent enough to act on.
+    """
+    if record.state is WorkerState.DRAINING:
+        return Verdict(replace(memory, state=WorkerState.DRAINING), WorkerState.DRAINING)
+    failures = 0 if probe.ok else memory.failures + 1
+    successes = memory.successes + 1 if probe.ok else 0
+    reason = "" if probe.ok else f"probe failed: {probe.reason}"
+    if passive_failures >= settings.passive_failures_to_fail:
+        failures = max(failures, settings.failures_to_fail)
+        successes = 0
+        reason = f"{passive_failures} data-path failures reported"
+    healthy_before = memory.state in HEALTHY
+    if healthy_before:
+        healthy = failures < settings.failures_to_fail
+    else:
+        healthy = successes >= settings.successes_to_ready
+    if not healthy and memory.state is WorkerState.STARTING:
+        # Registered before it serves: it stays Starting (UNHEALTHY in Envoy) until enough good probes.
+        return Verdict(replace(memory, failures=failures, successes=successes), WorkerState.STARTING)
+    if not healthy:
+        failed_since = memory.failed_since if memory.failed_since is not None else now
+        remedy = Remedy.NONE
+        remedy_sent = memory.remedy_sent
+        if now - failed_since >= settings.replace_failed_after_s and not memory.remedy_sent:
+            remedy, remedy_sent = Remedy.REPLACE, True
+            reason = f"failed for {now - failed_since:.1f} s ({reason or 'probes failing'})"
+        elif healthy_before:
+            reason = reason or "probes failing"
+        next_memory = HealthMemory(WorkerState.FAILED, failures, successes, failed_since, None, remedy_sent)
+        return Verdict(next_memory, WorkerState.FAILED, remedy, reason)
+    state = WorkerState.BUSY if _saturated(record, settings, live_fresh) else WorkerState.READY
+    leak_since: float | None = None
+    remedy = Remedy.NONE
+    remedy_sent = False
+    if _leaking(record, settings, live_fresh):
+        leak_since = memory.leak_since if memory.leak_since is not None else now
+        remedy_sent = memory.remedy_sent
+        if now - leak_since >= settings.kv_leak_after_s and not memory.remedy_sent:
+            remedy, remedy_sent = Remedy.DRAIN_AND_REPLACE, True
+            reason = (f"KV usage {record.kv_usage:.0%} with nothing running for {now - leak_since:.1f} s "
+                      "(KV leak)")
+    if not healthy_before:
+        reason = reason or f"{successes} good probes in a row"
+    next_memory = HealthMemory(state, failures, successes, None, leak_since, remedy_sent)
+    return Verdict(next_memory, state, remedy, reason)

@@ -1,0 +1,128 @@
+"""Kubernetes backend: one Deployment per pool (``{deployment_prefix}{pool}``), scaled through its Scale
+subresource with the official ``kubernetes`` client.
+
+Kubernetes places the pods (GPU requests, node selectors); the controller only sets replica counts:
+
+- ``launch`` raises the replica count; ``stop`` first marks the drained pod with the lowest
+  ``controller.kubernetes.io/pod-deletion-cost`` so the ReplicaSet removes *that* pod, then lowers it;
+  ``restart`` deletes the pod and the Deployment starts a fresh one.
+- ``sync_registry`` registers the pool's Ready pods (pod name = worker id, pod IP, the pool's port) and
+  refreshes them every heartbeat; pods that go away simply expire. Workers therefore need no registration
+  code of their own: the pod's readiness probe on ``/health`` decides when it joins.
+
+The client is synchronous (urllib3); calls run in a worker thread so the controller's loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from kubernetes import client as k8s
+
+from poolgate.config import Config
+from poolgate.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, heartbeat_worker, register_worker
+
+log = logging.getLogger("poolgate.controller.kubernetes")
+
+POOL_LABEL = "poolgate.io/pool"
+PORT_ANNOTATION = "poolgate.io/port"
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+MERGE_PATCH = "application/merge-patch+json"
+DEFAULT_WORKER_PORT = 8000
+
+
+def api_client_from_environment() -> k8s.ApiClient:
+    """In a pod: the service account; elsewhere: the kubeconfig."""
+    from kubernetes import config as kube_config
+
+    try:
+        kube_config.load_incluster_config()
+    except kube_config.ConfigException:
+        kube_config.load_kube_config()
+    return k8s.ApiClient()
+
+
+def _ready(pod: Any) -> bool:
+    conditions = (pod.status.conditions if pod.status else None) or []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+
+class KubernetesBackend:
+    name = "kubernetes"
+
+    def __init__(self, config: Config, api: k8s.ApiClient, redis: RedisLike | None = None,
+                 keys: FleetKeys | None = None) -> None:
+        self._config = config
+        self._settings = config.kubernetes
+        self._apps = k8s.AppsV1Api(api)
+        self._core = k8s.CoreV1Api(api)
+        self._redis = redis
+        self._keys = keys
+        self._pods: dict[str, str] = {}
+        """Pod name → pool, from the last listing."""
+
+    def deployment(self, pool: str) -> str:
+        return f"{self._settings.deployment_prefix}{pool}"
+
+    def owns(self, worker_id: str) -> bool:
+        return worker_id in self._pods or worker_id.startswith(self._settings.deployment_prefix)
+
+    async def _pods_of(self, pool: str) -> list[Any]:
+        listing: Any = await asyncio.to_thread(self._core.list_namespaced_pod, self._settings.namespace,
+                                               label_selector=f"{POOL_LABEL}={pool}")
+        pods = [p for p in listing.items if p.metadata.deletion_timestamp is None]
+        for pod in pods:
+            self._pods[pod.metadata.name] = pool
+        return pods
+
+    async def pool_workers(self, pool: str) -> list[str]:
+        return sorted(p.metadata.name for p in await self._pods_of(pool))
+
+    async def replicas(self, pool: str) -> int:
+        scale: Any = await asyncio.to_thread(self._apps.read_namespaced_deployment_scale, self.deployment(pool),
+                                        self._settings.namespace)
+        return int(scale.spec.replicas or 0)
+
+    async def set_replicas(self, pool: str, replicas: int) -> None:
+        await asyncio.to_thread(self._apps.patch_namespaced_deployment_scale, self.deployment(pool),
+                                self._settings.namespace, {"spec": {"replicas": replicas}},
+                                _content_type=MERGE_PATCH)
+        log.info("deployment %s/%s: replicas %d", self._settings.namespace, self.deployment(pool), replicas)
+
+    async def launch(self, pool: str, count: int = 1) -> list[str]:
+        await self.set_replicas(pool, await self.replicas(pool) + count)
+        return []  # pod names are chosen by Kubernetes; they register when Ready
+
+    async def stop(self, worker_id: str) -> None:
+        pool = self._pods.get(worker_id)
+        if pool is None:
+            raise KeyError(f"pod {worker_id!r} is not a known worker pod")
+        await asyncio.to_thread(self._core.patch_namespaced_pod, worker_id, self._settings.namespace,
+                                {"metadata": {"annotations": {DELETION_COST: "-1000"}}}, _content_type=MERGE_PATCH)
+        await self.set_replicas(pool, max(0, await self.replicas(pool) - 1))
+
+    async def restart(self, worker_id: str) -> None:
+        await asyncio.to_thread(self._core.delete_namespaced_pod, worker_id, self._settings.namespace)
+        log.info("deleted pod %s for a fresh one", worker_id)
+
+    async def sync_registry(self) -> int:
+        """Register or refresh every Ready pod of every pool; returns how many are registered."""
+        assert self._redis is not None and self._keys is not None
+        ttl = self._config.controller.heartbeat_ttl_s
+        count = 0
+        for pool_spec in self._config.pools:
+            for pod in await self._pods_of(pool_spec.name):
+                if not _ready(pod) or not pod.status.pod_ip:
+                    continue
+                name = pod.metadata.name
+                annotations = pod.metadata.annotations or {}
+                if not await heartbeat_worker(self._redis, self._keys, name, ttl):
+                    record = WorkerRecord(id=name, pool=pool_spec.name, model=pool_spec.model, host=pod.status.pod_ip,
+                                          port=int(annotations.get(PORT_ANNOTATION, DEFAULT_WORKER_PORT)),
+                                          max_model_len=pool_spec.max_model_len, backend="kubernetes",
+                                          state=WorkerState.READY)
+                    await register_worker(self._redis, self._keys, record, ttl)
+                count += 1
+        return count

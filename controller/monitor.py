@@ -1,0 +1,144 @@
+"""The health monitor: probes every registered worker each interval and writes the verdicts to Redis.
+
+Reads the fleet and the data path's failure counters, probes all workers concurrently (one hung worker
+delays a round by at most the probe timeout), judges each (``controller.health``), writes only the states
+that differ from what Redis holds (so EDS changes once per transition), and hands remedies to the
+instance controller. Only the leader acts; a follower keeps quiet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from redis.exceptions import RedisError
+
+from controller.health import HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
+from poolgate.config import Config
+from poolgate.fleet import (
+    FleetKeys,
+    RedisLike,
+    WorkerRecord,
+    read_fleet,
+    read_passive_failures,
+    set_worker_state,
+)
+
+log = logging.getLogger("poolgate.controller.health")
+
+
+class Prober(Protocol):
+    async def probe(self, record: WorkerRecord) -> ProbeResult: ...
+
+
+class Remediator(Protocol):
+    """Acts on a remedy; the instance controller decides whether it owns the worker."""
+
+    async def remedy(self, worker_id: str, remedy: Remedy, reason: str) -> None: ...
+
+
+@dataclass
+class MonitorStats:
+    rounds: int = 0
+    probes: int = 0
+    probe_failures: int = 0
+    transitions: dict[str, int] = field(default_factory=dict)
+    """``"Ready->Failed"`` → count."""
+    remedies: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Seen:
+    registration: tuple[str, float]
+    memory: HealthMemory
+    passive_total: int
+
+
+class HealthMonitor:
+    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, prober: Prober,
+                 remediator: Remediator | None = None, *, is_leader: Callable[[], bool] = lambda: True,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+        self._config = config
+        self._settings = config.health
+        self._redis = redis
+        self._keys = keys
+        self._prober = prober
+        self._remediator = remediator
+        self._is_leader = is_leader
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._seen: dict[str, _Seen] = {}
+        self.stats = MonitorStats()
+
+    def memory(self, worker_id: str) -> HealthMemory | None:
+        seen = self._seen.get(worker_id)
+        return seen.memory if seen else None
+
+    async def round(self) -> None:
+        """One probe of every worker and the writes and remedies that follow."""
+        if not self._is_leader():
+            self._seen.clear()  # a new leader starts from what Redis says
+            return
+        records = await read_fleet(self._redis, self._keys)
+        passive = await read_passive_failures(self._redis, self._keys, [r.id for r in records])
+        probes = await asyncio.gather(*(self._prober.probe(r) for r in records))
+        self.stats.rounds += 1
+        now = self._clock()
+        wall = self._wall_clock()
+        stale_after = self._config.extproc.stale_after_s
+        present = set()
+        for record, probe in zip(records, probes, strict=True):
+            present.add(record.id)
+            self.stats.probes += 1
+            self.stats.probe_failures += 0 if probe.ok else 1
+            registration = (record.address, record.registered_at)
+            seen = self._seen.get(record.id)
+            total = passive.get(record.id, 0)
+            if seen is None or seen.registration != registration:
+                seen = _Seen(registration, initial_memory(record), total)
+                self._seen[record.id] = seen
+            new_failures = max(0, total - seen.passive_total)
+            seen.passive_total = total
+            fresh = record.metrics_at > 0 and wall - record.metrics_at <= stale_after
+            verdict = judge(seen.memory, record, probe, new_failures, self._settings, now, fresh)
+            seen.memory = verdict.memory
+            await self._apply(record, verdict)
+        for gone in set(self._seen) - present:
+            del self._seen[gone]
+
+    async def _apply(self, record: WorkerRecord, verdict: Verdict) -> None:
+        if verdict.state != record.state:
+            if await set_worker_state(self._redis, self._keys, record.id, verdict.state):
+                key = f"{record.state.value}->{verdict.state.value}"
+                self.stats.transitions[key] = self.stats.transitions.get(key, 0) + 1
+                log.info("worker %s: %s -> %s (%s)", record.id, record.state.value, verdict.state.value,
+                         verdict.reason or "probe ok")
+        if verdict.remedy is not Remedy.NONE:
+            self.stats.remedies[verdict.remedy.value] = self.stats.remedies.get(verdict.remedy.value, 0) + 1
+            log.warning("worker %s: %s (%s)", record.id, verdict.remedy.value, verdict.reason)
+            if self._remediator is not None:
+                await self._remediator.remedy(record.id, verdict.remedy, verdict.reason)
+
+
+async def run_monitor(monitor: HealthMonitor, interval_s: float, stop: asyncio.Event | None = None) -> None:
+    """Rounds every ``interval_s`` (a round that overruns is followed at once by the next)."""
+    stop = stop or asyncio.Event()
+    redis_down = False
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            await monitor.round()
+            if redis_down:
+                log.info("redis reachable again; health monitor resumed")
+                redis_down = False
+        except (RedisError, OSError) as exc:
+            if not redis_down:
+                log.warning("redis unreachable (%s); worker states are not updated", exc)
+                redis_down = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.monotonic() - started)))

@@ -1,0 +1,58 @@
+"""Active probe of one worker over HTTP: ``/health`` (engine alive) and ``/v1/models`` (serves its model).
+
+vLLM answers ``/health`` 200 while its engine core lives and 503 once it died; a refused connection means
+the process is gone or still loading; no answer within the timeout means it hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aiohttp
+import orjson
+
+from controller.health import ProbeResult
+from poolgate.fleet import WorkerRecord
+
+
+class HttpProber:
+    """Probes through one shared session; each probe is bounded by ``timeout_s`` in total."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout_s: float, check_models: bool,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._session = session
+        self._timeout = timeout_s
+        self._check_models = check_models
+        self._clock = clock
+
+    async def probe(self, record: WorkerRecord) -> ProbeResult:
+        started = self._clock()
+        try:
+            async with asyncio.timeout(self._timeout):
+                reason = await self._probe(record)
+        except TimeoutError:
+            reason = f"no answer within {self._timeout:g} s"
+        except aiohttp.ClientConnectorError:
+            reason = "connection refused"
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        return ProbeResult(ok=not reason, latency_s=self._clock() - started, reason=reason)
+
+    async def _probe(self, record: WorkerRecord) -> str:
+        base = f"http://{record.address}"
+        async with self._session.get(f"{base}/health") as response:
+            await response.read()
+            if response.status != 200:
+                return f"/health answered {response.status}"
+        if not self._check_models:
+            return ""
+        async with self._session.get(f"{base}/v1/models") as response:
+            body = await response.read()
+            if response.status != 200:
+                return f"/v1/models answered {response.status}"
+        served = {card.get("id") for card in orjson.loads(body).get("data", []) if isinstance(card, dict)}
+        if not served & set(record.names):
+            return f"/v1/models does not list {record.names[0]!r}"
+        return ""

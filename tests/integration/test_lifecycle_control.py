@@ -1,0 +1,213 @@
+"""Leader lease, health monitor, drainer and the operator API over a real Redis (workers are faked)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from controller.drain import Drainer
+from controller.health import ProbeResult, Remedy
+from controller.instances import InstanceController
+from controller.lease import LeaderLease
+from controller.monitor import HealthMonitor
+from controller.registry_api import RegistryApi
+from poolgate.config import parse_config
+from poolgate.fleet import (
+    FleetKeys,
+    WorkerRecord,
+    WorkerState,
+    read_fleet,
+    record_passive_failure,
+    register_worker,
+)
+
+CONFIG = parse_config({
+    "pools": [{"name": "chat", "model": "m1"}],
+    "health": {"failures_to_fail": 3, "successes_to_ready": 2, "passive_failures_to_fail": 2,
+               "replace_failed_after_s": 2.0},
+    "drain": {"grace_s": 10, "settle_s": 0.1, "poll_s": 0.02},
+    "autoscale": {"pools": {"chat": {"min_workers": 1, "max_workers": 3}}},
+})
+KEYS = FleetKeys("ctl")
+
+
+@pytest.fixture()
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+async def register(redis: aioredis.Redis, worker_id: str = "w1") -> None:
+    await register_worker(redis, KEYS, WorkerRecord(id=worker_id, pool="chat", model="m1", host="127.0.0.1",
+                                                     port=9001), ttl_s=30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_only_one_controller_holds_the_lease(redis: aioredis.Redis) -> None:
+    clock = Clock()
+    first = LeaderLease(redis, KEYS, "a", ttl_s=5, clock=clock)
+    second = LeaderLease(redis, KEYS, "b", ttl_s=5, clock=clock)
+    assert await first.renew() and first.is_leader()
+    assert not await second.renew() and not second.is_leader()
+    clock.now += 4.1  # past 80 % of the TTL without a renewal: stop acting before Redis would expire it
+    assert not first.is_leader()
+    assert await first.renew() and first.is_leader()
+    await first.release()
+    assert await second.renew() and second.is_leader() and not first.is_leader()
+
+
+class ScriptedProber:
+    def __init__(self) -> None:
+        self.ok = True
+
+    async def probe(self, record: WorkerRecord) -> ProbeResult:
+        return ProbeResult(self.ok, 0.01, "" if self.ok else "connection refused")
+
+
+class Remedies:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Remedy]] = []
+
+    async def remedy(self, worker_id: str, remedy: Remedy, reason: str) -> None:
+        self.calls.append((worker_id, remedy))
+
+
+async def state(redis: aioredis.Redis) -> WorkerState:
+    [record] = await read_fleet(redis, KEYS)
+    return record.state
+
+
+async def test_monitor_writes_states_and_asks_for_a_replacement(redis: aioredis.Redis) -> None:
+    await register(redis)
+    prober, remedies, clock = ScriptedProber(), Remedies(), Clock()
+    monitor = HealthMonitor(CONFIG, redis, KEYS, prober, remedies, clock=clock)
+    prober.ok = False
+    for _ in range(3):
+        await monitor.round()
+        clock.now += 0.5
+    assert await state(redis) is WorkerState.FAILED
+    clock.now += 2.0
+    await monitor.round()
+    assert remedies.calls == [("w1", Remedy.REPLACE)]
+    prober.ok = True
+    await monitor.round()
+    assert await state(redis) is WorkerState.FAILED
+    await monitor.round()
+    assert await state(redis) is WorkerState.READY
+    assert monitor.stats.transitions == {"Ready->Failed": 1, "Failed->Ready": 1}
+
+
+async def test_passive_failures_reported_through_redis_eject_at_once(redis: aioredis.Redis) -> None:
+    await register(redis)
+    monitor = HealthMonitor(CONFIG, redis, KEYS, ScriptedProber(), clock=Clock())
+    await record_passive_failure(redis, KEYS, "w1", 5)  # from before the monitor first looked: a baseline
+    await monitor.round()
+    assert await state(redis) is WorkerState.READY
+    await record_passive_failure(redis, KEYS, "w1")
+    await record_passive_failure(redis, KEYS, "w1")
+    await monitor.round()
+    assert await state(redis) is WorkerState.FAILED
+
+
+async def test_follower_does_nothing(redis: aioredis.Redis) -> None:
+    await register(redis)
+    prober = ScriptedProber()
+    prober.ok = False
+    monitor = HealthMonitor(CONFIG, redis, KEYS, prober, is_leader=lambda: False)
+    for _ in range(5):
+        await monitor.round()
+    assert await state(redis) is WorkerState.READY
+
+
+async def test_drain_waits_for_inflight_and_engine_queues(redis: aioredis.Redis) -> None:
+    await register(redis)
+    await redis.set(KEYS.inflight("w1"), 1)
+    await redis.hset(KEYS.worker("w1"), mapping={"running": 1})
+    drainer = Drainer(redis, KEYS, CONFIG.drain)
+    stopped = asyncio.Event()
+
+    async def stop() -> None:
+        stopped.set()
+
+    assert await drainer.start("w1", stop)
+    assert await state(redis) is WorkerState.DRAINING
+    await asyncio.sleep(0.3)
+    assert not stopped.is_set()
+    await redis.set(KEYS.inflight("w1"), 0)
+    await asyncio.sleep(0.2)
+    assert not stopped.is_set()  # the engine still runs one (a stream extproc already let go of)
+    await redis.hset(KEYS.worker("w1"), mapping={"running": 0})
+    reason = await asyncio.wait_for(drainer.wait("w1"), 2)
+    assert stopped.is_set() and reason is not None and "nothing in flight" in reason
+    assert not await drainer.start("unknown", stop)
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.workers = ["w1"]
+        self.stopped: list[str] = []
+
+    def owns(self, worker_id: str) -> bool:
+        return worker_id in self.workers
+
+    async def pool_workers(self, pool: str) -> list[str]:
+        return list(self.workers)
+
+    async def launch(self, pool: str, count: int = 1) -> list[str]:
+        new = [f"n{len(self.workers) + i}" for i in range(count)]
+        self.workers += new
+        return new
+
+    async def stop(self, worker_id: str) -> None:
+        self.stopped.append(worker_id)
+        self.workers.remove(worker_id)
+
+    async def restart(self, worker_id: str) -> None:
+        pass
+
+
+@pytest.fixture()
+async def api(redis: aioredis.Redis) -> AsyncIterator[tuple[str, FakeBackend]]:
+    backend = FakeBackend()
+    instances = InstanceController(CONFIG, redis, KEYS, backend, Drainer(redis, KEYS, CONFIG.drain))
+    runner = web.AppRunner(RegistryApi(CONFIG, redis, KEYS, "tok", instances).app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", backend
+    await instances.drainer.close()
+    await runner.cleanup()
+
+
+async def test_scale_and_drain_through_the_api(redis: aioredis.Redis, api: tuple[str, FakeBackend]) -> None:
+    base, backend = api
+    await register(redis)
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer tok"}) as http:
+        async with http.post(f"{base}/v1/pools/chat/scale", json={"workers": 9}) as response:
+            assert response.status == 400 and "max_workers 3" in (await response.json())["error"]["message"]
+        async with http.post(f"{base}/v1/pools/chat/scale", json={"workers": 3}) as response:
+            assert response.status == 200 and (await response.json())["started"] == ["n1", "n2"]
+        async with http.post(f"{base}/v1/pools/chat/scale", json={"workers": 1}) as response:
+            body = await response.json()
+            assert response.status == 200 and len(body["draining"]) == 2  # the unregistered ones go first
+        assert sorted(backend.stopped) == ["n1", "n2"]
+        async with http.post(f"{base}/v1/workers/w1/drain?wait=1") as response:
+            assert response.status == 200 and "nothing in flight" in (await response.json())["reason"]
+        assert backend.stopped[-1] == "w1"
+        async with http.post(f"{base}/v1/workers/ghost/drain") as response:
+            assert response.status == 404

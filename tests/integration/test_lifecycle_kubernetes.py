@@ -1,0 +1,114 @@
+"""The Kubernetes backend against a fake API server that speaks the API's HTTP contract (paths, verbs,
+patch content types, JSON shapes) — there is no cluster here. A real cluster is not exercised."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+from kubernetes import client as k8s
+
+from controller.kube_backend import DELETION_COST, KubernetesBackend
+from poolgate.config import parse_config
+from poolgate.fleet import FleetKeys, read_fleet
+
+CONFIG = parse_config({"pools": [{"name": "chat", "model": "llama", "max_model_len": 4096}],
+                       "kubernetes": {"namespace": "inference", "deployment_prefix": "pg-"}})
+
+
+def pod(name: str, ready: bool, ip: str = "10.1.0.7") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "inference", "labels": {"poolgate.io/pool": "chat"},
+                         "annotations": {"poolgate.io/port": "8000"}},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+class FakeApi:
+    def __init__(self) -> None:
+        self.replicas = 2
+        self.pods = {"pg-chat-a1": pod("pg-chat-a1", True), "pg-chat-b2": pod("pg-chat-b2", False, "10.1.0.8")}
+        self.calls: list[tuple[str, str, str, Any]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self.handle)
+        return app
+
+    def _scale(self) -> web.Response:
+        return web.json_response({"apiVersion": "autoscaling/v1", "kind": "Scale",
+                                  "metadata": {"name": "pg-chat", "namespace": "inference"},
+                                  "spec": {"replicas": self.replicas}, "status": {"replicas": self.replicas}})
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read()) if request.can_read_body else None
+        self.calls.append((request.method, request.path, request.content_type, body))
+        path = request.path
+        if path == "/apis/apps/v1/namespaces/inference/deployments/pg-chat/scale":
+            if request.method == "PATCH":
+                self.replicas = body["spec"]["replicas"]
+            return self._scale()
+        if path == "/api/v1/namespaces/inference/pods" and request.method == "GET":
+            assert request.query["labelSelector"] == "poolgate.io/pool=chat"
+            return web.json_response({"apiVersion": "v1", "kind": "PodList", "metadata": {},
+                                      "items": list(self.pods.values())})
+        if path.startswith("/api/v1/namespaces/inference/pods/"):
+            name = path.rsplit("/", 1)[1]
+            if request.method == "PATCH":
+                self.pods[name]["metadata"]["annotations"].update(body["metadata"]["annotations"])
+                return web.json_response(self.pods[name])
+            if request.method == "DELETE":
+                return web.json_response(self.pods.pop(name))
+        return web.json_response({"kind": "Status", "code": 404}, status=404)
+
+
+@pytest.fixture()
+async def fake() -> AsyncIterator[tuple[FakeApi, k8s.ApiClient]]:
+    api = FakeApi()
+    runner = web.AppRunner(api.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    configuration = k8s.Configuration(host=f"http://127.0.0.1:{runner.addresses[0][1]}")
+    client = k8s.ApiClient(configuration)
+    yield api, client
+    client.close()
+    await runner.cleanup()
+
+
+async def test_scale_up_stop_a_chosen_pod_and_restart(fake: tuple[FakeApi, k8s.ApiClient]) -> None:
+    api, client = fake
+    backend = KubernetesBackend(CONFIG, client)
+    assert await backend.pool_workers("chat") == ["pg-chat-a1", "pg-chat-b2"]
+    assert backend.owns("pg-chat-a1") and not backend.owns("local-1")
+    assert await backend.launch("chat", 2) == [] and api.replicas == 4
+    patch = next(c for c in api.calls if c[0] == "PATCH")
+    assert patch[2] == "application/merge-patch+json" and patch[3] == {"spec": {"replicas": 4}}
+    await backend.stop("pg-chat-b2")
+    # The drained pod is marked cheapest to delete before the count drops, so the ReplicaSet removes it.
+    methods = [(c[0], c[1].rsplit("/", 1)[1]) for c in api.calls[-3:]]
+    assert methods == [("PATCH", "pg-chat-b2"), ("GET", "scale"), ("PATCH", "scale")]
+    assert api.pods["pg-chat-b2"]["metadata"]["annotations"][DELETION_COST] == "-1000"
+    assert api.replicas == 3
+    await backend.restart("pg-chat-a1")
+    assert "pg-chat-a1" not in api.pods
+    with pytest.raises(KeyError):
+        await backend.stop("unknown-pod")
+
+
+async def test_ready_pods_are_registered_as_workers(fake: tuple[FakeApi, k8s.ApiClient], redis_url: str) -> None:
+    api, client = fake
+    redis = aioredis.from_url(redis_url)
+    keys = FleetKeys("k8s")
+    backend = KubernetesBackend(CONFIG, client, redis, keys)
+    assert await backend.sync_registry() == 1
+    [worker] = await read_fleet(redis, keys)
+    assert (worker.id, worker.host, worker.port, worker.pool, worker.model) == (
+        "pg-chat-a1", "10.1.0.7", 8000, "chat", "llama")
+    api.pods["pg-chat-b2"]["status"]["conditions"][0]["status"] = "True"
+    assert await backend.sync_registry() == 2
+    assert sorted(w.id for w in await read_fleet(redis, keys)) == ["pg-chat-a1", "pg-chat-b2"]
+    await redis.aclose()

@@ -1,0 +1,48 @@
+"""GPU-aware placement and the ``vllm serve`` command a placed worker gets."""
+
+from __future__ import annotations
+
+from controller.local_backend import vllm_command
+from controller.placement import GpuFree, place
+
+GPUS = {0: GpuFree(0, 81920, 30000), 1: GpuFree(1, 81920, 70000), 2: GpuFree(2, 81920, 50000)}
+
+
+def test_most_free_gpus_that_fit_are_chosen() -> None:
+    assert place(40000, 1, GPUS).gpus == (1,)
+    assert place(40000, 2, GPUS).gpus == (1, 2)
+
+
+def test_pending_reservations_count_as_used() -> None:
+    assert place(40000, 1, GPUS, {1: 40000}).gpus == (2,)
+
+
+def test_refusal_says_what_was_needed_and_what_is_free() -> None:
+    placement = place(60000, 2, GPUS)
+    assert not placement.placed and placement.gpus == ()
+    assert "needs 2 GPU(s) with 60000 MiB" in placement.reason and "GPU 1: 70000 MiB" in placement.reason
+
+
+def test_no_gpu_facts_refuses_and_no_gpu_needed_places() -> None:
+    assert not place(1000, 1, {}).placed
+    assert place(1000, 0, {}).placed
+
+
+def test_vllm_command_from_placement() -> None:
+    cmd, env = vllm_command("meta-llama/Llama-3.1-8B-Instruct", host="0.0.0.0", port=8001,
+                            served_names=("llama-3.1-8b",), max_model_len=16384, gpu_memory_utilization=0.45,
+                            gpus=(2, 3), extra_args=("--enforce-eager", "--disable-log-stats"))
+    assert cmd[:3] == ["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct"]
+    text = " ".join(cmd)
+    assert "--port 8001" in text and "--served-model-name llama-3.1-8b" in text
+    assert "--max-model-len 16384" in text and "--gpu-memory-utilization 0.45" in text
+    assert "--tensor-parallel-size 2" in text and "--enforce-eager" in text
+    assert "--disable-log-stats" not in cmd  # the agent needs the engine's metrics
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+
+
+def test_vllm_command_single_gpu_keeps_explicit_tp() -> None:
+    cmd, env = vllm_command("m", host="127.0.0.1", port=1, served_names=("a", "b"), max_model_len=1,
+                            gpu_memory_utilization=0.9, gpus=(0,))
+    assert "--tensor-parallel-size" not in cmd and env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert cmd[cmd.index("--served-model-name") + 1: cmd.index("--served-model-name") + 3] == ["a", "b"]
