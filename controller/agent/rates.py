@@ -27,6 +27,7 @@ class RateState:
     busy: bool = False
     ttft_ewma_s: float = -1.0
     """-1 = unknown (no request has finished its first token since the agent started)."""
+    prefill_time_sum_s: float | None = None
     prefill_tokens_per_s: float = 0.0
     """0 = unknown."""
 
@@ -41,12 +42,15 @@ def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float
         ttft = _ewma(ttft, ttft_seconds / first_tokens, alpha, unknown=-1.0)
     prefill = state.prefill_tokens_per_s
     prompt_delta = _delta(state.prompt_tokens, metrics.prompt_tokens_total)
-    interval = None if state.at_s is None else now_s - state.at_s
-    # Only intervals where the worker had work say something about its speed; idle time would dilute it.
-    if prompt_delta and interval and interval > 0 and (busy or state.busy):
-        prefill = _ewma(prefill, prompt_delta / interval, alpha, unknown=0.0)
+    prefill_seconds = _delta(state.prefill_time_sum_s, metrics.prefill_time_sum_s)
+    # Prompt tokens per second of prefill time (vLLM's prefill-phase histogram): the worker's real prompt
+    # speed under its current batching, unlike tokens per wall second, which idle and decode time dilute.
+    # Engines without that histogram leave the rate unknown and the scheduler uses its default.
+    if prompt_delta and prefill_seconds:
+        prefill = _ewma(prefill, prompt_delta / prefill_seconds, alpha, unknown=0.0)
     return replace(state, at_s=now_s, ttft_sum_s=metrics.ttft_sum_s, ttft_count=metrics.ttft_count,
-                   prompt_tokens=metrics.prompt_tokens_total, busy=busy, ttft_ewma_s=ttft,
+                   prompt_tokens=metrics.prompt_tokens_total, prefill_time_sum_s=metrics.prefill_time_sum_s,
+                   busy=busy, ttft_ewma_s=ttft,
                    prefill_tokens_per_s=prefill)
 
 

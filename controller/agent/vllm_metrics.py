@@ -25,11 +25,12 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+PREFILL_TIME_SUM = "vllm:request_prefill_time_seconds_sum"
 SIM_GPU_MEMORY_TOTAL = "poolgate_sim_gpu_memory_total_bytes"
 SIM_GPU_MEMORY_USED = "poolgate_sim_gpu_memory_used_bytes"
 SIM_GPU_UTILIZATION = "poolgate_sim_gpu_utilization"
 
-_SUMMED = (RUNNING, WAITING, PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, TTFT_SUM, TTFT_COUNT,
+_SUMMED = (RUNNING, WAITING, PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, TTFT_SUM, TTFT_COUNT, PREFILL_TIME_SUM,
            SIM_GPU_MEMORY_TOTAL, SIM_GPU_MEMORY_USED)
 _AVERAGED = (KV_USAGE, KV_USAGE_LEGACY, SIM_GPU_UTILIZATION)
 _WANTED = frozenset((*_SUMMED, *_AVERAGED, CACHE_CONFIG))
@@ -54,6 +55,8 @@ class EngineMetrics:
     generation_tokens_total: float | None = None
     ttft_sum_s: float | None = None
     ttft_count: float | None = None
+    prefill_time_sum_s: float | None = None
+    """Total time requests spent in prefill (V1 engines); with prompt tokens it gives the prefill rate."""
     sim_gpu_memory_total_bytes: float | None = None
     sim_gpu_memory_used_bytes: float | None = None
     sim_gpu_utilization: float | None = None
@@ -104,7 +107,7 @@ def parse_engine_metrics(text: str, model_name: str | None = None) -> EngineMetr
         kv_block_size=block_size, num_gpu_blocks=num_gpu_blocks,
         preemptions_total=total(PREEMPTIONS), prompt_tokens_total=total(PROMPT_TOKENS),
         generation_tokens_total=total(GENERATION_TOKENS),
-        ttft_sum_s=total(TTFT_SUM), ttft_count=total(TTFT_COUNT),
+        ttft_sum_s=total(TTFT_SUM), ttft_count=total(TTFT_COUNT), prefill_time_sum_s=total(PREFILL_TIME_SUM),
         sim_gpu_memory_total_bytes=total(SIM_GPU_MEMORY_TOTAL),
         sim_gpu_memory_used_bytes=total(SIM_GPU_MEMORY_USED),
         sim_gpu_utilization=mean(SIM_GPU_UTILIZATION),

@@ -68,6 +68,11 @@ class WorkerMetrics:
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.",
                                     REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self._queued_for: dict[str, float] = {}
+        """Request → its queue time, until its first token: prefill time = TTFT − queue time (as vLLM)."""
 
         Gauge("poolgate_sim_gpu_memory_total_bytes", "Simulated GPU memory of the card.",
               registry=registry).set(gpu_memory_total_bytes)
@@ -96,14 +101,19 @@ class WorkerMetrics:
         if outcome.prefix_cache_queries:
             self.prefix_queries.inc(outcome.prefix_cache_queries)
             self.prefix_hits.inc(outcome.prefix_cache_hits)
-        for _, queue_s in outcome.queue_times:
+        for request_id, queue_s in outcome.queue_times:
             self.queue_time.observe(queue_s)
-        for _, ttft_s in outcome.first_token_times:
+            self._queued_for[request_id] = queue_s
+        for request_id, ttft_s in outcome.first_token_times:
             self.ttft.observe(ttft_s)
+            queue_s = self._queued_for.pop(request_id, None)
+            if queue_s is not None:
+                self.prefill_time.observe(max(0.0, ttft_s - queue_s))
         for finished in outcome.finished:
             self.record_finished(finished)
 
     def record_finished(self, finished: RequestFinished) -> None:
+        self._queued_for.pop(finished.request_id, 0.0)  # aborted before its first token
         self.success[finished.reason].inc()
         if finished.reason != "abort":
             self.e2e.observe(finished.e2e_s)

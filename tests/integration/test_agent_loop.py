@@ -24,7 +24,7 @@ KEYS = FleetKeys("agent-test")
 
 
 def page(running: int = 0, waiting: int = 0, kv: float = 0.0, prompt: float = 0, ttft_sum: float = 0.0,
-         ttft_count: int = 0) -> str:
+         ttft_count: int = 0, prefill_sum: float = 0.0) -> str:
     labels = 'engine="0",model_name="m"'
     return (
         f"vllm:num_requests_running{{{labels}}} {running}\n"
@@ -34,6 +34,7 @@ def page(running: int = 0, waiting: int = 0, kv: float = 0.0, prompt: float = 0,
         f"vllm:prompt_tokens_total{{{labels}}} {prompt}\n"
         f"vllm:time_to_first_token_seconds_sum{{{labels}}} {ttft_sum}\n"
         f"vllm:time_to_first_token_seconds_count{{{labels}}} {ttft_count}\n"
+        f"vllm:request_prefill_time_seconds_sum{{{labels}}} {prefill_sum}\n"
         "poolgate_sim_gpu_memory_total_bytes 1073741824\n"
         "poolgate_sim_gpu_memory_used_bytes 268435456\n"
     )
@@ -135,10 +136,10 @@ async def test_rates_reach_redis(redis: aioredis.Redis) -> None:
     await register(redis, "w", 7001)
     source, clock = ScriptedSource(), ManualClock()
     agent = make_agent(redis, source, clock)
-    source.pages[7001] = page(running=1, prompt=1000, ttft_sum=1.0, ttft_count=10)
+    source.pages[7001] = page(running=1, prompt=1000, ttft_sum=1.0, ttft_count=10, prefill_sum=0.5)
     await agent.tick()
     clock.now += 0.5
-    source.pages[7001] = page(running=1, prompt=3000, ttft_sum=1.6, ttft_count=12)
+    source.pages[7001] = page(running=1, prompt=3000, ttft_sum=1.6, ttft_count=12, prefill_sum=1.0)
     await agent.tick()
     record = (await fleet(redis))["w"]
     assert record.prefill_tokens_per_s == pytest.approx(4000.0)

@@ -11,9 +11,9 @@ from controller.agent.vllm_metrics import EngineMetrics
 
 
 def scrape(ttft_sum: float | None = None, ttft_count: float | None = None, prompt: float | None = None,
-           running: int = 0, waiting: int = 0) -> EngineMetrics:
+           running: int = 0, waiting: int = 0, prefill_time: float | None = None) -> EngineMetrics:
     return EngineMetrics(running=running, waiting=waiting, ttft_sum_s=ttft_sum, ttft_count=ttft_count,
-                         prompt_tokens_total=prompt)
+                         prompt_tokens_total=prompt, prefill_time_sum_s=prefill_time)
 
 
 def test_first_scrape_only_sets_a_baseline() -> None:
@@ -45,30 +45,30 @@ def test_ttft_keeps_its_last_value_without_new_requests(after: EngineMetrics) ->
     assert state.ttft_count == after.ttft_count  # the new reading is the next baseline
 
 
-@pytest.mark.parametrize(("was_busy", "running", "waiting", "expected"), [
-    (True, 1, 0, 4000.0),      # 1000 prompt tokens over 0.25 s
-    (False, 0, 3, 4000.0),     # became busy during the interval
-    (True, 0, 0, 4000.0),      # finished during the interval
+@pytest.mark.parametrize(("prompt_before", "prompt_after", "prefill_before", "prefill_after", "expected"), [
+    (500, 1500, 2.0, 2.25, 4000.0),    # 1000 prompt tokens over 0.25 s of prefill
+    (0, 8000, 0.0, 1.0, 8000.0),       # a long prompt alone
 ])
-def test_prefill_rate_from_prompt_tokens_while_busy(was_busy: bool, running: int, waiting: int,
-                                                    expected: float) -> None:
-    state = RateState(at_s=10.0, prompt_tokens=500, busy=was_busy)
-    state = advance(state, scrape(prompt=1500, running=running, waiting=waiting), now_s=10.25)
+def test_prefill_rate_is_prompt_tokens_per_prefill_second(prompt_before: float, prompt_after: float,
+                                                          prefill_before: float, prefill_after: float,
+                                                          expected: float) -> None:
+    state = RateState(at_s=10.0, prompt_tokens=prompt_before, prefill_time_sum_s=prefill_before)
+    # Wall time between scrapes (5 s here) does not dilute it: idle and decode time are not prefill.
+    state = advance(state, scrape(prompt=prompt_after, prefill_time=prefill_after), now_s=15.0)
     assert state.prefill_tokens_per_s == pytest.approx(expected)
 
 
 def test_prefill_rate_is_smoothed() -> None:
-    state = RateState(at_s=0.0, prompt_tokens=0, busy=True, prefill_tokens_per_s=1000.0)
-    state = advance(state, scrape(prompt=500, running=1), now_s=0.25, alpha=0.5)
+    state = RateState(at_s=0.0, prompt_tokens=0, prefill_time_sum_s=0.0, prefill_tokens_per_s=1000.0)
+    state = advance(state, scrape(prompt=500, running=1, prefill_time=0.25), now_s=0.25, alpha=0.5)
     assert state.prefill_tokens_per_s == pytest.approx(0.5 * 2000 + 0.5 * 1000)
 
 
 @pytest.mark.parametrize(("state", "after", "now_s"), [
-    (RateState(at_s=0.0, prompt_tokens=100, busy=False), scrape(prompt=200), 1.0),   # idle at both ends
-    (RateState(at_s=0.0, prompt_tokens=100, busy=True), scrape(prompt=100, running=1), 1.0),  # decode only
-    (RateState(at_s=0.0, prompt_tokens=900, busy=True), scrape(prompt=50, running=1), 1.0),   # reset
-    (RateState(at_s=1.0, prompt_tokens=100, busy=True), scrape(prompt=200, running=1), 1.0),  # no time passed
-    (RateState(prompt_tokens=None, busy=True), scrape(prompt=200, running=1), 1.0),          # no baseline
+    (RateState(at_s=0.0, prompt_tokens=100, prefill_time_sum_s=1.0), scrape(prompt=100, prefill_time=1.0), 1.0),
+    (RateState(at_s=0.0, prompt_tokens=900, prefill_time_sum_s=1.0), scrape(prompt=50, prefill_time=1.2), 1.0),
+    (RateState(at_s=0.0, prompt_tokens=100), scrape(prompt=200, running=1), 1.0),  # no prefill histogram
+    (RateState(prompt_tokens=None), scrape(prompt=200, prefill_time=1.0), 1.0),    # no baseline
 ])
 def test_prefill_rate_unchanged_without_evidence(state: RateState, after: EngineMetrics, now_s: float) -> None:
     state = replace(state, prefill_tokens_per_s=123.0)
