@@ -106,9 +106,8 @@ class WorkerMetrics:
             self._queued_for[request_id] = queue_s
         for request_id, ttft_s in outcome.first_token_times:
             self.ttft.observe(ttft_s)
-            queue_s = self._queued_for.pop(request_id, None)
-            if queue_s is not None:
-                self.prefill_time.observe(max(0.0, ttft_s - queue_s))
+            if request_id in self._queued_for:
+                self.prefill_time.observe(max(0.0, ttft_s - self._queued_for.pop(request_id)))
         for finished in outcome.finished:
             self.record_finished(finished)
 
