@@ -9,7 +9,9 @@ from collections.abc import Iterable
 
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
     BodyResponse,
     CommonResponse,
     HeaderMutation,
@@ -41,10 +43,29 @@ def _mutation(remove: Iterable[str], set_headers: Iterable[HeaderValueOption] = 
     return HeaderMutation(set_headers=set_list, remove_headers=remove)
 
 
-def continue_headers(remove: Iterable[str] = ()) -> ProcessingResponse:
+WATCH_RESPONSE_BODY = ProcessingMode(
+    request_header_mode=ProcessingMode.SEND, response_header_mode=ProcessingMode.SKIP,
+    request_body_mode=ProcessingMode.BUFFERED, response_body_mode=ProcessingMode.STREAMED,
+    request_trailer_mode=ProcessingMode.SKIP, response_trailer_mode=ProcessingMode.SKIP)
+"""The filter's mode plus the response body, chunk by chunk: asked per request (``mode_override``, allowed by
+the bootstrap's ``allow_mode_override``) only for requests whose usage must be read."""
+
+
+def continue_headers(remove: Iterable[str] = (), watch_response: bool = False) -> ProcessingResponse:
     mutation = _mutation(remove)
     common = CommonResponse(header_mutation=mutation) if mutation else CommonResponse()
-    return ProcessingResponse(request_headers=HeadersResponse(response=common))
+    answer = ProcessingResponse(request_headers=HeadersResponse(response=common))
+    if watch_response:
+        answer.mode_override.CopyFrom(WATCH_RESPONSE_BODY)
+    return answer
+
+
+def continue_response_body(replacement: bytes | None = None) -> ProcessingResponse:
+    """Pass a response chunk on, or send ``replacement`` instead of it."""
+    if replacement is None:
+        return ProcessingResponse(response_body=BodyResponse())
+    return ProcessingResponse(response_body=BodyResponse(response=CommonResponse(
+        body_mutation=BodyMutation(body=replacement))))
 
 
 def continue_body(remove: Iterable[str] = ()) -> ProcessingResponse:
@@ -58,18 +79,23 @@ def continue_trailers() -> ProcessingResponse:
 
 
 def routed_body(decision: Decision, remove: Iterable[str] = (),
-                extra_headers: Iterable[tuple[str, str]] = ()) -> ProcessingResponse:
-    """Send the request to the decision's pool (cluster header + route re-evaluation) and pin its worker."""
+                extra_headers: Iterable[tuple[str, str]] = (), new_body: bytes | None = None) -> ProcessingResponse:
+    """Send the request to the decision's pool (cluster header + route re-evaluation) and pin its worker;
+    ``new_body`` replaces the request body (with a matching content-length)."""
+    extra = list(extra_headers)
+    if new_body is not None:
+        extra.append(("content-length", str(len(new_body))))
+    setting = {CLUSTER_HEADER, *(k for k, _ in extra)}
     mutation = _mutation(
-        [h for h in remove if h != CLUSTER_HEADER],
-        [_header(CLUSTER_HEADER, decision.cluster), *(_header(k, v) for k, v in extra_headers)],
+        [h for h in remove if h not in setting],
+        [_header(CLUSTER_HEADER, decision.cluster), *(_header(k, v) for k, v in extra)],
     )
     pin = Struct()
     pin.fields[LB_METADATA_NAMESPACE].struct_value.fields[DESTINATION_ENDPOINT_KEY].string_value = decision.pin
-    return ProcessingResponse(
-        request_body=BodyResponse(response=CommonResponse(header_mutation=mutation, clear_route_cache=True)),
-        dynamic_metadata=pin,
-    )
+    common = CommonResponse(header_mutation=mutation, clear_route_cache=True)
+    if new_body is not None:
+        common.body_mutation.body = new_body
+    return ProcessingResponse(request_body=BodyResponse(response=common), dynamic_metadata=pin)
 
 
 def extend_timeout(seconds: float) -> ProcessingResponse:

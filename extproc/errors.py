@@ -62,5 +62,44 @@ def no_capacity(model: str, waited_s: float, retry_after_s: int = 1) -> ApiError
                     f"{retry_after_s} s.", "rate_limit_error", "no_capacity", retry_after_s=retry_after_s)
 
 
+def invalid_api_key(given: bool) -> ApiError:
+    message = ("Incorrect API key provided." if given else
+               "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+    return ApiError(401, message, "invalid_request_error", "invalid_api_key")
+
+
+def unknown_tenant() -> ApiError:
+    return ApiError(401, "The tenant named by the ingress is not configured.", "invalid_request_error",
+                    "invalid_api_key")
+
+
+def model_not_allowed(model: str) -> ApiError:
+    return ApiError(403, f"Your API key may not use the model {model!r}.", "invalid_request_error",
+                    "model_not_allowed", "model")
+
+
+def quota_exceeded(tenant: str, limit: str, value: int, retry_after_s: int) -> ApiError:
+    """429 naming the limit (``param``): ``max_concurrent``, ``requests_per_minute`` or ``tokens_per_minute``."""
+    return ApiError(429, f"Tenant {tenant!r} is over its {limit} limit of {value}; retry after {retry_after_s} s.",
+                    "rate_limit_error", "rate_limit_exceeded", limit, retry_after_s)
+
+
+def request_over_quota(tenant: str, needed: int, value: int) -> ApiError:
+    """The request alone needs more tokens than a minute allows: retrying never helps."""
+    return ApiError(429, f"The request needs about {needed} tokens but tenant {tenant!r} may use {value} per "
+                    "minute; lower max_tokens or the prompt.", "rate_limit_error", "tokens_exceed_limit",
+                    "tokens_per_minute")
+
+
+def queue_full(model: str, retry_after_s: int) -> ApiError:
+    return ApiError(429, f"Too many requests are waiting for {model!r}; retry after {retry_after_s} s.",
+                    "rate_limit_error", "queue_full", retry_after_s=retry_after_s)
+
+
+def quota_unavailable() -> ApiError:
+    return ApiError(503, "The quota store is unreachable; retry shortly.", "service_unavailable",
+                    "quota_unavailable", retry_after_s=1)
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "The router failed to process the request.", "internal_error", "internal_error")

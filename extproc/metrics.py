@@ -28,6 +28,27 @@ class Metrics:
             "poolgate_extproc_hold_seconds",
             "Time requests were held for capacity, by outcome (placed, refused, cancelled)",
             ["outcome"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
+        self.queue_depth = Gauge(
+            "poolgate_extproc_queue_depth", "Requests waiting in the priority queue, by class and tenant",
+            ["priority_class", "tenant"], registry=self.registry)
+        self.queue_wait_seconds = Histogram(
+            "poolgate_extproc_queue_wait_seconds", "Time requests waited in the priority queue, by class and "
+            "outcome (placed, refused, shed, cancelled)", ["priority_class", "outcome"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
+        self.admissions = Counter(
+            "poolgate_extproc_admissions", "Inference requests admitted (quota passed), by tenant and class",
+            ["tenant", "priority_class"], registry=self.registry)
+        self.rejections = Counter(
+            "poolgate_extproc_rejections", "Requests refused before or while waiting, by tenant and reason "
+            "(invalid_api_key, model_not_allowed, max_concurrent, requests_per_minute, tokens_per_minute, "
+            "queue_deadline, queue_full, quota_unavailable)", ["tenant", "reason"], registry=self.registry)
+        self.quota_errors = Counter(
+            "poolgate_extproc_quota_errors", "Quota calls to Redis that failed (admission fails open or closed "
+            "per tenancy.quota_fail_open; a failed release leaves the slot to its lease)", ["call"],
+            registry=self.registry)
+        self.usage_reconciled = Counter(
+            "poolgate_extproc_usage_reconciled", "Requests whose token charge was corrected from the reported "
+            "usage (observed) or kept as the estimate (estimated)", ["result"], registry=self.registry)
         self.internal_errors = Counter(
             "poolgate_extproc_internal_errors", "Unexpected exceptions on the request path (answered 500)",
             registry=self.registry)

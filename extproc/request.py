@@ -37,6 +37,14 @@ class RequestHead:
     request_id: str = ""
     session_id: str = ""
     """``x-session-id``: requests of one session prefer the worker that holds their cached prefix."""
+    authorization: str = ""
+    tenant_claim: str = ""
+    """The trusted tenant header's value (empty when no ingress is trusted or it is absent)."""
+
+    @property
+    def is_api(self) -> bool:
+        """Paths that need an identity when API keys are required."""
+        return self.path.startswith("/v1/")
 
     @property
     def is_inference(self) -> bool:
@@ -67,10 +75,14 @@ class RequestFacts:
     """The prompt's text pieces in order (message contents or prompt strings), for tokenizers and affinity."""
     session_id: str = ""
     """``x-session-id`` header, else the body's ``user`` field; empty when neither is given."""
+    include_usage: bool = False
+    """The client asked for the usage chunk of a stream (``stream_options.include_usage``)."""
 
 
-def parse_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
-    method = path = request_id = session_id = ""
+def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = None,
+               trust_tenant_header: bool = False) -> RequestHead:
+    """``tenant_header``: the header an ingress may set; read when trusted, else stripped like a routing one."""
+    method = path = request_id = session_id = authorization = claim = ""
     content_length: int | None = None
     routing: list[str] = []
     for raw_key, value in headers:
@@ -85,9 +97,17 @@ def parse_head(headers: Iterable[tuple[str, str]]) -> RequestHead:
             request_id = value
         elif key == SESSION_HEADER:
             session_id = value
+        elif key == "authorization":
+            authorization = value
         elif key in _ROUTING_HEADERS:
             routing.append(key)
-    return RequestHead(method, path, content_length, tuple(dict.fromkeys(routing)), request_id, session_id)
+        elif key == tenant_header:
+            if trust_tenant_header:
+                claim = value.strip()
+            else:
+                routing.append(key)
+    return RequestHead(method, path, content_length, tuple(dict.fromkeys(routing)), request_id, session_id,
+                       authorization, claim)
 
 
 def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
@@ -123,13 +143,15 @@ def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
     if isinstance(prompt, ApiError):
         return prompt
     chars, token_ids, messages, parts = prompt
+    options = data.get("stream_options")
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
     user = data.get("user")
     session_id = head.session_id or (user if isinstance(user, str) else "")
     return RequestFacts(
         path=head.path, method=head.method, model=model, stream=bool(stream), max_tokens=max_tokens,
         prompt_chars=chars, prompt_token_ids=token_ids, message_count=messages,
         client_routing_headers=head.client_routing_headers, request_id=head.request_id,
-        prompt_parts=parts, session_id=session_id,
+        prompt_parts=parts, session_id=session_id, include_usage=include_usage,
     )
 
 

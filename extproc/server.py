@@ -1,4 +1,5 @@
-"""Wires one extproc process: Redis client, fleet watcher, in-flight tracker, scheduler, gRPC server, metrics.
+"""Wires one extproc process: Redis client, fleet watcher, in-flight tracker, tenants and quotas, scheduler,
+gRPC server, metrics.
 
 ``serve`` is the only place these parts meet; it runs until cancelled and then stops gracefully (in-flight
 streams get a grace period, the watcher's loops are cancelled, the Redis client is closed).
@@ -19,8 +20,10 @@ from redis.backoff import ExponentialBackoff
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
+from extproc.quota import QuotaKeys, QuotaStore
 from extproc.scheduling import build_profiler, build_scheduler
 from extproc.service import CapacitySignal, ExtProcService
+from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
 from poolgate.config import Config
 from poolgate.fleet import FleetKeys
@@ -72,8 +75,12 @@ async def serve(
     capacity_changed = CapacitySignal()
     watcher = FleetWatcher(client, FleetKeys(config.key_prefix), config.pools, config.extproc, inflight, metrics,
                            on_refresh=capacity_changed.notify)
+    tenants = TenantDirectory(config.tenancy, config.tenants)
+    quotas = (QuotaStore(client, QuotaKeys(config.key_prefix), config.tenancy.lease_s)
+              if any(t.has_quota for t in config.tenants) else None)
     service = ExtProcService(build_scheduler(config.scheduling), watcher, inflight, config.extproc.max_request_bytes,
-                             metrics, settings=config.scheduling, profiler=profiler, capacity_changed=capacity_changed)
+                             metrics, settings=config.scheduling, profiler=profiler, capacity_changed=capacity_changed,
+                             tenants=tenants, quotas=quotas)
     server = grpc.aio.server(options=grpc_options(config.extproc.max_request_bytes))
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")

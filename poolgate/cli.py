@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("controller.agent.cli", "scrape workers' metrics and GPUs into Redis"),
     "status": ("poolgate.status", "show the fleet from Redis"),
     "config": ("poolgate.config_cli", "check a configuration file"),
+    "tenant": ("poolgate.tenant_cli", "make a tenant API key (printed once; the config keeps its hash)"),
     "bench": ("poolgate.bench_cli", "run a benchmark under bench/"),
     "scale": ("poolgate.scale_cli", "set a pool's number of workers (through the controller)"),
     "drain": ("poolgate.drain_cli", "drain a worker: no new requests, finish in-flight ones, then stop it"),

@@ -14,6 +14,31 @@ from extproc.scheduling.plugins import NoCapacity, PickContext, PickRequest, Ref
 from poolgate.fleet import WorkerRecord, WorkerState
 
 
+class TenantPools:
+    """Keeps workers of pools the request's tenant may use: never a pool dedicated to another tenant, and
+    only its own dedicated pools when it is restricted to them. Costs nothing when no pool is dedicated."""
+
+    name = "tenant-pools"
+
+    def __init__(self, retry_after_s: int = 1) -> None:
+        self.retry_after_s = retry_after_s
+
+    def filter(
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
+    ) -> Sequence[WorkerRecord]:
+        only, excluded = request.only_pools, request.excluded_pools
+        if only is not None:
+            return [w for w in candidates if w.pool in only]
+        if excluded:
+            return [w for w in candidates if w.pool not in excluded]
+        return candidates
+
+    def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
+        if not context.snapshot.workers_for(request.model):
+            return errors.no_worker(request.model, self.retry_after_s)  # nobody serves it: not about rights
+        return errors.model_not_allowed(request.model)
+
+
 class TaskClassPools:
     """Keeps workers of pools that take the request's task class (a pool with no ``task_classes`` takes all).
 

@@ -37,6 +37,10 @@ class PickRequest:
     task_class: TaskClass
     affinity_keys: tuple[Hashable, ...] = ()
     """Keys of the affinity map, strongest first: the session key, then prompt-prefix hashes longest first."""
+    only_pools: frozenset[str] | None = None
+    """The tenant may use only these pools (its dedicated ones); None = no restriction."""
+    excluded_pools: frozenset[str] = frozenset()
+    """Pools dedicated to other tenants."""
 
     @property
     def model(self) -> str:

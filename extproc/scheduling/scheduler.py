@@ -13,7 +13,14 @@ import random
 from collections.abc import Sequence
 
 from extproc import errors
-from extproc.scheduling.filters import FitsContext, GpuMemoryWatermark, KvFits, ReadyAndFresh, TaskClassPools
+from extproc.scheduling.filters import (
+    FitsContext,
+    GpuMemoryWatermark,
+    KvFits,
+    ReadyAndFresh,
+    TaskClassPools,
+    TenantPools,
+)
 from extproc.scheduling.plugins import Decision, Filter, Outcome, PickContext, PickRequest, Scorer
 from extproc.scheduling.scorers.kv_headroom import KvHeadroom
 from extproc.scheduling.scorers.least_inflight import LeastInflight
@@ -95,12 +102,12 @@ def scorer_registry(settings: SchedulingSettings) -> dict[str, Scorer]:
 
 
 def build_scheduler(settings: SchedulingSettings, rng: random.Random | None = None) -> Scheduler:
-    """The resource-aware policy: class-appropriate pools, Ready and fresh workers whose context, GPU memory
-    and free KV hold the request; then the configured weighted sum of scorers."""
+    """The resource-aware policy: pools the tenant may use, class-appropriate pools, Ready and fresh workers
+    whose context, GPU memory and free KV hold the request; then the configured weighted sum of scorers."""
     registry = scorer_registry(settings)
     retry = settings.retry_after_s
     return Scheduler(
-        filters=(TaskClassPools(), ReadyAndFresh(retry), FitsContext(),
+        filters=(TenantPools(retry), TaskClassPools(), ReadyAndFresh(retry), FitsContext(),
                  GpuMemoryWatermark(settings.gpu_memory_min_free_mib, retry),
                  KvFits(settings.kv_reserve_fraction, retry)),
         scorers=[(registry[name], settings.weights.get(name, 0.0)) for name in SCORER_NAMES],

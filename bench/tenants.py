@@ -1,0 +1,267 @@
+"""``poolgate bench tenants --out DIR [--quick]``: does a gold tenant keep its latency while bronze bursts?
+
+One pool of simulated workers behind ``poolgate up`` with two keyed tenants: gold (class ``high``) and
+bronze (class ``low``, with a concurrency and a tokens-per-minute limit). The fleet's capacity C (requests/s
+of the fixed request shape) is measured first with a closed loop. Then:
+
+1. gold alone, open loop (Poisson) at 0.4 C;
+2. gold again at 0.4 C while bronze sends 3 C.
+
+Reported: gold's p99 TTFT in 2 over 1 (target ≤ 1.25×), bronze's answers (429s vs client timeouts: the
+target is that excess is shed with 429 and nothing times out), and per tenant the real tokens (the usage
+the workers report, asked with ``include_usage``) in the busiest 60 s window over its tokens-per-minute
+limit (with ``--quick`` the phases are shorter than a minute, so this is the phase's total: a lower bound).
+Results: ``DIR/tenants.json`` and a short text summary on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+
+from extproc.tenancy import key_digest
+from poolgate.config import load_config
+from poolgate.procs import free_port
+from poolgate.up import Stack, StackPorts
+
+MODEL = "bench-chat"
+KEYS = {"gold": "pg-bench-gold", "bronze": "pg-bench-bronze"}
+PROMPT_WORDS = 200
+OUTPUT_TOKENS = 64
+CLIENT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Result:
+    tenant: str
+    sent_at: float
+    status: int = 0
+    ttft_s: float | None = None
+    done_at: float | None = None
+    total_tokens: int = 0
+    timed_out: bool = False
+    error: str = ""
+
+
+@dataclass
+class Phase:
+    name: str
+    results: list[Result] = field(default_factory=list)
+
+
+def config(workers: int, bronze_tpm: int, gold_tpm: int, bronze_concurrency: int) -> dict[str, Any]:
+    return {
+        "key_prefix": "bench-tenants",
+        "controller": {"heartbeat_interval_s": 0.5, "heartbeat_ttl_s": 5.0},
+        "pools": [{"name": "chat", "model": MODEL}],
+        "workers": [{"id": f"chat-{i}", "pool": "chat", "preset": "h100-80gb",
+                     "extra_args": ["--log-level", "WARNING"]} for i in range(workers)],
+        "scheduling": {"max_wait_s": 5.0},
+        "tenancy": {
+            "require_api_key": True,
+            "priority_classes": [{"name": "high", "max_wait_s": 20.0}, {"name": "standard"},
+                                 {"name": "low", "max_wait_s": 2.0}],
+            "max_queued": 500,
+        },
+        "tenants": [
+            {"name": "gold", "api_key_sha256": [key_digest(KEYS["gold"])], "priority": "high",
+             "tokens_per_minute": gold_tpm},
+            {"name": "bronze", "api_key_sha256": [key_digest(KEYS["bronze"])], "priority": "low",
+             "max_concurrent": bronze_concurrency, "tokens_per_minute": bronze_tpm},
+        ],
+    }
+
+
+def body(seed: int) -> bytes:
+    rng = random.Random(seed)
+    words = " ".join(rng.choice(("data", "node", "pool", "queue", "token", "time")) for _ in range(PROMPT_WORDS))
+    return orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": words}],
+                         "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "stream": True,
+                         "stream_options": {"include_usage": True}})
+
+
+async def one(session: aiohttp.ClientSession, url: str, tenant: str, seed: int, start: float) -> Result:
+    loop = asyncio.get_running_loop()
+    result = Result(tenant, loop.time() - start)
+    headers = {"authorization": f"Bearer {KEYS[tenant]}", "content-type": "application/json"}
+    sent = loop.time()
+    try:
+        async with asyncio.timeout(CLIENT_TIMEOUT_S):
+            async with session.post(url, data=body(seed), headers=headers) as response:
+                result.status = response.status
+                if response.status != 200:
+                    await response.read()
+                    return result
+                tail = b""
+                async for chunk in response.content.iter_any():
+                    if result.ttft_s is None and b'"content"' in chunk:
+                        result.ttft_s = loop.time() - sent
+                    data = tail + chunk
+                    if b'"total_tokens"' in data:
+                        marker = data.index(b'"total_tokens"')
+                        digits = data[marker + 15:marker + 30].split(b"}")[0].split(b",")[0].strip(b": ")
+                        result.total_tokens = int(digits) if digits.isdigit() else 0
+                    tail = data[-64:]
+                result.done_at = loop.time() - start
+    except TimeoutError:
+        result.timed_out = True
+    except (aiohttp.ClientError, OSError) as exc:
+        result.error = type(exc).__name__
+    return result
+
+
+async def open_loop(session: aiohttp.ClientSession, url: str, tenant: str, rate: float, duration_s: float,
+                    start: float, seed: int) -> list[Result]:
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    tasks = []
+    due = 0.0
+    while (due := due + rng.expovariate(rate)) < duration_s:
+        await asyncio.sleep(max(0.0, start + due - loop.time()))
+        tasks.append(asyncio.create_task(one(session, url, tenant, rng.randrange(1 << 30), start)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def capacity(session: aiohttp.ClientSession, url: str, duration_s: float, concurrency: int) -> float:
+    """Completed requests per second with ``concurrency`` back-to-back gold clients."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    done = 0
+
+    async def client(index: int) -> None:
+        nonlocal done
+        seed = index * 10_000
+        while loop.time() - start < duration_s:
+            seed += 1
+            if (await one(session, url, "gold", seed, start)).status == 200:
+                done += 1
+
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return done / (loop.time() - start)
+
+
+def p99(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else None
+
+
+def busiest_minute(results: Sequence[Result]) -> float:
+    """Real tokens in the busiest 60 s window (by completion time); all of them when the phase is shorter."""
+    done = sorted((r.done_at, r.total_tokens) for r in results if r.done_at is not None)
+    best = total = 0
+    left = 0
+    for right in range(len(done)):
+        total += done[right][1]
+        while done[right][0] - done[left][0] > 60:
+            total -= done[left][1]
+            left += 1
+        best = max(best, total)
+    return float(best)
+
+
+def summarise(results: Sequence[Result]) -> dict[str, Any]:
+    ok = [r for r in results if r.status == 200 and not r.timed_out]
+    return {"sent": len(results), "ok": len(ok), "http_429": sum(r.status == 429 for r in results),
+            "other_status": sum(r.status not in (0, 200, 429) for r in results),
+            "client_timeouts": sum(r.timed_out for r in results), "errors": sum(bool(r.error) for r in results),
+            "p99_ttft_s": p99([r.ttft_s for r in ok if r.ttft_s is not None])}
+
+
+async def run(quick: bool) -> dict[str, Any]:
+    workers, phase_s, measure_s = (2, 20.0, 8.0) if quick else (2, 90.0, 20.0)
+    run_dir = Path(tempfile.mkdtemp(prefix="poolgate-bench-tenants-"))
+    tokens_per_request = PROMPT_WORDS + 8 + OUTPUT_TOKENS
+    # Limits are set after measuring capacity; start with generous ones for the measurement.
+    config_path = run_dir / "poolgate.yaml"
+    config_path.write_text(yaml.safe_dump(config(workers, 10**9, 10**9, 10**6)))
+    stack = await start_stack(config_path, run_dir)
+    try:
+        url = stack.base_url + "/chat/completions"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            fleet_rps = await capacity(session, url, measure_s, concurrency=64 * workers)
+    finally:
+        await stack.stop()
+    gold_rate, bronze_rate = 0.4 * fleet_rps, 3.0 * fleet_rps
+    gold_tpm = int(fleet_rps * 60 * tokens_per_request)  # never binding at 40 %
+    bronze_tpm = int(0.4 * fleet_rps * 60 * tokens_per_request)
+    config_path.write_text(yaml.safe_dump(config(workers, bronze_tpm, gold_tpm, bronze_concurrency=32 * workers)))
+    stack = await start_stack(config_path, run_dir)
+    phases: dict[str, dict[str, Any]] = {}
+    try:
+        url = stack.base_url + "/chat/completions"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            alone = await open_loop(session, url, "gold", gold_rate, phase_s, start, 1)
+            await asyncio.sleep(5)
+            start = loop.time()
+            gold, bronze = await asyncio.gather(open_loop(session, url, "gold", gold_rate, phase_s, start, 2),
+                                                open_loop(session, url, "bronze", bronze_rate, phase_s, start, 3))
+    finally:
+        await stack.stop()
+    phases = {"gold_alone": summarise(alone), "gold_with_burst": summarise(gold), "bronze_burst": summarise(bronze)}
+    alone_p99, burst_p99 = phases["gold_alone"]["p99_ttft_s"], phases["gold_with_burst"]["p99_ttft_s"]
+    report = {
+        "quick": quick, "workers": workers, "phase_s": phase_s, "fleet_capacity_rps": fleet_rps,
+        "gold_rate_rps": gold_rate, "bronze_rate_rps": bronze_rate,
+        "limits": {"gold_tpm": gold_tpm, "bronze_tpm": bronze_tpm, "bronze_max_concurrent": 32 * workers},
+        "phases": phases,
+        "gold_p99_ratio": (burst_p99 / alone_p99) if alone_p99 and burst_p99 else None,
+        "tpm_overshoot": {
+            "gold": busiest_minute(gold) / gold_tpm - 1,
+            "bronze": busiest_minute(bronze) / bronze_tpm - 1,
+        },
+        "results": {"alone": [asdict(r) for r in alone], "gold": [asdict(r) for r in gold],
+                    "bronze": [asdict(r) for r in bronze]},
+    }
+    return report
+
+
+async def start_stack(config_path: Path, run_dir: Path) -> Stack:
+    ports = StackPorts(envoy=free_port(), admin=free_port(), extproc=free_port(), xds=free_port(),
+                       controller_http=free_port())
+    stack = Stack(load_config(config_path), config_path, run_dir, ports, None, "127.0.0.1")
+    await stack.start()
+    await stack.wait_until_serving()
+    async with aiohttp.ClientSession() as session:  # READY with keys required: wait for a keyed answer too
+        deadline = time.monotonic() + 60
+        while (await one(session, stack.base_url + "/chat/completions", "gold", 0, 0.0)).status != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the stack does not serve keyed requests (logs in {run_dir})")
+            await asyncio.sleep(0.2)
+    return stack
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="poolgate bench tenants", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="short phases (about a minute in all)")
+    args = parser.parse_args(argv)
+    report = asyncio.run(run(args.quick))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tenants.json").write_text(json.dumps(report, indent=1))
+    phases = report["phases"]
+    print(f"fleet capacity {report['fleet_capacity_rps']:.1f} req/s; gold {report['gold_rate_rps']:.1f} req/s, "
+          f"bronze {report['bronze_rate_rps']:.1f} req/s")
+    for name, phase in phases.items():
+        print(f"  {name:16} {json.dumps(phase)}")
+    ratio = report["gold_p99_ratio"]
+    print(f"gold p99 TTFT with burst / alone: {ratio:.2f}× (target ≤ 1.25×)" if ratio else "gold p99: n/a")
+    print("TPM overshoot: " + ", ".join(f"{k} {v:+.1%}" for k, v in report["tpm_overshoot"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

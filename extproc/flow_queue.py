@@ -1,0 +1,173 @@
+"""The priority queue of requests waiting for capacity: the discipline only, pure, with an injected clock.
+
+Order of release:
+
+1. priority classes in strict order (class 0 first);
+2. inside a class, weighted fair share across tenants by tokens: start-time fair queueing. Each backlogged
+   tenant has a start tag; the tenant with the smallest goes next and its tag grows by the request's tokens
+   divided by the tenant's weight. A tenant that was idle starts at the class's current virtual time, so
+   idleness earns no credit to burst with later;
+3. first in, first out inside a tenant.
+
+Requests wait for capacity of a *domain* (the model and the pools the tenant may use): a release pass skips
+the rest of a domain once its first candidate does not fit, so a large request is not overtaken by smaller
+ones of its own domain, and a full model never holds up another. Each entry has its class's deadline. The
+queue is bounded; on overflow the newest request of the lowest class is shed (the arriving one when its
+class is the lowest present).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False, slots=True)
+class QueueEntry:
+    domain: Hashable
+    tenant: str
+    priority: int
+    tokens: int
+    weight: float
+    enqueued_at: float
+    deadline: float
+    sequence: int
+    payload: Any = None
+    """What the owner attaches (the service: the request's state)."""
+
+
+@dataclass(slots=True)
+class _Flow:
+    """One tenant's backlog inside one class."""
+
+    entries: deque[QueueEntry] = field(default_factory=deque)
+    start: float = 0.0
+    """Virtual start tag of its head entry."""
+
+
+class _Class:
+    __slots__ = ("flows", "size", "virtual_time")
+
+    def __init__(self) -> None:
+        self.flows: dict[str, _Flow] = {}
+        self.virtual_time = 0.0
+        self.size = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Pushed:
+    entry: QueueEntry | None
+    """The new entry; None when the queue was full and the request itself is shed."""
+    shed: tuple[QueueEntry, ...] = ()
+    """Entries pushed out to make room (lower class than the new one)."""
+
+
+class FlowQueue:
+    def __init__(self, max_wait_s: Sequence[float], max_entries: int, clock: Callable[[], float]) -> None:
+        """``max_wait_s``: the deadline of each class, highest class first."""
+        self.max_wait_s = tuple(max_wait_s)
+        self.max_entries = max_entries
+        self._clock = clock
+        self._classes = [_Class() for _ in self.max_wait_s]
+        self._size = 0
+        self._sequence = 0
+        self._domains: dict[Hashable, int] = {}
+
+    def __len__(self) -> int:
+        return self._size
+
+    def has_waiting(self, domain: Hashable) -> bool:
+        return self._domains.get(domain, 0) > 0
+
+    def push(self, domain: Hashable, tenant: str, priority: int, tokens: int, weight: float = 1.0,
+             payload: Any = None) -> Pushed:
+        shed: list[QueueEntry] = []
+        if self._size >= self.max_entries:
+            lowest = self._lowest_class()
+            if lowest is None or lowest <= priority:
+                return Pushed(None)
+            shed.append(self._newest(lowest))
+            self.remove(shed[0])
+        now = self._clock()
+        self._sequence += 1
+        entry = QueueEntry(domain, tenant, priority, max(1, tokens), weight, now, now + self.max_wait_s[priority],
+                           self._sequence, payload)
+        cls = self._classes[priority]
+        flow = cls.flows.get(tenant)
+        if flow is None:
+            flow = cls.flows[tenant] = _Flow(start=cls.virtual_time)
+        elif not flow.entries:
+            flow.start = max(flow.start, cls.virtual_time)
+        flow.entries.append(entry)
+        cls.size += 1
+        self._size += 1
+        self._domains[domain] = self._domains.get(domain, 0) + 1
+        return Pushed(entry, tuple(shed))
+
+    def next_candidate(self, blocked: Iterable[Hashable] = ()) -> QueueEntry | None:
+        """The entry to try next, skipping domains already found full in this pass. Does not remove it."""
+        skip = blocked if isinstance(blocked, set | frozenset) else set(blocked)
+        for cls in self._classes:
+            if not cls.size:
+                continue
+            best: QueueEntry | None = None
+            best_start = 0.0
+            for flow in cls.flows.values():
+                if not flow.entries or (best is not None and flow.start >= best_start):
+                    continue
+                for entry in flow.entries:
+                    if entry.domain not in skip:
+                        best, best_start = entry, flow.start
+                        break
+            if best is not None:
+                return best
+        return None
+
+    def take(self, entry: QueueEntry) -> None:
+        """The entry is placed: remove it and charge its tenant's share."""
+        cls = self._classes[entry.priority]
+        flow = cls.flows[entry.tenant]
+        cls.virtual_time = max(cls.virtual_time, flow.start)
+        flow.start += entry.tokens / entry.weight
+        self._discard(entry)
+
+    def remove(self, entry: QueueEntry) -> bool:
+        """Drop an entry without charging (cancelled, expired or shed); False when it was not queued."""
+        flow = self._classes[entry.priority].flows.get(entry.tenant)
+        if flow is None or entry not in flow.entries:
+            return False
+        self._discard(entry)
+        return True
+
+    def expired(self) -> list[QueueEntry]:
+        """Entries whose deadline has passed (still queued; the owner answers and removes them)."""
+        now = self._clock()
+        return [e for cls in self._classes for flow in cls.flows.values() for e in flow.entries if e.deadline <= now]
+
+    def depth(self) -> Mapping[tuple[int, str], int]:
+        """(class, tenant) → entries waiting."""
+        return {(priority, tenant): len(flow.entries) for priority, cls in enumerate(self._classes)
+                for tenant, flow in cls.flows.items() if flow.entries}
+
+    def _discard(self, entry: QueueEntry) -> None:
+        cls = self._classes[entry.priority]
+        cls.flows[entry.tenant].entries.remove(entry)
+        cls.size -= 1
+        self._size -= 1
+        left = self._domains[entry.domain] - 1
+        if left:
+            self._domains[entry.domain] = left
+        else:
+            del self._domains[entry.domain]
+
+    def _lowest_class(self) -> int | None:
+        for priority in range(len(self._classes) - 1, -1, -1):
+            if self._classes[priority].size:
+                return priority
+        return None
+
+    def _newest(self, priority: int) -> QueueEntry:
+        flows = self._classes[priority].flows.values()
+        return max((flow.entries[-1] for flow in flows if flow.entries), key=lambda e: e.sequence)

@@ -1,0 +1,168 @@
+"""Tenants through real Envoy (``poolgate up`` with a tenants config): keys, forged headers, model rights,
+quotas with Retry-After, and usage reconciled from a real stream whose extra usage chunk the client never sees."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+import yaml
+
+from extproc.quota import WINDOW_S, QuotaKeys
+from extproc.tenancy import key_digest
+from poolgate.procs import free_port
+
+pytestmark = pytest.mark.e2e
+
+PREFIX = "e2e-tenancy"
+KEYS = {"gold": "pg-gold-key", "bronze": "pg-bronze-key", "metered": "pg-metered-key"}
+CONFIG = {
+    "key_prefix": PREFIX,
+    "controller": {"token": "e2e-token", "heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0},
+    "extproc": {"max_request_bytes": 1048576},
+    "pools": [{"name": "chat", "model": "chat-model"}, {"name": "vip", "model": "chat-model"},
+              {"name": "code", "model": "code-model"}],
+    "workers": [{"id": "chat-a", "pool": "chat"}, {"id": "vip-a", "pool": "vip"}, {"id": "code-a", "pool": "code"}],
+    "tenancy": {"require_api_key": True, "tenant_header": "x-tenant-id"},
+    "tenants": [
+        {"name": "gold", "api_key_sha256": [key_digest(KEYS["gold"])], "priority": "high",
+         "dedicated_pools": ["vip"]},
+        {"name": "bronze", "api_key_sha256": [key_digest(KEYS["bronze"])], "priority": "low",
+         "models": ["chat-model"], "requests_per_minute": 3},
+        {"name": "metered", "api_key_sha256": [key_digest(KEYS["metered"])], "tokens_per_minute": 50_000},
+    ],
+}
+
+
+@dataclass
+class Stack:
+    base_url: str
+    redis_url: str
+
+
+@pytest.fixture(scope="module")
+def tenancy_stack(redis_server: object) -> Iterator[Stack]:
+    run_dir = Path(tempfile.mkdtemp(prefix="poolgate-e2e-tenancy-"))
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(CONFIG))
+    port, admin = free_port(), free_port()
+    redis_url = redis_server.url  # type: ignore[attr-defined]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "poolgate.cli", "up", "--config", str(config_path), "--port", str(port),
+         "--admin-port", str(admin), "--redis-url", redis_url, "--log-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    assert process.stdout is not None
+    output: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        output.append(line)
+        if line.startswith("READY "):
+            break
+    if not output or not output[-1].startswith("READY "):
+        process.kill()
+        raise AssertionError("poolgate up did not become ready:\n" + "".join(output))
+    drain = threading.Thread(target=lambda: [output.append(line) for line in process.stdout or []], daemon=True)
+    drain.start()
+    stack = Stack(f"http://127.0.0.1:{port}/v1", redis_url)
+    # With keys required, READY means the router answers; wait until each pool serves a keyed request too.
+    for key, model in ((KEYS["gold"], "chat-model"), (KEYS["metered"], "chat-model"), (KEYS["metered"], "code-model")):
+        while chat(stack, key, model).status_code != 200:
+            assert time.monotonic() < deadline + 60, "stack did not serve keyed requests"
+            time.sleep(0.2)
+    yield stack
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    drain.join(5)
+    if process.stdout:
+        process.stdout.close()
+
+
+def client(stack: Stack, key: str, **kwargs: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0, timeout=30, **kwargs)  # type: ignore[arg-type]
+
+
+def chat(stack: Stack, key: str, model: str = "chat-model", **headers: str) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}/chat/completions", timeout=30,
+                      headers={"authorization": f"Bearer {key}", **headers},
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+def test_wrong_or_missing_key_is_401(tenancy_stack: Stack) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        client(tenancy_stack, "pg-wrong").chat.completions.create(
+            model="chat-model", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    response = httpx.get(f"{tenancy_stack.base_url}/models", timeout=30)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_forged_tenant_header_is_ignored(tenancy_stack: Stack) -> None:
+    for forged in ({"x-tenant-id": "gold"}, {"x-poolgate-tenant": "gold"}):
+        assert chat(tenancy_stack, "pg-wrong", **forged).status_code == 401
+        answer = chat(tenancy_stack, KEYS["gold"], **forged)  # a real key with someone else's name: its own
+        assert answer.status_code == 200
+    workers = {chat(tenancy_stack, KEYS["metered"], **{"x-tenant-id": "gold"}).headers["x-poolgate-worker"]
+               for _ in range(6)}
+    assert workers == {"chat-a"}  # never the pool dedicated to gold
+
+
+def test_dedicated_pool(tenancy_stack: Stack) -> None:
+    workers = {chat(tenancy_stack, KEYS["gold"]).headers["x-poolgate-worker"] for _ in range(6)}
+    assert workers == {"vip-a"}
+
+
+def test_disallowed_model_is_403(tenancy_stack: Stack) -> None:
+    with pytest.raises(openai.PermissionDeniedError) as caught:
+        client(tenancy_stack, KEYS["bronze"]).completions.create(model="code-model", prompt="x", max_tokens=1)
+    assert caught.value.status_code == 403
+
+
+def test_over_quota_is_429_with_retry_after(tenancy_stack: Stack) -> None:
+    statuses = [chat(tenancy_stack, KEYS["bronze"]) for _ in range(5)]
+    refused = [r for r in statuses if r.status_code == 429]
+    assert refused and sum(r.status_code == 200 for r in statuses) <= 3
+    error = refused[0].json()["error"]
+    assert error["param"] == "requests_per_minute" and "requests_per_minute" in error["message"]
+    assert 1 <= int(refused[0].headers["retry-after"]) <= 60
+
+
+def test_stream_usage_is_charged_and_the_extra_chunk_hidden(tenancy_stack: Stack) -> None:
+    if time.time() % WINDOW_S > WINDOW_S - 10:  # keep both streams and the check in one minute window
+        time.sleep(WINDOW_S - time.time() % WINDOW_S + 0.1)
+    api = client(tenancy_stack, KEYS["metered"])
+    store = redis.Redis.from_url(tenancy_stack.redis_url)
+    key = QuotaKeys(PREFIX).tokens("metered", int(time.time() // WINDOW_S))
+    try:
+        before = int(store.get(key) or 0)
+        ask = {"model": "chat-model", "messages": [{"role": "user", "content": "count"}], "max_tokens": 20,
+               "stream": True}
+        chunks = list(api.chat.completions.create(**ask))  # type: ignore[call-overload]
+        assert chunks and all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+        with_usage = list(api.chat.completions.create(**ask, stream_options={"include_usage": True}))
+        usage = with_usage[-1].usage
+        assert usage is not None  # a client that asked still gets it
+        deadline = time.monotonic() + 5
+        while int(store.get(key) or 0) - before != 2 * usage.total_tokens and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Reserved at admission: the prompt estimate + 20 each; after reconcile: exactly the real totals.
+        assert int(store.get(key) or 0) - before == 2 * usage.total_tokens
+    finally:
+        store.close()
