@@ -1,18 +1,22 @@
-"""``poolgate status``: the fleet as Redis holds it, as a table."""
+"""``poolgate status``: the fleet as Redis holds it, as a table; ``--watch`` redraws it until Ctrl-C."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, read_inflight
+from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, read_fleet, read_inflight
 
 COLUMNS = ("worker", "model", "pool", "state", "address", "in-flight", "kv", "running", "waiting", "age")
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+SERVING = (WorkerState.READY, WorkerState.BUSY)
 
 
 def format_table(workers: Sequence[WorkerRecord], inflight: dict[str, int], now: float) -> str:
@@ -27,23 +31,91 @@ def format_table(workers: Sequence[WorkerRecord], inflight: dict[str, int], now:
                      for row in rows)
 
 
+def format_pools(workers: Sequence[WorkerRecord], inflight: dict[str, int]) -> str:
+    """One line per pool: what serves, what waits, how full the KV caches are (the watch view's summary)."""
+    lines = []
+    for pool in sorted({w.pool for w in workers}):
+        members = [w for w in workers if w.pool == pool]
+        serving = [w for w in members if w.state in SERVING]
+        kv = sum(w.kv_usage for w in serving) / len(serving) if serving else 0.0
+        lines.append(f"pool {pool}: {len(serving)}/{len(members)} serving, "
+                     f"in-flight {sum(inflight.get(w.id, 0) for w in members)}, "
+                     f"running {sum(w.running for w in members)}, waiting {sum(w.waiting for w in members)}, "
+                     f"mean kv {kv:.0%}")
+    return "\n".join(lines)
+
+
+async def fleet_view(redis: aioredis.Redis, keys: FleetKeys, *, summary: bool = False) -> str:
+    workers = await read_fleet(redis, keys)
+    inflight = await read_inflight(redis, keys, [w.id for w in workers])
+    table = format_table(workers, inflight, time.time())
+    return f"{format_pools(workers, inflight)}\n\n{table}" if summary and workers else table
+
+
 async def fleet_table(redis_url: str, key_prefix: str) -> str:
     redis = aioredis.from_url(redis_url)
     try:
-        keys = FleetKeys(key_prefix)
-        workers = await read_fleet(redis, keys)
-        inflight = await read_inflight(redis, keys, [w.id for w in workers])
-        return format_table(workers, inflight, time.time())
+        return await fleet_view(redis, FleetKeys(key_prefix))
     finally:
         await redis.aclose()
+
+
+async def watch(read: Callable[[], Awaitable[str]], interval_s: float, write: Callable[[str], None],
+                stop: asyncio.Event, *, clear: bool, source: str) -> int:
+    """Redraw until ``stop`` is set; returns the number of frames. A Redis outage shows in the frame and
+    the next refresh retries: a watch is left running on a screen, it should outlive a restart."""
+    frames = 0
+    while not stop.is_set():
+        try:
+            body = await read()
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
+            body = f"cannot reach Redis at {source}: {exc} (retrying)"
+        stamp = time.strftime("%H:%M:%S")
+        write(f"{CLEAR_SCREEN if clear else ''}poolgate fleet at {stamp}, every {interval_s:g} s "
+              f"(Ctrl-C to stop)\n\n{body}\n")
+        frames += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+    return frames
+
+
+async def _watch_main(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    redis = aioredis.from_url(args.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    keys = FleetKeys(args.key_prefix)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        await watch(lambda: fleet_view(redis, keys, summary=True), args.interval, write, stop,
+                    clear=sys.stdout.isatty(), source=args.redis_url)
+    finally:
+        await redis.aclose()
+
+
+def _interval(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError("must be between 0.1 and 3600 seconds")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--key-prefix", default="poolgate")
+    parser.add_argument("--watch", action="store_true", help="redraw the fleet table until Ctrl-C")
+    parser.add_argument("--interval", type=_interval, default=1.0, help="seconds between redraws (default 1)")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.watch:
+        asyncio.run(_watch_main(args))
+        return 0
     try:
         print(asyncio.run(fleet_table(args.redis_url, args.key_prefix)))
     except (aioredis.ConnectionError, OSError) as exc:

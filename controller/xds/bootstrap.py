@@ -75,9 +75,16 @@ POOL_RETRIES = 2
 
 REQUEST_ACCESS_LOG_FORMAT = (
     "[%START_TIME%] \"%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%\" %RESPONSE_CODE% "
-    "%RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION% cluster=%UPSTREAM_CLUSTER% "
-    "host=%UPSTREAM_HOST% id=%REQ(X-REQUEST-ID)%\n"
+    "%RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION% ttfb=%RESPONSE_DURATION% "
+    "cluster=%UPSTREAM_CLUSTER% host=%UPSTREAM_HOST% worker=%RESP(X-POOLGATE-WORKER)% "
+    "tenant=%REQ(X-POOLGATE-TENANT)% details=%RESPONSE_CODE_DETAILS% id=%REQ(X-REQUEST-ID)% "
+    "decision=\"%REQ(X-POOLGATE-DECISION):512%\"\n"
 )
+"""One line per request. The pool is the cluster (``pool-<name>``) and the worker the upstream host: the
+``x-poolgate-cluster`` header is removed by the route before the log is written. ``tenant`` is the header
+extproc sets when tenants are configured; ``details`` is Envoy's reason for its own replies or extproc's
+``poolgate_<code>`` for a refusal; ``decision`` is the debug header (``scheduling.debug_header``), else ``-``.
+``worker`` is the response header a simulated worker sets (vLLM sets none)."""
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -154,7 +161,9 @@ def _ext_proc(config: Config) -> hcm_pb2.HttpFilter:
         ),
         # extproc asks for the response body (mode_override at the request headers) only for requests
         # whose token usage it must read: tenants with a tokens-per-minute limit. Everyone else keeps NONE.
-        allow_mode_override=any(t.tokens_per_minute for t in config.tenants) and config.tenancy.reconcile_usage,
+        # So do requests sent to a catalogue version under another name (the public name is restored).
+        allow_mode_override=(any(t.tokens_per_minute for t in config.tenants) and config.tenancy.reconcile_usage)
+        or bool(config.catalogue.models),
     )
     if not settings.fail_open:
         filter_config.status_on_error.CopyFrom(http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable))

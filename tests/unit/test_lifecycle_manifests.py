@@ -10,11 +10,17 @@ import yaml
 from controller.kube_backend import POOL_LABEL, PORT_ANNOTATION
 from poolgate.config import parse_config
 
-K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 
 
 def docs() -> list[dict[str, Any]]:
-    return [d for path in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+    """The kustomization's resources plus the ConfigMaps its generator makes from files."""
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    generated = [{"kind": "ConfigMap", "metadata": {"name": g["name"]},
+                  "data": {name: (K8S / name).read_text() for name in g["files"]}}
+                 for g in kustomization["configMapGenerator"]]
+    return [d for name in kustomization["resources"] for d in yaml.safe_load_all((K8S / name).read_text()) if d] + [
+        d for d in generated if "poolgate.yaml" in d["data"]]
 
 
 def test_embedded_config_is_valid_and_names_the_worker_deployments() -> None:
