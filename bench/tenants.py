@@ -41,6 +41,8 @@ KEYS = {"gold": "pg-bench-gold", "bronze": "pg-bench-bronze"}
 PROMPT_WORDS = 200
 OUTPUT_TOKENS = 64
 CLIENT_TIMEOUT_S = 30.0
+CAPACITY_CONCURRENCY_PER_WORKER = 64
+"""Closed-loop clients per worker when measuring capacity; also the gate's per-worker concurrency target."""
 
 
 @dataclass
@@ -68,7 +70,10 @@ def config(workers: int, bronze_tpm: int, gold_tpm: int, bronze_concurrency: int
         "pools": [{"name": "chat", "model": MODEL}],
         "workers": [{"id": f"chat-{i}", "pool": "chat", "preset": "h100-80gb",
                      "extra_args": ["--log-level", "WARNING"]} for i in range(workers)],
-        "scheduling": {"max_wait_s": 5.0},
+        # The saturation gate: bronze (low) fills a worker only to a quarter of the concurrency the fleet's
+        # capacity was measured at; the rest is gold's headroom, and bronze's excess waits in extproc's queue.
+        "scheduling": {"max_wait_s": 5.0, "max_inflight_per_worker": CAPACITY_CONCURRENCY_PER_WORKER,
+                       "lower_class_inflight_fraction": 0.25, "queue_when_waiting": True},
         "tenancy": {
             "require_api_key": True,
             "priority_classes": [{"name": "high", "max_wait_s": 20.0}, {"name": "standard"},
@@ -190,7 +195,8 @@ async def run(quick: bool) -> dict[str, Any]:
     try:
         url = stack.base_url + "/chat/completions"
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            fleet_rps = await capacity(session, url, measure_s, concurrency=64 * workers)
+            fleet_rps = await capacity(session, url, measure_s,
+                                       concurrency=CAPACITY_CONCURRENCY_PER_WORKER * workers)
     finally:
         await stack.stop()
     gold_rate, bronze_rate = 0.4 * fleet_rps, 3.0 * fleet_rps

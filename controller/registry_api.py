@@ -7,6 +7,7 @@ stranger on the network cannot add an address to Envoy's endpoints. Errors are O
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -79,6 +80,23 @@ OPEN_PATHS = frozenset({"/healthz", "/metrics"})
 """Paths without the token: liveness and Prometheus counters (they reveal no addresses)."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def address_refusal(host: str, networks: tuple[Network, ...]) -> str | None:
+    """Why ``host`` may not become an Envoy endpoint, or None when it may. It must be an IP address (EDS takes
+    no names, and a name could later resolve anywhere) inside one of ``networks``; an IPv4-mapped IPv6
+    address is judged as the IPv4 address it carries."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return f"host {host!r} is not an IP address; register the worker by its IP"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if any(address in network for network in networks):
+        return None
+    return (f"address {address} is outside controller.allowed_networks; add its network there if this "
+            "worker is yours")
 
 
 class RegistryApi:
@@ -92,6 +110,7 @@ class RegistryApi:
         self._token = token.encode()
         self._instances = instances
         self._metrics = metrics
+        self._networks = tuple(ipaddress.ip_network(n) for n in config.controller.allowed_networks)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
@@ -141,6 +160,10 @@ class RegistryApi:
         pool_names = [p.name for p in self._config.pools]
         if body.pool not in pool_names:
             return _error(400, f"unknown pool {body.pool!r}; known: {', '.join(pool_names)}", "unknown_pool")
+        refusal = address_refusal(body.host, self._networks)
+        if refusal is not None:
+            log.warning("refused registration of worker %s: %s", body.id, refusal)
+            return _error(403, refusal, "address_not_allowed")
         pool = self._config.pool(body.pool)
         record = WorkerRecord(
             id=body.id, pool=pool.name, model=body.model or pool.model, host=body.host, port=body.port,

@@ -24,11 +24,15 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.struct_pb2 import Struct
 
+from extproc.catalogue import ModelCard
 from extproc.errors import ApiError
 from extproc.scheduling import Decision
 from poolgate.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+NEVER_UPSTREAM = ("authorization",)
+"""Client headers removed from every request that goes on to a worker: the tenant's API key is extproc's to
+check, and a worker (or whoever reads its request log) must never see it."""
 
 
 def _header(key: str, value: str) -> HeaderValueOption:
@@ -43,6 +47,11 @@ def _mutation(remove: Iterable[str], set_headers: Iterable[HeaderValueOption] = 
     return HeaderMutation(set_headers=set_list, remove_headers=remove)
 
 
+def _upstream_removals(remove: Iterable[str]) -> list[str]:
+    """``remove`` plus ``NEVER_UPSTREAM``, each once."""
+    return [*NEVER_UPSTREAM, *(h for h in remove if h not in NEVER_UPSTREAM)]
+
+
 WATCH_RESPONSE_BODY = ProcessingMode(
     request_header_mode=ProcessingMode.SEND, response_header_mode=ProcessingMode.SKIP,
     request_body_mode=ProcessingMode.BUFFERED, response_body_mode=ProcessingMode.STREAMED,
@@ -51,11 +60,41 @@ WATCH_RESPONSE_BODY = ProcessingMode(
 the bootstrap's ``allow_mode_override``) only for requests whose usage must be read."""
 
 
-def continue_headers(remove: Iterable[str] = (), watch_response: bool = False) -> ProcessingResponse:
+WATCH_RESPONSE_HEADERS = ProcessingMode(
+    request_header_mode=ProcessingMode.SEND, response_header_mode=ProcessingMode.SEND,
+    request_body_mode=ProcessingMode.BUFFERED, response_body_mode=ProcessingMode.NONE,
+    request_trailer_mode=ProcessingMode.SKIP, response_trailer_mode=ProcessingMode.SKIP)
+"""The response headers come to extproc, which then asks for the body only if the model name must be restored
+(Envoy honours ``mode_override`` only in answers to a headers message, and the model is known after the
+request body)."""
+WATCH_RESPONSE_HEADERS_AND_BODY = ProcessingMode(
+    request_header_mode=ProcessingMode.SEND, response_header_mode=ProcessingMode.SEND,
+    request_body_mode=ProcessingMode.BUFFERED, response_body_mode=ProcessingMode.STREAMED,
+    request_trailer_mode=ProcessingMode.SKIP, response_trailer_mode=ProcessingMode.SKIP)
+
+
+def continue_headers(remove: Iterable[str] = (), watch_response: bool = False,
+                     watch_response_headers: bool = False) -> ProcessingResponse:
     mutation = _mutation(remove)
     common = CommonResponse(header_mutation=mutation) if mutation else CommonResponse()
     answer = ProcessingResponse(request_headers=HeadersResponse(response=common))
-    if watch_response:
+    if watch_response and watch_response_headers:
+        answer.mode_override.CopyFrom(WATCH_RESPONSE_HEADERS_AND_BODY)
+    elif watch_response:
+        answer.mode_override.CopyFrom(WATCH_RESPONSE_BODY)
+    elif watch_response_headers:
+        answer.mode_override.CopyFrom(WATCH_RESPONSE_HEADERS)
+    return answer
+
+
+def continue_response_headers(rewrite_body: bool = False, body_watched: bool = False) -> ProcessingResponse:
+    """Pass the response headers on; with ``rewrite_body`` drop ``content-length`` (the body's length changes,
+    Envoy then frames it itself) and ask for the body unless it already comes (``body_watched``)."""
+    if not rewrite_body:
+        return ProcessingResponse(response_headers=HeadersResponse())
+    common = CommonResponse(header_mutation=HeaderMutation(remove_headers=["content-length"]))
+    answer = ProcessingResponse(response_headers=HeadersResponse(response=common))
+    if not body_watched:
         answer.mode_override.CopyFrom(WATCH_RESPONSE_BODY)
     return answer
 
@@ -69,9 +108,9 @@ def continue_response_body(replacement: bytes | None = None) -> ProcessingRespon
 
 
 def continue_body(remove: Iterable[str] = ()) -> ProcessingResponse:
-    mutation = _mutation(remove)
-    common = CommonResponse(header_mutation=mutation) if mutation else CommonResponse()
-    return ProcessingResponse(request_body=BodyResponse(response=common))
+    """Let the request body go on upstream, without ``remove`` and ``NEVER_UPSTREAM``."""
+    mutation = _mutation(_upstream_removals(remove))
+    return ProcessingResponse(request_body=BodyResponse(response=CommonResponse(header_mutation=mutation)))
 
 
 def continue_trailers() -> ProcessingResponse:
@@ -87,7 +126,7 @@ def routed_body(decision: Decision, remove: Iterable[str] = (),
         extra.append(("content-length", str(len(new_body))))
     setting = {CLUSTER_HEADER, *(k for k, _ in extra)}
     mutation = _mutation(
-        [h for h in remove if h not in setting],
+        [h for h in _upstream_removals(remove) if h not in setting],
         [_header(CLUSTER_HEADER, decision.cluster), *(_header(k, v) for k, v in extra)],
     )
     pin = Struct()
@@ -121,7 +160,15 @@ def error_answer(error: ApiError) -> ProcessingResponse:
     return json_answer(error.status, error.body(), headers, details=f"poolgate_{error.code or error.type}")
 
 
-def model_list_answer(models: Iterable[str], created: int) -> ProcessingResponse:
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "poolgate"} for name in models]
+def model_list_answer(models: Iterable[str | ModelCard], created: int) -> ProcessingResponse:
+    data = []
+    for model in models:
+        card = ModelCard(model) if isinstance(model, str) else model
+        entry: dict[str, object] = {"id": card.id, "object": "model", "created": created, "owned_by": "poolgate"}
+        if card.max_model_len is not None:
+            entry["max_model_len"] = card.max_model_len
+        if card.precision is not None:
+            entry["precision"] = card.precision
+        data.append(entry)
     return json_answer(200, orjson.dumps({"object": "list", "data": data}), details="poolgate_model_list")
 

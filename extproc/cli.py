@@ -45,7 +45,8 @@ def main(args: argparse.Namespace) -> int:
     from extproc.server import serve
 
     async def run() -> None:
-        task = asyncio.create_task(serve(config, redis_url, args.host, port, args.metrics_port, listening))
+        task = asyncio.create_task(serve(config, redis_url, args.host, port, args.metrics_port, listening,
+                                         config_path=args.config))
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, task.cancel)

@@ -146,6 +146,10 @@ class FlowQueue:
         now = self._clock()
         return [e for cls in self._classes for flow in cls.flows.values() for e in flow.entries if e.deadline <= now]
 
+    def held_by_domain(self) -> Mapping[Hashable, int]:
+        """Domain → entries waiting (a copy; read off the request path by the queue-depth publisher)."""
+        return dict(self._domains)
+
     def depth(self) -> Mapping[tuple[int, str], int]:
         """(class, tenant) → entries waiting."""
         return {(priority, tenant): len(flow.entries) for priority, cls in enumerate(self._classes)

@@ -6,14 +6,24 @@ tenant share the hash tag ``{tenant:NAME}`` and so one Redis Cluster slot, as a 
 
 - ``{prefix}:quota:{tenant:NAME}:concurrent`` sorted set, member = request ticket, score = lease end. A
   process that dies without releasing stops counting when the lease (``tenancy.lease_s``) ends.
-- ``{prefix}:quota:{tenant:NAME}:rpm:{minute}`` / ``…:tpm:{minute}`` counters of one fixed minute each.
-  The rate over the last sixty seconds is estimated as ``previous × (1 − f) + current``, f being how far
-  into the current minute we are (the sliding-window counter): no burst at a minute boundary gets 2× the
-  limit, as a plain fixed window would allow, and it costs two GETs instead of a log of every request.
+- ``{prefix}:quota:{tenant:NAME}:rpm`` / ``…:tpm`` hashes of per-second buckets, field = whole second
+  ``b``, value = requests / tokens admitted in it. An admission at time t counts the buckets
+  ``⌊t⌋ − 60 … ⌊t⌋`` (61 of them) and prunes older fields:
+
+      used(t) = Σ_{b = ⌊t⌋−60}^{⌊t⌋} bucket[b];   admit iff used(t) + cost ≤ limit
+
+  Any 60 s interval [a, a + 60] lies inside buckets ⌊a⌋ … ⌊a⌋ + 60, all of which the check of its last
+  admission counted, so the charges of any 60 s are at most the limit (no boundary burst, unlike fixed
+  windows, and no estimate error, unlike the sliding-window counter's ``previous × (1 − f) + current``,
+  which let a burst overshoot by a quarter). The price is at most 1/61 of the limit left unused and a sum
+  of ≤ 61 fields per admission, still inside one script call. A refused request waits until enough of
+  the oldest buckets leave the window: bucket b leaves at t = b + 61.
+- ``{prefix}:quota:{tenant:NAME}:tpm:{minute}`` tokens charged in one calendar minute: usage accounting for
+  readers (dashboards, tests), not consulted by admission.
 
 Tokens per minute are reserved at admission (prompt estimate + expected output) and corrected at the end
-by the difference to the usage the response reported (``release`` with ``used_tokens``), in the counter
-of the minute the request was admitted in.
+by the difference to the usage the response reported (``release`` with ``used_tokens``), in the bucket
+of the second it was admitted in (skipped once that bucket left the window) and in its minute's counter.
 """
 
 from __future__ import annotations
@@ -30,8 +40,10 @@ from extproc.errors import ApiError
 from extproc.tenancy import Tenant
 
 WINDOW_S = 60
-WINDOW_TTL_MS = 3 * WINDOW_S * 1000
-"""A minute's counter is read as "previous" during the next minute and corrected by late releases after."""
+BUCKET_TTL_MS = 2 * (WINDOW_S + 1) * 1000
+"""A bucket hash untouched for this long holds nothing inside the window any more."""
+MINUTE_TTL_MS = 3 * WINDOW_S * 1000
+"""A minute's accounting counter stays readable, and correctable by late releases, for two more minutes."""
 
 LIMIT_NAMES = {1: "max_concurrent", 2: "requests_per_minute", 3: "tokens_per_minute"}
 
@@ -41,53 +53,72 @@ local max_conc = tonumber(ARGV[4])
 local rpm = tonumber(ARGV[5])
 local tpm = tonumber(ARGV[6])
 local tokens = tonumber(ARGV[7])
-local frac = tonumber(ARGV[8])
-local ttl = tonumber(ARGV[9])
-local remaining = tonumber(ARGV[10])
-local function wait_s(prev, cur, est, cost, limit)
-  local excess = est + cost - limit
-  if prev > 0 and excess <= prev * (1 - frac) then
-    return math.ceil(excess / prev * 60)
+local window = tonumber(ARGV[8])
+local bucket_ttl = tonumber(ARGV[9])
+local minute_ttl = tonumber(ARGV[10])
+local second = math.floor(now)
+local oldest = second - window
+local function used(key)
+  local flat = redis.call('HGETALL', key)
+  local total, live, stale = 0, {}, {}
+  for i = 1, #flat, 2 do
+    local b = tonumber(flat[i])
+    if b < oldest then
+      stale[#stale + 1] = flat[i]
+    else
+      local n = tonumber(flat[i + 1])
+      total = total + n
+      live[#live + 1] = {b, n}
+    end
   end
-  local into_next = 0
-  if cur > 0 then into_next = math.max(0, 1 - (limit - cost) / cur) end
-  return math.ceil(remaining + into_next * 60)
+  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+  return total, live
+end
+local function wait_s(live, total, cost, limit)
+  table.sort(live, function(x, y) return x[1] < y[1] end)
+  local excess = total + cost - limit
+  for _, entry in ipairs(live) do
+    excess = excess - entry[2]
+    if excess <= 0 then return math.max(1, math.ceil(entry[1] + window + 1 - now)) end
+  end
+  return window + 1
 end
 if max_conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
   if redis.call('ZCARD', KEYS[1]) >= max_conc then return {1, 1} end
 end
 if rpm > 0 then
-  local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
-  local prev = tonumber(redis.call('GET', KEYS[3]) or '0')
-  local est = prev * (1 - frac) + cur
-  if est + 1 > rpm then return {2, wait_s(prev, cur, est, 1, rpm)} end
+  local total, live = used(KEYS[2])
+  if total + 1 > rpm then return {2, wait_s(live, total, 1, rpm)} end
 end
 if tpm > 0 then
-  local cur = tonumber(redis.call('GET', KEYS[4]) or '0')
-  local prev = tonumber(redis.call('GET', KEYS[5]) or '0')
-  local est = prev * (1 - frac) + cur
-  if est + tokens > tpm then return {3, wait_s(prev, cur, est, tokens, tpm)} end
+  local total, live = used(KEYS[3])
+  if total + tokens > tpm then return {3, wait_s(live, total, tokens, tpm)} end
 end
 if max_conc > 0 then
   redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
   redis.call('PEXPIREAT', KEYS[1], math.floor(tonumber(ARGV[3]) * 1000))
 end
 if rpm > 0 then
-  redis.call('INCR', KEYS[2])
-  redis.call('PEXPIRE', KEYS[2], ttl)
+  redis.call('HINCRBY', KEYS[2], second, 1)
+  redis.call('PEXPIRE', KEYS[2], bucket_ttl)
 end
 if tpm > 0 then
+  redis.call('HINCRBY', KEYS[3], second, tokens)
+  redis.call('PEXPIRE', KEYS[3], bucket_ttl)
   redis.call('INCRBY', KEYS[4], tokens)
-  redis.call('PEXPIRE', KEYS[4], ttl)
+  redis.call('PEXPIRE', KEYS[4], minute_ttl)
 end
-return {0, 0}
+return {0, second}
 """
 
 _RELEASE = """
 if ARGV[1] ~= '' then redis.call('ZREM', KEYS[1], ARGV[1]) end
 local delta = tonumber(ARGV[2])
-if delta ~= 0 and redis.call('EXISTS', KEYS[2]) == 1 then redis.call('INCRBY', KEYS[2], delta) end
+if delta ~= 0 then
+  if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then redis.call('HINCRBY', KEYS[2], ARGV[3], delta) end
+  if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('INCRBY', KEYS[3], delta) end
+end
 return 1
 """
 
@@ -103,11 +134,17 @@ class QuotaKeys:
     def concurrent(self, name: str) -> str:
         return f"{self.tenant(name)}:concurrent"
 
-    def requests(self, name: str, window: int) -> str:
-        return f"{self.tenant(name)}:rpm:{window}"
+    def request_buckets(self, name: str) -> str:
+        """Per-second request counts (hash: second → requests)."""
+        return f"{self.tenant(name)}:rpm"
 
-    def tokens(self, name: str, window: int) -> str:
-        return f"{self.tenant(name)}:tpm:{window}"
+    def token_buckets(self, name: str) -> str:
+        """Per-second token charges (hash: second → tokens)."""
+        return f"{self.tenant(name)}:tpm"
+
+    def tokens(self, name: str, minute: int) -> str:
+        """Tokens charged in calendar minute ``minute`` (= ⌊t / 60⌋): accounting only."""
+        return f"{self.tenant(name)}:tpm:{minute}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +154,8 @@ class QuotaTicket:
     tenant: str
     ticket: str
     """Member of the concurrency set; empty when the tenant has no concurrency limit."""
-    window: int
-    """The minute the tokens were reserved in."""
+    second: int
+    """The whole second (bucket) the tokens were reserved in."""
     reserved_tokens: int
     """Tokens charged at admission; 0 when the tenant has no tokens-per-minute limit."""
 
@@ -141,29 +178,29 @@ class QuotaStore:
         if tpm and tokens > tpm:
             return errors.request_over_quota(tenant.name, tokens, tpm)
         now = self._clock()
-        window = int(now // WINDOW_S)
-        into = now - window * WINDOW_S
+        second = int(now // 1)
         name = tenant.name
         keys = self._keys
         ticket = f"{self._process}:{next(self._ids)}" if tenant.max_concurrent else ""
-        code, retry_after = await self._admit(
-            keys=[keys.concurrent(name), keys.requests(name, window), keys.requests(name, window - 1),
-                  keys.tokens(name, window), keys.tokens(name, window - 1)],
+        code, value = await self._admit(
+            keys=[keys.concurrent(name), keys.request_buckets(name), keys.token_buckets(name),
+                  keys.tokens(name, second // WINDOW_S)],
             args=[now, ticket, now + self._lease_s, tenant.max_concurrent or 0, tenant.requests_per_minute or 0,
-                  tpm, tokens, into / WINDOW_S, WINDOW_TTL_MS, WINDOW_S - into],
+                  tpm, tokens, WINDOW_S, BUCKET_TTL_MS, MINUTE_TTL_MS],
         )
         if code:
             limit = LIMIT_NAMES[int(code)]
-            value = int(getattr(tenant, limit) or 0)
-            return errors.quota_exceeded(name, limit, value, min(WINDOW_S, max(1, int(retry_after))))
-        return QuotaTicket(name, ticket, window, tokens if tpm else 0)
+            limit_value = int(getattr(tenant, limit) or 0)
+            return errors.quota_exceeded(name, limit, limit_value, min(WINDOW_S, max(1, int(value))))
+        return QuotaTicket(name, ticket, int(value), tokens if tpm else 0)
 
     async def release(self, ticket: QuotaTicket, used_tokens: int | None = None) -> None:
         """Free the concurrency slot and correct the reserved tokens to ``used_tokens`` when known."""
         delta = 0 if used_tokens is None or not ticket.reserved_tokens else used_tokens - ticket.reserved_tokens
         if not ticket.ticket and not delta:
             return
-        await self._release(keys=[self._keys.concurrent(ticket.tenant), self._keys.tokens(ticket.tenant,
-                                                                                            ticket.window)],
-                            args=[ticket.ticket, delta])
+        keys = self._keys
+        await self._release(keys=[keys.concurrent(ticket.tenant), keys.token_buckets(ticket.tenant),
+                                  keys.tokens(ticket.tenant, ticket.second // WINDOW_S)],
+                            args=[ticket.ticket, delta, ticket.second])
 

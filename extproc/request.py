@@ -112,6 +112,14 @@ def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = N
 
 def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
     """Validate an inference request body the way the OpenAI API does, keeping only what routing needs."""
+    data = load_body(body)
+    if isinstance(data, ApiError):
+        return data
+    return facts_from_data(head, data)
+
+
+def load_body(body: bytes) -> dict[str, Any] | ApiError:
+    """The body as a JSON object (the catalogue rewrites it in this form before it is dumped again)."""
     if not body:
         return invalid_request("The request body must be a JSON object.", code="missing_body")
     try:
@@ -120,6 +128,11 @@ def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
         return invalid_request(f"The request body is not valid JSON: {exc}", code="invalid_json")
     if not isinstance(data, dict):
         return invalid_request("The request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+def facts_from_data(head: RequestHead, data: dict[str, Any]) -> RequestFacts | ApiError:
+    """``parse_request`` over an already loaded body."""
     model = data.get("model")
     if model is None:
         return invalid_request("You must provide a model parameter.", "model", "missing_model")

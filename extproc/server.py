@@ -18,6 +18,8 @@ from prometheus_client import start_http_server
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from extproc.catalogue import Catalogue
+from extproc.catalogue_source import CatalogueSource
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.quota import QuotaKeys, QuotaStore
@@ -27,6 +29,7 @@ from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
 from poolgate.config import Config
 from poolgate.fleet import FleetKeys
+from poolgate.reload import ConfigFileWatch
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +64,11 @@ async def serve(
     port: int,
     metrics_port: int | None = None,
     on_listening: Callable[[int], None] | None = None,
+    config_path: str | None = None,
 ) -> None:
     """Run extproc until cancelled. ``on_listening`` gets the bound port (useful with port 0). Raises
-    ``ConfigError`` before listening when a configured tokenizer cannot be loaded."""
+    ``ConfigError`` before listening when a configured tokenizer cannot be loaded. With ``config_path`` the
+    file is watched and a changed model catalogue is used at once (no restart, no dropped request)."""
     profiler = build_profiler(config.scheduling)
     metrics = Metrics()
     metrics_server = None
@@ -78,15 +83,21 @@ async def serve(
     tenants = TenantDirectory(config.tenancy, config.tenants)
     quotas = (QuotaStore(client, QuotaKeys(config.key_prefix), config.tenancy.lease_s)
               if any(t.has_quota for t in config.tenants) else None)
+    catalogue = CatalogueSource(Catalogue(config.catalogue))
     service = ExtProcService(build_scheduler(config.scheduling), watcher, inflight, config.extproc.max_request_bytes,
                              metrics, settings=config.scheduling, profiler=profiler, capacity_changed=capacity_changed,
-                             tenants=tenants, quotas=quotas)
+                             tenants=tenants, quotas=quotas, catalogue=catalogue)
+    watcher.publish_queue(service.queue.held_by_domain)
     server = grpc.aio.server(options=grpc_options(config.extproc.max_request_bytes))
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"extproc cannot listen on {host}:{port}")
     watch_task = asyncio.create_task(watcher.run(), name="fleet-watcher")
+    reload_task = None
+    if config_path is not None:
+        reload_task = asyncio.create_task(ConfigFileWatch(config_path, config).run(
+            config.catalogue.reload_interval_s, catalogue.apply), name="config-reload")
     try:
         await watcher.refresh()
         await server.start()
@@ -94,6 +105,8 @@ async def serve(
             on_listening(bound)
         await asyncio.gather(server.wait_for_termination(), watch_task)
     finally:
+        if reload_task is not None:
+            reload_task.cancel()
         await asyncio.shield(_stop(server, watch_task, watcher, client))
         if metrics_server is not None:
             metrics_server.shutdown()

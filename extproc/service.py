@@ -21,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from dataclasses import replace
 from typing import Any, Protocol
 
+import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HeadersResponse,
@@ -38,12 +40,16 @@ from redis.exceptions import RedisError
 
 from extproc import answers, errors
 from extproc.affinity import AffinityMap
+from extproc.catalogue import EMPTY_CATALOGUE, Catalogue, Route
+from extproc.catalogue_source import CatalogueSource
 from extproc.errors import ApiError
 from extproc.flow_queue import FlowQueue, QueueEntry
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
+from extproc.parameters import apply_parameters
 from extproc.quota import QuotaStore, QuotaTicket
-from extproc.request import RequestFacts, RequestHead, parse_head, parse_request
+from extproc.rename import ModelRenamer
+from extproc.request import RequestFacts, RequestHead, facts_from_data, load_body, parse_head
 from extproc.reservations import Reservation, ReservationBook
 from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, RequestProfiler, Scheduler
 from extproc.snapshot import FleetSnapshot
@@ -81,8 +87,9 @@ class Phase(enum.Enum):
 class RequestState:
     """One HTTP request as seen by extproc: what was asked, what was decided, what must be released."""
 
-    __slots__ = ("body", "decision", "entry", "facts", "head", "held_worker", "hold_started", "new_body", "phase",
-                 "request", "reservation", "tenant", "ticket", "usage", "waiter", "watch_response")
+    __slots__ = ("body", "catalogue", "decision", "entry", "facts", "head", "held_worker", "hold_started", "new_body",
+                 "phase", "renamer", "request", "reservation", "route", "tenant", "ticket", "usage", "waiter",
+                 "watch_response")
 
     def __init__(self) -> None:
         self.phase = Phase.HEADERS
@@ -107,7 +114,13 @@ class RequestState:
         """The response body comes to extproc (asked at the headers phase) so its usage can be read."""
         self.usage: UsageWatch | None = None
         self.new_body: bytes | None = None
-        """The request body as sent upstream, when extproc rewrote it (usage requested for a stream)."""
+        """The request body as sent upstream, when extproc rewrote it (catalogue version, usage requested)."""
+        self.catalogue: Catalogue = EMPTY_CATALOGUE
+        """The catalogue current when the request arrived; a reload does not change a request in flight."""
+        self.route: Route | None = None
+        """The catalogue version the request was resolved to, when its public name differs from the served one."""
+        self.renamer: ModelRenamer | None = None
+        """Restores the public model name in the response body."""
 
 
 class CapacitySignal:
@@ -155,8 +168,13 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         capacity_changed: CapacitySignal | None = None,
         tenants: TenantDirectory | None = None,
         quotas: QuotaStore | None = None,
+        catalogue: CatalogueSource | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         settings = settings or SchedulingSettings()
+        self.catalogue = catalogue or CatalogueSource(EMPTY_CATALOGUE)
+        self._rng = rng or random.Random()
+        """Draws catalogue traffic splits."""
         self._scheduler = scheduler
         self._fleet = fleet
         self._inflight = inflight
@@ -211,6 +229,8 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
                 return self._on_headers(state, message.request_headers)
             if kind == "request_body":
                 return self._on_body(state, message.request_body.body, message.request_body.end_of_stream)
+            if kind == "response_headers":
+                return self._on_response_headers(state)
             if kind == "response_body":
                 return self._on_response_body(state, message.response_body.body,
                                               message.response_body.end_of_stream)
@@ -320,16 +340,18 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         if head.is_model_list:
             state.phase = Phase.DONE
             self._metrics.requests.labels("model_list").inc()
-            models = self._fleet.snapshot.models
+            cards = self.catalogue.current.cards(self._fleet.snapshot.models)
             if state.tenant is not None and state.tenant.models is not None:
-                models = tuple(m for m in models if m in state.tenant.models)
-            return answers.model_list_answer(models, int(self._clock()))
+                cards = tuple(c for c in cards if c.id in state.tenant.models)
+            return answers.model_list_answer(cards, int(self._clock()))
         if not headers.end_of_stream:
             state.phase = Phase.BODY
             tenant = state.tenant
             state.watch_response = (head.is_inference and self._reconcile and tenant is not None
                                     and tenant.tokens_per_minute is not None)
-            return answers.continue_headers(watch_response=state.watch_response)
+            state.catalogue = catalogue = self.catalogue.current
+            return answers.continue_headers(watch_response=state.watch_response,
+                                            watch_response_headers=head.is_inference and catalogue.renames)
         if head.is_inference:
             return self._reject(state, errors.invalid_request("The request body must be a JSON object.",
                                                               code="missing_body"))
@@ -351,34 +373,75 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
             self._metrics.requests.labels("passthrough").inc()
             return answers.continue_body(head.client_routing_headers)
         raw = bytes(state.body)
-        facts = parse_request(head, raw)
         state.body = bytearray()
+        data = load_body(raw)
+        if isinstance(data, ApiError):
+            return self._reject(state, data)
+        facts = facts_from_data(head, data)
         if isinstance(facts, ApiError):
             return self._reject(state, facts)
         tenant = state.tenant
         assert tenant is not None  # identified at the headers phase
         if not tenant.may_use(facts.model):
             return self._refuse(state, errors.model_not_allowed(facts.model), "model_not_allowed")
+        route = state.catalogue.resolve(facts.model, tenant.name, self._rng)
+        if route is not None and route.touches_body:
+            resolved = self._apply_route(state, head, data, facts, route)
+            if isinstance(resolved, ApiError):
+                return self._reject(state, resolved)
+            facts = resolved
         state.facts = facts
         request = self._profiler.profile(facts)
         if tenant.only_pools is not None or tenant.excluded_pools:
             request = _with_pools(request, tenant)
+        if route is not None and route.pool is not None:
+            request = _with_version_pool(request, route.pool)
+        if tenant.priority:  # the saturation gate keeps headroom for the highest class
+            request = replace(request, priority=tenant.priority)
         state.request = request
         if state.watch_response:
             hide = facts.stream and not facts.include_usage
             if hide:
-                state.new_body = with_usage_requested(raw)
+                state.new_body = with_usage_requested(state.new_body or raw) or state.new_body
             state.usage = UsageWatch(facts.stream, hide_usage_chunk=hide and state.new_body is not None)
         if tenant.has_quota and self._quotas is not None:
             state.phase = Phase.ADMIT
             return _PENDING
         return self._route(state)
 
+    def _apply_route(self, state: RequestState, head: RequestHead, data: dict[str, Any], facts: RequestFacts,
+                     route: Route) -> RequestFacts | ApiError:
+        """Rewrite the body for the chosen version: parameter defaults and caps, then the served name."""
+        changed = apply_parameters(data, route)
+        if isinstance(changed, ApiError):
+            return changed
+        if not (changed or route.renames):
+            return facts
+        data["model"] = route.served_name
+        state.new_body = orjson.dumps(data)
+        if route.renames:
+            state.route = route
+        if changed:  # a default may have set max_tokens: the estimates must see it
+            return facts_from_data(head, data)
+        return replace(facts, model=route.served_name)
+
+    def _on_response_headers(self, state: RequestState) -> ProcessingResponse:
+        """Asked only while the catalogue renames models: watch the body of requests sent under another name."""
+        route = state.route
+        if route is None or state.decision is None:
+            return answers.continue_response_headers()
+        state.renamer = ModelRenamer(route.served_name, route.public_name)
+        return answers.continue_response_headers(rewrite_body=True, body_watched=state.watch_response)
+
     def _on_response_body(self, state: RequestState, chunk: bytes, end_of_stream: bool) -> ProcessingResponse:
-        usage = state.usage
-        if usage is None:
+        usage, renamer = state.usage, state.renamer
+        if usage is None and renamer is None:
             return answers.continue_response_body()
-        return answers.continue_response_body(usage.feed(chunk, end_of_stream))
+        replacement = usage.feed(chunk, end_of_stream) if usage is not None else None
+        if renamer is not None:
+            renamed = renamer.feed(chunk if replacement is None else replacement, end_of_stream)
+            replacement = renamed if renamed is not None else replacement
+        return answers.continue_response_body(replacement)
 
     def _route(self, state: RequestState) -> ProcessingResponse:
         """Place an admitted request now, or queue it (behind others waiting for the same capacity)."""
@@ -578,6 +641,13 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
 
 def _with_pools(request: PickRequest, tenant: Tenant) -> PickRequest:
     return replace(request, only_pools=tenant.only_pools, excluded_pools=tenant.excluded_pools)
+
+
+def _with_version_pool(request: PickRequest, pool: str) -> PickRequest:
+    """A catalogue version bound to one pool: only that pool, and only if the tenant may use it."""
+    allowed = request.only_pools
+    only = frozenset({pool}) if allowed is None else frozenset({pool}) & allowed
+    return replace(request, only_pools=frozenset() if pool in request.excluded_pools else only)
 
 
 def describe(decision: Decision, request: PickRequest) -> str:

@@ -1,7 +1,10 @@
 """Keeps the fleet snapshot and the in-flight counters in step with Redis; the only Redis user in extproc.
 
 Three loops under one TaskGroup: refresh (on a change notification or every ``snapshot_refresh_s``),
-listen (pub/sub on the events channel, wakes refresh) and flush (writes in-flight deltas, batched).
+listen (pub/sub on the events channel, wakes refresh) and flush (writes in-flight deltas, batched, and the
+queue depth per pool for the autoscaler: ``{prefix}:queued:{pool}`` field = this replica's id, value = the
+requests it holds for the pool, rewritten when it changes and at least every ``QUEUED_REFRESH_S`` with an
+expiry of ``QUEUED_TTL_S``, so the count of a replica that died fades within seconds).
 If Redis is away the last snapshot keeps serving; that shows once in the log and in ``redis_up``.
 """
 
@@ -10,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -25,6 +29,27 @@ from poolgate.fleet import FleetKeys, read_fleet, read_inflight
 log = logging.getLogger(__name__)
 
 _REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+QUEUED_REFRESH_S = 1.0
+"""A replica's queue count is rewritten at least this often while non-zero (and at once when it changes)."""
+QUEUED_TTL_S = 5.0
+"""Expiry of the ``queued`` hash, renewed on each write: a dead replica's count fades after this."""
+
+
+def held_per_pool(held: Mapping[Hashable, int], pools: Sequence[PoolSpec]) -> dict[str, int]:
+    """Requests held per pool, from the queue's counts per domain ``(model, only_pools, excluded_pools)``.
+
+    A held request counts toward every pool that could take it (pools of its model it may use): each of them,
+    grown, would let it run. Domains of another shape are ignored.
+    """
+    counts = {pool.name: 0 for pool in pools}
+    for domain, count in held.items():
+        if not (isinstance(domain, tuple) and len(domain) == 3) or count <= 0:
+            continue
+        model, only, excluded = domain
+        for pool in pools:
+            if pool.model == model and (only is None or pool.name in only) and pool.name not in (excluded or ()):
+                counts[pool.name] += count
+    return counts
 
 
 class FleetWatcher:
@@ -38,6 +63,7 @@ class FleetWatcher:
         metrics: Metrics,
         clock: Callable[[], float] = time.time,
         on_refresh: Callable[[], None] | None = None,
+        replica_id: str | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -48,6 +74,11 @@ class FleetWatcher:
         self._clock = clock
         self._on_refresh = on_refresh
         """Called after each new snapshot (the service wakes requests held for capacity)."""
+        self.replica_id = replica_id or os.urandom(6).hex()
+        """This extproc replica's field in the ``queued`` hashes."""
+        self._held: Callable[[], Mapping[Hashable, int]] | None = None
+        self._published: dict[str, int] = {}
+        self._published_at = float("-inf")
         self._wake = asyncio.Event()
         self._io_lock = asyncio.Lock()
         self._redis_ok: bool | None = None
@@ -84,22 +115,48 @@ class FleetWatcher:
             self._on_refresh()
         return True
 
+    def publish_queue(self, held: Callable[[], Mapping[Hashable, int]]) -> None:
+        """Publish the queue depth that ``held`` reports (domain → requests held) with each flush."""
+        self._held = held
+
+    def _queued_changes(self) -> dict[str, int]:
+        """Pools whose held count must be written now: changed, or due for the periodic refresh."""
+        if self._held is None:
+            return {}
+        counts = held_per_pool(self._held(), self._pools)
+        due = self._clock() - self._published_at >= QUEUED_REFRESH_S
+        return {pool: n for pool, n in counts.items()
+                if n != self._published.get(pool, 0) or (due and n)}
+
     async def flush(self) -> bool:
-        """Write pending in-flight deltas in one pipeline; they are kept for the next try on failure."""
+        """Write pending in-flight deltas and changed queue depths in one pipeline; deltas are kept for the
+        next try on failure."""
         deltas = self._inflight.take_pending()
-        if not deltas:
+        queued = self._queued_changes()
+        if not deltas and not queued:
             return True
+        ttl_ms = int(QUEUED_TTL_S * 1000)
         try:
             async with self._io_lock:
                 pipe = self._redis.pipeline(transaction=False)
                 for worker_id, delta in deltas.items():
                     pipe.incrby(self._keys.inflight(worker_id), delta)
+                for pool, count in queued.items():
+                    key = self._keys.queued(pool)
+                    if count:
+                        pipe.hset(key, self.replica_id, count)
+                        pipe.pexpire(key, ttl_ms)
+                    else:
+                        pipe.hdel(key, self.replica_id)
                 await pipe.execute()
                 self._inflight.mark_flushed(deltas)
         except _REDIS_ERRORS as exc:
             self._inflight.restore_pending(deltas)
             self._set_redis_ok(False, exc)
             return False
+        if queued:
+            self._published.update(queued)
+            self._published_at = self._clock()
         return True
 
     async def _refresh_loop(self) -> None:
@@ -133,7 +190,8 @@ class FleetWatcher:
         the largest CPU cost of a request), and other replicas still see the load within 20 ms."""
         period = self._settings.snapshot_refresh_s
         while True:
-            await self._inflight.dirty.wait()
+            with contextlib.suppress(TimeoutError):  # queue depths are refreshed even when no request ends
+                await asyncio.wait_for(self._inflight.dirty.wait(), timeout=QUEUED_REFRESH_S / 2)
             if not await self.flush():
                 await asyncio.sleep(period)
                 continue

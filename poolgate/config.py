@@ -51,6 +51,24 @@ class ControllerSettings(_Frozen):
     heartbeat_interval_s: float = Field(0.5, gt=0)
     heartbeat_ttl_s: float = Field(1.5, gt=0)
     """A worker that has not sent a heartbeat for this long leaves the registry (and Envoy's endpoints)."""
+    allowed_networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
+                                         "fc00::/7")
+    """CIDR blocks a worker registered through the API may have its address in (``host`` must be an IP
+    address inside one). The default is loopback and the private ranges (RFC 1918, IPv6 ULA): an address
+    outside them, such as a cloud metadata endpoint (169.254.169.254) or a public host, would make Envoy
+    send client traffic there. List the blocks your workers live in; ``0.0.0.0/0`` and ``::/0`` allow any."""
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _cidrs(cls, networks: tuple[str, ...]) -> tuple[str, ...]:
+        import ipaddress  # here, not at the top: this field is the module's only use
+
+        for network in networks:
+            try:
+                ipaddress.ip_network(network, strict=True)
+            except ValueError as exc:
+                raise ValueError(f"{network!r} is not a CIDR block ({exc}); e.g. 10.0.0.0/8") from None
+        return networks
 
     @model_validator(mode="after")
     def _ttl_covers_interval(self) -> ControllerSettings:
@@ -120,6 +138,15 @@ class SchedulingSettings(_Frozen):
     affinity_max_entries: int = Field(50_000, ge=0)
     """Size of the affinity map (session or prefix → worker), least recently used out first (0 = off)."""
     task_classes: TaskClassRules = TaskClassRules()
+    max_inflight_per_worker: int = Field(0, ge=0)
+    """Saturation gate: a worker whose load, max(running + waiting, extproc's in-flight), reaches this takes no
+    more requests; they wait in the priority queue, served class by class (0 = off)."""
+    lower_class_inflight_fraction: float = Field(1.0, gt=0, le=1)
+    """Classes below the highest may fill a worker only to this fraction of ``max_inflight_per_worker``; the
+    rest is headroom the highest class finds free when lower classes burst (1 = no headroom)."""
+    queue_when_waiting: bool = False
+    """Classes below the highest are not placed on a worker whose engine reports waiting requests (it is full:
+    they would queue there, out of priority order)."""
 
     @field_validator("weights")
     @classmethod
@@ -373,6 +400,88 @@ class TenancySettings(_Frozen):
         return self
 
 
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,127}$"
+ParameterValue = bool | int | float | str
+
+
+class ModelVersion(_Frozen):
+    """One deployable version of a catalogue model: the name the workers serve and its request parameters."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    """Version label, e.g. ``v1``; aliases' weights and rules name it."""
+    served_name: str = Field(pattern=MODEL_NAME_PATTERN)
+    """The model name workers answer to (``pools[].model``); extproc rewrites the request body to it."""
+    pool: str | None = None
+    """Restrict the version to this pool (its ``model`` must be ``served_name``); default: every pool of it."""
+    precision: str | None = None
+    """Informational (``bf16``, ``fp8``, …); listed in ``/v1/models``."""
+    max_model_len: int | None = Field(None, gt=0)
+    """Listed in ``/v1/models``; requests asking for more output than this are refused with 400."""
+    defaults: dict[str, ParameterValue] = Field(default_factory=dict)
+    """Sampling parameters filled in when the request does not set them, e.g. ``{temperature: 0.7}``."""
+    maximums: dict[str, float] = Field(default_factory=dict)
+    """Caps on numeric parameters, e.g. ``{max_tokens: 1024}``; a request above one gets a 400 naming it."""
+
+    @field_validator("defaults")
+    @classmethod
+    def _no_routing_defaults(cls, defaults: dict[str, ParameterValue]) -> dict[str, ParameterValue]:
+        reserved = sorted(set(defaults) & {"model", "messages", "prompt", "stream", "stream_options"})
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot have a default (they shape the request, not sampling)")
+        return defaults
+
+
+class AliasRule(_Frozen):
+    """Requests of these tenants always get ``version`` (no header needed: the tenant is known already)."""
+
+    tenants: tuple[str, ...] = Field(min_length=1)
+    version: str
+
+
+class CatalogueModel(_Frozen):
+    """A public model name with its versions; ``weights`` split traffic (canary), ``rules`` pin tenants."""
+
+    name: str = Field(pattern=MODEL_NAME_PATTERN)
+    """The public name clients ask for and see in responses."""
+    aliases: tuple[str, ...] = ()
+    """Further public names for the same model (resolved, listed and restored the same way)."""
+    versions: tuple[ModelVersion, ...] = Field(min_length=1)
+    weights: dict[str, float] = Field(default_factory=dict)
+    """Version name → relative weight (e.g. ``{v1: 95, v2: 5}``); empty = all traffic to the first version."""
+    rules: tuple[AliasRule, ...] = ()
+    """Checked in order before the weights; the first rule naming the request's tenant wins."""
+
+    @model_validator(mode="after")
+    def _references(self) -> CatalogueModel:
+        names = [v.name for v in self.versions]
+        if len(set(names)) != len(names):
+            raise ValueError("versions: names must be unique")
+        for version, weight in self.weights.items():
+            if version not in names:
+                raise ValueError(f"weights.{version}: unknown version; known: {', '.join(names)}")
+            if weight < 0:
+                raise ValueError(f"weights.{version}: must be 0 or more")
+        if self.weights and sum(self.weights.values()) <= 0:
+            raise ValueError("weights: at least one version needs a weight above 0")
+        for index, rule in enumerate(self.rules):
+            if rule.version not in names:
+                raise ValueError(f"rules.{index}.version: unknown version {rule.version!r}; known: {', '.join(names)}")
+        return self
+
+
+class CatalogueSettings(_Frozen):
+    """The model catalogue (extproc). A pool's ``model`` not named here stays an implicit one-version entry.
+
+    Changes to ``models`` (weights, rules, versions, parameters) take effect without a restart: extproc
+    re-reads the file when it changes and keeps the old catalogue if the new file is invalid."""
+
+    models: tuple[CatalogueModel, ...] = ()
+    list_served_names: bool = False
+    """Also list versions' internal served names in ``/v1/models`` (they stay usable directly either way)."""
+    reload_interval_s: float = Field(1.0, gt=0, le=60)
+    """How often extproc checks the configuration file for changes."""
+
+
 class Config(_Frozen):
     redis_url: str | None = None
     """Redis to use. When empty, ``poolgate up`` starts its own redis-server on a free port."""
@@ -391,6 +500,7 @@ class Config(_Frozen):
     kubernetes: KubernetesSettings = KubernetesSettings()
     tenancy: TenancySettings = TenancySettings()
     tenants: tuple[TenantSpec, ...] = ()
+    catalogue: CatalogueSettings = CatalogueSettings()
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
@@ -448,6 +558,35 @@ class Config(_Frozen):
                 if digest in seen_keys:
                     raise ValueError(f"tenants.{index}.api_key_sha256: a key hash is given to two tenants")
                 seen_keys.add(digest)
+        return self
+
+    @model_validator(mode="after")
+    def _catalogue_references(self) -> Config:
+        pools = {p.name: p for p in self.pools}
+        served = {p.model for p in self.pools}
+        tenants = {t.name for t in self.tenants}
+        public: set[str] = set()
+        for index, model in enumerate(self.catalogue.models):
+            where = f"catalogue.models.{index}"
+            for name in (model.name, *model.aliases):
+                if name in public:
+                    raise ValueError(f"{where}: public name {name!r} is used twice")
+                public.add(name)
+            for vindex, version in enumerate(model.versions):
+                if version.pool is not None:
+                    pool = pools.get(version.pool)
+                    if pool is None:
+                        raise ValueError(f"{where}.versions.{vindex}.pool: unknown pool {version.pool!r}")
+                    if pool.model != version.served_name:
+                        raise ValueError(f"{where}.versions.{vindex}.pool: pool {pool.name!r} serves "
+                                         f"{pool.model!r}, not {version.served_name!r}")
+                elif version.served_name not in served:
+                    raise ValueError(f"{where}.versions.{vindex}.served_name: no pool serves "
+                                     f"{version.served_name!r}; add a pool with that model")
+            for rindex, rule in enumerate(model.rules):
+                unknown = sorted(set(rule.tenants) - tenants - {self.tenancy.default_tenant})
+                if unknown:
+                    raise ValueError(f"{where}.rules.{rindex}.tenants: unknown tenant {', '.join(unknown)}")
         return self
 
     def pool(self, name: str) -> PoolSpec:

@@ -75,6 +75,10 @@ class WorkerRecord:
     registered_at: float = 0.0
     """When this registration was written (set by ``register_worker``): tells a restarted worker from the
     same worker seen again."""
+    lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters with requests running or waiting on the worker (``vllm:lora_requests_info``)."""
+    max_loras: int = 0
+    """Adapters the worker can hold at once (``max_lora`` label); 0 = LoRA not enabled or not reported."""
 
     @property
     def address(self) -> str:
@@ -102,7 +106,7 @@ class WorkerRecord:
             if f.name not in data:
                 continue
             text = data[f.name]
-            if f.name == "served_names":
+            if f.name in ("served_names", "lora_adapters"):
                 kwargs[f.name] = tuple(orjson.loads(text))
             elif f.name == "state":
                 kwargs[f.name] = WorkerState(text)
@@ -120,7 +124,7 @@ class WorkerRecord:
 
 LIVE_FIELDS = ("state", "kv_capacity_tokens", "kv_block_size", "kv_usage", "running", "waiting",
                "preemptions_total", "ttft_ewma_s", "prefill_tokens_per_s", "gpu_memory_total_mib",
-               "gpu_memory_free_mib", "gpu_utilization", "updated_at", "metrics_at")
+               "gpu_memory_free_mib", "gpu_utilization", "updated_at", "metrics_at", "lora_adapters", "max_loras")
 
 
 class FleetKeys:

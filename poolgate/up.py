@@ -27,6 +27,7 @@ import yaml
 
 from poolgate.config import Config, ConfigError, load_config
 from poolgate.procs import envoy_binary, free_port, wait_port
+from poolgate.secrets import redact_url
 from poolgate.status import fleet_table
 
 READY_TIMEOUT_S = 120.0
@@ -308,7 +309,7 @@ async def run_up(args: argparse.Namespace) -> int:
         print(f"\nTry:\n  curl -s {stack.base_url}/chat/completions -H 'content-type: application/json' \\\n"
               f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
         print(f"Envoy admin: http://127.0.0.1:{stack.ports.admin}  logs: {run_dir}  "
-              f"status: poolgate status --redis-url {stack.redis_url}", flush=True)
+              f"status: poolgate status --redis-url {redact_url(stack.redis_url)}", flush=True)
         if args.demo:
             print(await demo_load(stack.base_url, sorted({p.model for p in config.pools})), flush=True)
         if args.exit_after_demo:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 from controller.agent.gpus import MIB, GpuSummary
 from controller.agent.rates import RateState
 from controller.agent.vllm_metrics import EngineMetrics
@@ -36,6 +38,9 @@ def live_fields(metrics: EngineMetrics, rates: RateState, gpus: GpuSummary | Non
         fields["ttft_ewma_s"] = round(rates.ttft_ewma_s, 6)
     if rates.prefill_tokens_per_s > 0:
         fields["prefill_tokens_per_s"] = round(rates.prefill_tokens_per_s, 1)
+    if metrics.lora_adapters is not None:
+        fields["lora_adapters"] = orjson.dumps(list(metrics.lora_adapters)).decode()
+        fields["max_loras"] = metrics.max_loras or 0
     fields.update(_gpu_fields(metrics, gpus))
     return fields
 

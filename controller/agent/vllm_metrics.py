@@ -26,6 +26,10 @@ GENERATION_TOKENS = "vllm:generation_tokens_total"
 TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
 PREFILL_TIME_SUM = "vllm:request_prefill_time_seconds_sum"
+LORA_INFO = "vllm:lora_requests_info"
+"""LoRA adapters in use: labels ``running_lora_adapters`` / ``waiting_lora_adapters`` (comma lists) and
+``max_lora``; the value is a timestamp and old label sets linger, so the series with the largest value is
+the current one."""
 SIM_GPU_MEMORY_TOTAL = "poolgate_sim_gpu_memory_total_bytes"
 SIM_GPU_MEMORY_USED = "poolgate_sim_gpu_memory_used_bytes"
 SIM_GPU_UTILIZATION = "poolgate_sim_gpu_utilization"
@@ -33,7 +37,7 @@ SIM_GPU_UTILIZATION = "poolgate_sim_gpu_utilization"
 _SUMMED = (RUNNING, WAITING, PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, TTFT_SUM, TTFT_COUNT, PREFILL_TIME_SUM,
            SIM_GPU_MEMORY_TOTAL, SIM_GPU_MEMORY_USED)
 _AVERAGED = (KV_USAGE, KV_USAGE_LEGACY, SIM_GPU_UTILIZATION)
-_WANTED = frozenset((*_SUMMED, *_AVERAGED, CACHE_CONFIG))
+_WANTED = frozenset((*_SUMMED, *_AVERAGED, CACHE_CONFIG, LORA_INFO))
 
 
 class MetricsFormatError(ValueError):
@@ -60,6 +64,9 @@ class EngineMetrics:
     sim_gpu_memory_total_bytes: float | None = None
     sim_gpu_memory_used_bytes: float | None = None
     sim_gpu_utilization: float | None = None
+    lora_adapters: tuple[str, ...] | None = None
+    """Adapters with requests running or waiting (running first); None = LoRA metric not exported."""
+    max_loras: int | None = None
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -77,11 +84,14 @@ def parse_engine_metrics(text: str, model_name: str | None = None) -> EngineMetr
         raise MetricsFormatError(f"not Prometheus text: {exc}") from exc
     values: dict[str, list[float]] = {}
     cache_configs: list[Mapping[str, str]] = []
+    lora: Sample | None = None
     for sample in samples:
         if model_name is not None and sample.labels.get("model_name", model_name) != model_name:
             continue
         if sample.name == CACHE_CONFIG:
             cache_configs.append(sample.labels)
+        elif sample.name == LORA_INFO:
+            lora = sample if lora is None or sample.value >= lora.value else lora
         else:
             values.setdefault(sample.name, []).append(sample.value)
 
@@ -111,7 +121,14 @@ def parse_engine_metrics(text: str, model_name: str | None = None) -> EngineMetr
         sim_gpu_memory_total_bytes=total(SIM_GPU_MEMORY_TOTAL),
         sim_gpu_memory_used_bytes=total(SIM_GPU_MEMORY_USED),
         sim_gpu_utilization=mean(SIM_GPU_UTILIZATION),
+        lora_adapters=None if lora is None else _adapters(lora.labels),
+        max_loras=None if lora is None else _positive_int(lora.labels.get("max_lora")) or 0,
     )
+
+
+def _adapters(labels: Mapping[str, str]) -> tuple[str, ...]:
+    names = [*labels.get("running_lora_adapters", "").split(","), *labels.get("waiting_lora_adapters", "").split(",")]
+    return tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
 
 
 def _samples(text: str) -> Iterable[Sample]:

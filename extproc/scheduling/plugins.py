@@ -41,6 +41,8 @@ class PickRequest:
     """The tenant may use only these pools (its dedicated ones); None = no restriction."""
     excluded_pools: frozenset[str] = frozenset()
     """Pools dedicated to other tenants."""
+    priority: int = 0
+    """The tenant's priority class (0 = highest); the saturation gate keeps headroom for class 0."""
 
     @property
     def model(self) -> str:

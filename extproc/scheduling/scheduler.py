@@ -22,6 +22,7 @@ from extproc.scheduling.filters import (
     TenantPools,
 )
 from extproc.scheduling.plugins import Decision, Filter, Outcome, PickContext, PickRequest, Scorer
+from extproc.scheduling.saturation import SaturationGate
 from extproc.scheduling.scorers.kv_headroom import KvHeadroom
 from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.scheduling.scorers.predicted_ttft import PredictedTtft
@@ -103,13 +104,18 @@ def scorer_registry(settings: SchedulingSettings) -> dict[str, Scorer]:
 
 def build_scheduler(settings: SchedulingSettings, rng: random.Random | None = None) -> Scheduler:
     """The resource-aware policy: pools the tenant may use, class-appropriate pools, Ready and fresh workers
-    whose context, GPU memory and free KV hold the request; then the configured weighted sum of scorers."""
+    whose context, GPU memory and free KV hold the request, and (when configured) that are not saturated for
+    the request's priority class; then the configured weighted sum of scorers."""
     registry = scorer_registry(settings)
     retry = settings.retry_after_s
+    filters: list[Filter] = [TenantPools(retry), TaskClassPools(), ReadyAndFresh(retry), FitsContext(),
+                             GpuMemoryWatermark(settings.gpu_memory_min_free_mib, retry),
+                             KvFits(settings.kv_reserve_fraction, retry)]
+    if settings.max_inflight_per_worker or settings.queue_when_waiting:  # off: the pick pays nothing for it
+        filters.append(SaturationGate(settings.max_inflight_per_worker, settings.lower_class_inflight_fraction,
+                                      settings.queue_when_waiting, retry))
     return Scheduler(
-        filters=(TenantPools(retry), TaskClassPools(), ReadyAndFresh(retry), FitsContext(),
-                 GpuMemoryWatermark(settings.gpu_memory_min_free_mib, retry),
-                 KvFits(settings.kv_reserve_fraction, retry)),
+        filters=filters,
         scorers=[(registry[name], settings.weights.get(name, 0.0)) for name in SCORER_NAMES],
         rng=rng,
         explain=settings.debug_header,

@@ -136,7 +136,7 @@ async def test_routed_request(redis_url: str, redis_client: Any) -> None:
     assert common.clear_route_cache
     assert [(h.header.key, h.header.raw_value) for h in common.header_mutation.set_headers] == [
         (CLUSTER_HEADER, b"pool-chat")]
-    assert list(common.header_mutation.remove_headers) == [DESTINATION_ENDPOINT_KEY]
+    assert list(common.header_mutation.remove_headers) == ["authorization", DESTINATION_ENDPOINT_KEY]
     assert pin_of(second) == "127.0.0.1:9001"
 
 

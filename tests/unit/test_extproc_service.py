@@ -88,7 +88,8 @@ def test_routed_request_sets_cluster_header_clears_route_cache_and_pins_endpoint
     [set_header] = common.header_mutation.set_headers
     assert (set_header.header.key, set_header.header.raw_value, set_header.header.value) == (
         CLUSTER_HEADER, b"pool-chat", "")
-    assert set(common.header_mutation.remove_headers) == {DESTINATION_ENDPOINT_KEY, "x-poolgate-tenant"}
+    assert set(common.header_mutation.remove_headers) == {"authorization", DESTINATION_ENDPOINT_KEY,
+                                                          "x-poolgate-tenant"}
     pin = second.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[DESTINATION_ENDPOINT_KEY]
     assert pin.string_value == "127.0.0.1:9001"
     assert tracker.counts == {"w1": 1}
