@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,7 +44,7 @@ from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
 from poolgate.config import Config, ConfigError, load_config
-from poolgate.fleet import FleetKeys, read_fleet
+from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -51,21 +52,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("poolgate.controller")
 
 
-async def watch_fleet(redis: aioredis.Redis, keys: FleetKeys, xds: XdsServer, poll_s: float = 0.25) -> None:
+async def watch_fleet(redis: aioredis.Redis, keys: FleetKeys, xds: XdsServer, poll_s: float = 0.25,
+                      empty_grace_s: float = 3.0) -> None:
     """Push the registry to the xDS server on every change notification and every ``poll_s``."""
     pubsub = redis.pubsub()
     subscribed = False
     redis_down = False
+    distrust_empty_until = float("-inf")
+    last_pushed: list[WorkerRecord] = []
     while True:
         try:
             if not subscribed:
                 await pubsub.subscribe(keys.events)
                 subscribed = True
             workers = await read_fleet(redis, keys)
-            xds.update(workers)
             if redis_down:
                 log.info("redis is back; registry watch resumed")
                 redis_down = False
+                distrust_empty_until = time.monotonic() + empty_grace_s
+            if time.monotonic() < distrust_empty_until:
+                # Right after an outage a Redis that lost its data lists only the workers that already
+                # re-registered: keep Envoy's other endpoints until their next heartbeats bring them back.
+                listed = {w.id for w in workers}
+                workers = [*workers, *(w for w in last_pushed if w.id not in listed)]
+            xds.update(workers)
+            last_pushed = workers
             # Wait for a change notification, or at most poll_s (expiries publish nothing).
             await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
             while await pubsub.get_message(ignore_subscribe_messages=True, timeout=0):
@@ -159,7 +170,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
     monitor = HealthMonitor(config, redis, keys, prober, instances, is_leader=lease.is_leader)
     tasks = [
-        asyncio.create_task(watch_fleet(redis, keys, xds)),
+        asyncio.create_task(watch_fleet(redis, keys, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
         # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
         asyncio.create_task(run_agent(config, redis, keys)),
         asyncio.create_task(lease.run(stop, on_gain=announce_api)),

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from poolgate.config import ConfigError, load_config
+from poolgate.secrets import redact_url
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     port = config.ports.extproc if args.port is None else args.port
 
     def listening(bound: int) -> None:
-        print(f"poolgate extproc listening on {args.host}:{bound} (redis {redis_url})", flush=True)
+        print(f"poolgate extproc listening on {args.host}:{bound} (redis {redact_url(redis_url)})", flush=True)
 
     import uvloop
 

@@ -92,7 +92,7 @@ def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = N
         elif key == ":path":
             path = value.split("?", 1)[0]
         elif key == "content-length":
-            content_length = int(value) if value.isdigit() else None
+            content_length = int(value) if value.isascii() and value.isdigit() else None  # not '²'
         elif key == "x-request-id":
             request_id = value
         elif key == SESSION_HEADER:

@@ -82,6 +82,7 @@ class FleetWatcher:
         self._wake = asyncio.Event()
         self._io_lock = asyncio.Lock()
         self._redis_ok: bool | None = None
+        self._distrust_empty_until = float("-inf")
         self.snapshot: FleetSnapshot = empty_snapshot(self._pools, settings.stale_after_s)
         """The current snapshot; replaced whole, never mutated, so a pick always sees one consistent view."""
         self.refreshed = asyncio.Event()
@@ -105,6 +106,14 @@ class FleetWatcher:
         except _REDIS_ERRORS as exc:
             self._set_redis_ok(False, exc)
             return False
+        if self._redis_ok is False:  # first good read after an outage
+            self._distrust_empty_until = taken_at + self._settings.stale_after_s
+        if taken_at < self._distrust_empty_until:
+            # A Redis that came back without its data is not a fleet that left: workers re-register one by
+            # one with their next heartbeats, within a TTL. Until then, keep the last known workers that
+            # the new registry does not list yet.
+            listed = {r.id for r in records}
+            records = [*records, *(w for w in self.snapshot.workers if w.id not in listed)]
         snapshot = build_snapshot(records, self._pools, taken_at, self._settings.stale_after_s)
         self.snapshot = snapshot
         self._metrics.workers.set(len(snapshot.workers))

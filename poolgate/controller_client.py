@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from poolgate.config import ConfigError, load_config
 from poolgate.fleet import FleetKeys
+from poolgate.secrets import redact_url
 
 
 class CommandError(Exception):
@@ -46,7 +47,7 @@ async def _resolve(args: argparse.Namespace) -> tuple[str, str]:
     try:
         url = await client.get(FleetKeys(config.key_prefix).controller)
     except (aioredis.ConnectionError, OSError) as exc:
-        raise CommandError(f"Redis at {redis_url} is not reachable: {exc}") from exc
+        raise CommandError(f"Redis at {redact_url(redis_url)} is not reachable: {exc}") from exc
     finally:
         await client.aclose()
     if not url:

@@ -165,7 +165,9 @@ def _ttl_ms(ttl_s: float) -> int:
 
 
 async def register_worker(redis: RedisLike, keys: FleetKeys, record: WorkerRecord, ttl_s: float) -> None:
-    """Write a worker's full record, index it, and announce the change."""
+    """Write a worker's full record, index it, and announce the change. Registering is a liveness report:
+    ``updated_at`` is stamped now, so a record built earlier (and re-sent after an expiry) is not stale."""
+    record = replace(record, updated_at=time.time())
     pipe = redis.pipeline(transaction=False)
     name = keys.worker(record.id)
     if not record.registered_at:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import redis.asyncio as aioredis
 
 from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, read_fleet, read_inflight
+from poolgate.secrets import redact_url
 
 COLUMNS = ("worker", "model", "pool", "state", "address", "in-flight", "kv", "running", "waiting", "age")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -93,7 +94,7 @@ async def _watch_main(args: argparse.Namespace) -> None:
 
     try:
         await watch(lambda: fleet_view(redis, keys, summary=True), args.interval, write, stop,
-                    clear=sys.stdout.isatty(), source=args.redis_url)
+                    clear=sys.stdout.isatty(), source=redact_url(args.redis_url))
     finally:
         await redis.aclose()
 
@@ -119,6 +120,6 @@ def main(args: argparse.Namespace) -> int:
     try:
         print(asyncio.run(fleet_table(args.redis_url, args.key_prefix)))
     except (aioredis.ConnectionError, OSError) as exc:
-        print(f"cannot reach Redis at {args.redis_url}: {exc}", file=sys.stderr)
+        print(f"cannot reach Redis at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from poolgate.config import ConfigError, load_config
+from poolgate.secrets import redact_url
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
     def ready(agent: Agent) -> None:
         scope = " ".join(args.workers) if args.workers else "workers on this host"
         print(f"poolgate agent ready: scraping {scope} every {config.agent.scrape_interval_s:g} s "
-              f"(redis {redis_url})", flush=True)
+              f"(redis {redact_url(redis_url)})", flush=True)
 
     async def run() -> None:
         redis = aioredis.from_url(redis_url)
@@ -59,6 +60,6 @@ def main(args: argparse.Namespace) -> int:
     try:
         uvloop.run(run())
     except (aioredis.ConnectionError, aioredis.TimeoutError) as exc:
-        print(f"agent: cannot reach Redis at {redis_url}: {exc}", file=sys.stderr)
+        print(f"agent: cannot reach Redis at {redact_url(redis_url)}: {exc}", file=sys.stderr)
         return 1
     return 0

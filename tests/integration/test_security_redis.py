@@ -207,9 +207,6 @@ def test_no_secret_in_logs_output_or_metrics(secure_stack: StackRun) -> None:
     assert len(leaks) >= 8, f"too few places searched: {sorted(leaks)}"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "extproc/cli.py prints the Redis URL unredacted at start ('poolgate extproc listening on ... (redis URL)'); "
-    "it should print redact_url(redis_url) from poolgate.secrets (extproc/ is being rewritten, so left as is)"))
 def test_no_secret_in_extproc_log(secure_stack: StackRun) -> None:
     text = (secure_stack.run_dir / "extproc.log").read_text(errors="replace")
     assert not _leaks(text), [line for line in text.splitlines() if _leaks(line)][:3]
