@@ -30,6 +30,7 @@ import uvloop
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from controller.adapters import AdapterLoader, run_adapter_loader
 from controller.agent.agent import run_agent
 from controller.agent.gpus import open_gpus
 from controller.autoscaler import Autoscaler, run_autoscaler
@@ -45,6 +46,7 @@ from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
 from poolgate.config import Config, ConfigError, load_config
 from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet
+from poolgate.logging_setup import add_log_format_argument, configure_logging
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -176,6 +178,8 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
         asyncio.create_task(lease.run(stop, on_gain=announce_api)),
         asyncio.create_task(run_monitor(monitor, health.probe_interval_s, stop)),
     ]
+    adapters = AdapterLoader(config.catalogue.adapters, redis, keys, probe_session, is_leader=lease.is_leader)
+    tasks.append(asyncio.create_task(run_adapter_loader(adapters, config.catalogue.adapter_sync_s, stop)))
     if kube is not None:
         tasks.append(asyncio.create_task(sync_pods(kube, config.controller.heartbeat_interval_s, stop)))
     if config.autoscale.enabled and config.autoscale.pools:
@@ -211,10 +215,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, help="registry API port (default: config ports.controller_http)")
     parser.add_argument("--log-dir", help="where worker logs go (default: a temporary directory)")
     parser.add_argument("--no-workers", action="store_true", help="do not start the config's workers")
+    add_log_format_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(logging.INFO, getattr(args, "log_format", "text"))
     try:
         config = load_config(args.config)
     except ConfigError as exc:

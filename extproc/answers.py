@@ -118,10 +118,15 @@ def continue_trailers() -> ProcessingResponse:
 
 
 def routed_body(decision: Decision, remove: Iterable[str] = (),
-                extra_headers: Iterable[tuple[str, str]] = (), new_body: bytes | None = None) -> ProcessingResponse:
+                extra_headers: Iterable[tuple[str, str]] = (), new_body: bytes | None = None,
+                header_pin: bool = False) -> ProcessingResponse:
     """Send the request to the decision's pool (cluster header + route re-evaluation) and pin its worker;
-    ``new_body`` replaces the request body (with a matching content-length)."""
+    ``new_body`` replaces the request body (with a matching content-length). ``header_pin`` also names the
+    worker in the ``x-gateway-destination-endpoint`` header, for gateways whose ``ORIGINAL_DST`` cluster reads
+    it (one ``ip:port``: that cluster takes no fallback list); off, the pin is in metadata only."""
     extra = list(extra_headers)
+    if header_pin:
+        extra.append((DESTINATION_ENDPOINT_KEY, decision.endpoint))
     if new_body is not None:
         extra.append(("content-length", str(len(new_body))))
     setting = {CLUSTER_HEADER, *(k for k, _ in extra)}

@@ -7,6 +7,12 @@ and one uniform draw. The chosen version's served name is what the scheduler loo
 pools. A pool's ``model`` that no catalogue entry names stays an implicit single-version entry (it resolves
 to None: the request goes on unchanged); a version's served name asked directly resolves to that version,
 so its parameter caps hold either way.
+
+LoRA adapters: ``base:adapter``, or a name listed in ``catalogue.adapters``, resolves like ``base`` (so the
+scheduler looks up the base model's workers) with ``Route.adapter`` set; the body's model becomes the adapter
+name, which is what vLLM serves it under. The ``base:adapter`` form is recognised only when ``base`` is a name
+the catalogue knows (a model, alias, version's served name or a configured adapter's base): a pool model that
+itself contains a colon must keep working unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from poolgate.config import CatalogueModel, CatalogueSettings, ModelVersion, ParameterValue
@@ -35,15 +41,23 @@ class Route:
     defaults: Mapping[str, ParameterValue] = field(default_factory=lambda: _NO_PARAMETERS)
     maximums: Mapping[str, float] = field(default_factory=lambda: _NO_CAPS)
     max_model_len: int | None = None
+    adapter: str | None = None
+    """LoRA adapter the request asks for; the body is sent with this as its model, on ``served_name``'s workers."""
 
     @property
     def renames(self) -> bool:
         return self.public_name != self.served_name
 
     @property
+    def body_model(self) -> str:
+        """The model name the worker must see in the body."""
+        return self.adapter or self.served_name
+
+    @property
     def touches_body(self) -> bool:
         """The request body must be read as JSON and possibly rewritten for this route."""
-        return self.renames or bool(self.defaults) or bool(self.maximums) or self.max_model_len is not None
+        return (self.renames or bool(self.defaults) or bool(self.maximums) or self.max_model_len is not None
+                or self.adapter is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +111,7 @@ class ModelCard:
 class Catalogue:
     """Immutable: a new configuration builds a new one. ``generation`` counts reloads (for logs/metrics)."""
 
-    __slots__ = ("_cards", "_entries", "_hidden", "generation", "renames", "settings")
+    __slots__ = ("_adapter_bases", "_adapters", "_cards", "_entries", "_hidden", "generation", "renames", "settings")
 
     def __init__(self, settings: CatalogueSettings, generation: int = 0) -> None:
         self.settings = settings
@@ -120,6 +134,9 @@ class Catalogue:
         self._entries: Mapping[str, _Entry] = MappingProxyType(entries)
         self._cards = tuple(cards)
         self._hidden = frozenset(hidden)
+        self._adapters: Mapping[str, str] = MappingProxyType({a.name: a.base for a in settings.adapters})
+        """Configured adapter name → base model's served name."""
+        self._adapter_bases = frozenset(self._adapters.values())
         self.generation = generation
         self.renames = any(r.renames for e in entries.values() for r in e.routes)
         """Some public name differs from its served name: responses may need the public name restored."""
@@ -128,7 +145,18 @@ class Catalogue:
         """The version a request for ``model`` by ``tenant`` goes to; None for names the catalogue does not
         hold (pool models outside it, unknown names: the scheduler decides)."""
         entry = self._entries.get(model)
-        return None if entry is None else entry.choose(tenant, rng)
+        if entry is not None:
+            return entry.choose(tenant, rng)
+        base = self._adapters.get(model)
+        adapter = model
+        if base is None:
+            base, colon, adapter = model.rpartition(":")
+            if not (colon and base and adapter) or (base not in self._entries and base not in self._adapter_bases):
+                return None
+        route = self.resolve(base, tenant, rng)
+        if route is None:
+            return Route(public_name=model, served_name=base, version="", adapter=adapter)
+        return replace(route, public_name=model, adapter=adapter)
 
     def cards(self, fleet_models: Iterable[str]) -> tuple[ModelCard, ...]:
         """What ``/v1/models`` lists: public names and aliases, then the fleet's other names, without the

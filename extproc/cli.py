@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import signal
 import sys
 
 from poolgate.config import ConfigError, load_config
+from poolgate.logging_setup import add_log_format_argument, configure_logging
 from poolgate.secrets import redact_url
 
 
@@ -23,10 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (default: off)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_format_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
         config = load_config(args.config)
     except ConfigError as exc:

@@ -13,7 +13,10 @@ from collections.abc import Callable
 
 import grpc
 import redis.asyncio as redis_asyncio
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -36,6 +39,8 @@ log = logging.getLogger(__name__)
 GRPC_MESSAGE_MARGIN = 64 * 1024
 """Room for the ext_proc envelope and headers on top of the largest accepted body."""
 SHUTDOWN_GRACE_S = 5.0
+HEALTH_SERVICES = ("", ext_proc_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name)
+"""grpc.health.v1 answers for the whole server ("") and for the ext_proc service by name."""
 
 
 def grpc_options(max_request_bytes: int) -> list[tuple[str, int]]:
@@ -86,14 +91,20 @@ async def serve(
     catalogue = CatalogueSource(Catalogue(config.catalogue))
     service = ExtProcService(build_scheduler(config.scheduling), watcher, inflight, config.extproc.max_request_bytes,
                              metrics, settings=config.scheduling, profiler=profiler, capacity_changed=capacity_changed,
-                             tenants=tenants, quotas=quotas, catalogue=catalogue)
+                             tenants=tenants, quotas=quotas, catalogue=catalogue,
+                             endpoint_picker_mode=config.extproc.endpoint_picker_mode)
     watcher.publish_queue(service.queue.held_by_domain)
     server = grpc.aio.server(options=grpc_options(config.extproc.max_request_bytes))
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
+    health = health_aio.HealthServicer()
+    for name in HEALTH_SERVICES:
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"extproc cannot listen on {host}:{port}")
     watch_task = asyncio.create_task(watcher.run(), name="fleet-watcher")
+    ready_task = asyncio.create_task(_serving_after_first_snapshot(watcher, health), name="health-ready")
     reload_task = None
     if config_path is not None:
         reload_task = asyncio.create_task(ConfigFileWatch(config_path, config).run(
@@ -105,16 +116,28 @@ async def serve(
             on_listening(bound)
         await asyncio.gather(server.wait_for_termination(), watch_task)
     finally:
+        ready_task.cancel()
         if reload_task is not None:
             reload_task.cancel()
-        await asyncio.shield(_stop(server, watch_task, watcher, client))
+        await asyncio.shield(_stop(server, watch_task, watcher, client, health))
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
 
 
+async def _serving_after_first_snapshot(watcher: FleetWatcher, health: health_aio.HealthServicer) -> None:
+    """SERVING once a fleet snapshot was read: before that every pick would answer 503 (no worker known),
+    so a load balancer should send this replica nothing yet. Later Redis outages keep it SERVING: the last
+    snapshot still routes well (degraded, visible in the metrics)."""
+    await watcher.refreshed.wait()
+    for name in HEALTH_SERVICES:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("extproc health: SERVING")
+
+
 async def _stop(server: grpc.aio.Server, watch_task: asyncio.Task[None], watcher: FleetWatcher,
-                client: redis_asyncio.Redis) -> None:
+                client: redis_asyncio.Redis, health: health_aio.HealthServicer) -> None:
+    await health.enter_graceful_shutdown()  # NOT_SERVING first, so probes stop sending while streams drain
     await server.stop(SHUTDOWN_GRACE_S)
     watch_task.cancel()
     try:

@@ -42,6 +42,7 @@ from extproc import answers, errors
 from extproc.affinity import AffinityMap
 from extproc.catalogue import EMPTY_CATALOGUE, Catalogue, Route
 from extproc.catalogue_source import CatalogueSource
+from extproc.endpoint_picker import GIE_MODE, endpoint_subset, within
 from extproc.errors import ApiError
 from extproc.flow_queue import FlowQueue, QueueEntry
 from extproc.inflight import InflightTracker
@@ -56,6 +57,7 @@ from extproc.snapshot import FleetSnapshot
 from extproc.tenancy import Tenant, TenantDirectory
 from extproc.usage import UsageWatch, with_usage_requested
 from poolgate.config import SchedulingSettings, TenancySettings
+from poolgate.logging_setup import request_id
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ HOLD_TIMEOUT_MARGIN_S = 2.0
 HOLD_POLL_S = 0.1
 """Held requests are re-tried at least this often even when no change was announced."""
 _REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+REQUEST_ID_HEADER = "x-request-id"
 _PENDING = ProcessingResponse()
 """Placeholder from ``handle`` while the request awaits its quota admission (never sent)."""
 
@@ -88,8 +91,8 @@ class RequestState:
     """One HTTP request as seen by extproc: what was asked, what was decided, what must be released."""
 
     __slots__ = ("body", "catalogue", "decision", "entry", "facts", "head", "held_worker", "hold_started", "new_body",
-                 "phase", "renamer", "request", "reservation", "route", "tenant", "ticket", "usage", "waiter",
-                 "watch_response")
+                 "phase", "renamer", "request", "reservation", "route", "subset", "tenant", "ticket", "usage",
+                 "waiter", "watch_response")
 
     def __init__(self) -> None:
         self.phase = Phase.HEADERS
@@ -121,6 +124,8 @@ class RequestState:
         """The catalogue version the request was resolved to, when its public name differs from the served one."""
         self.renamer: ModelRenamer | None = None
         """Restores the public model name in the response body."""
+        self.subset: frozenset[str] | None = None
+        """``ip:port`` endpoints the gateway allows for this request (endpoint-picker subset hint); None = all."""
 
 
 class CapacitySignal:
@@ -170,8 +175,11 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         quotas: QuotaStore | None = None,
         catalogue: CatalogueSource | None = None,
         rng: random.Random | None = None,
+        endpoint_picker_mode: str = "poolgate",
     ) -> None:
         settings = settings or SchedulingSettings()
+        self._header_pin = endpoint_picker_mode == GIE_MODE
+        """Also name the picked worker in a request header (gateways routing with ORIGINAL_DST on it)."""
         self.catalogue = catalogue or CatalogueSource(EMPTY_CATALOGUE)
         self._rng = rng or random.Random()
         """Draws catalogue traffic splits."""
@@ -226,6 +234,8 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         try:
             kind = message.WhichOneof("request")
             if kind == "request_headers":
+                _bind_request_id(message.request_headers)
+                state.subset = endpoint_subset(message)
                 return self._on_headers(state, message.request_headers)
             if kind == "request_body":
                 return self._on_body(state, message.request_body.body, message.request_body.end_of_stream)
@@ -396,6 +406,8 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
             request = _with_pools(request, tenant)
         if route is not None and route.pool is not None:
             request = _with_version_pool(request, route.pool)
+        if route is not None and route.adapter is not None:
+            request = replace(request, adapter=route.adapter)
         if tenant.priority:  # the saturation gate keeps headroom for the highest class
             request = replace(request, priority=tenant.priority)
         state.request = request
@@ -415,14 +427,15 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         changed = apply_parameters(data, route)
         if isinstance(changed, ApiError):
             return changed
-        if not (changed or route.renames):
+        if not (changed or route.renames or route.adapter):
             return facts
-        data["model"] = route.served_name
+        data["model"] = route.body_model
         state.new_body = orjson.dumps(data)
-        if route.renames:
+        if route.renames and route.adapter is None:  # an adapter's responses name the adapter, not the base
             state.route = route
         if changed:  # a default may have set max_tokens: the estimates must see it
-            return facts_from_data(head, data)
+            reparsed = facts_from_data(head, data)
+            return reparsed if isinstance(reparsed, ApiError) else replace(reparsed, model=route.served_name)
         return replace(facts, model=route.served_name)
 
     def _on_response_headers(self, state: RequestState) -> ProcessingResponse:
@@ -554,7 +567,13 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         request = state.request
         assert request is not None
         started = self._timer()
-        outcome = self._scheduler.pick(request, self.pick_context())
+        context = self.pick_context()
+        if state.subset is not None:
+            fleet = context.snapshot
+            context = replace(context, snapshot=within(fleet, state.subset))
+            if not context.snapshot.workers_for(request.model) and request.model in fleet.models:
+                return self._reject(state, errors.no_worker(request.model))  # the gateway left no endpoint
+        outcome = self._scheduler.pick(request, context)
         self._metrics.pick_seconds.observe(self._timer() - started)
         if isinstance(outcome, Decision):
             return self._commit(state, request, outcome)
@@ -586,7 +605,9 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         tenant = state.tenant
         if tenant is not None and self.tenants.by_name:
             extra.append((TENANT_HEADER, tenant.name))
-        return answers.routed_body(decision, request.facts.client_routing_headers, extra, state.new_body)
+        log.debug("routed to %s (%s)", worker_id, decision.endpoint)
+        return answers.routed_body(decision, request.facts.client_routing_headers, extra, state.new_body,
+                                   header_pin=self._header_pin)
 
     def _release_quota(self, state: RequestState) -> None:
         """Give the quota back off the request path (one script call in a background task)."""
@@ -637,6 +658,14 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         state.phase = Phase.DONE
         self._metrics.requests.labels(error.code or error.type).inc()
         return answers.error_answer(error)
+
+
+def _bind_request_id(headers: HttpHeaders) -> None:
+    """Tag this stream's log lines with Envoy's request id (the stream is its own task, so its own context)."""
+    for key, value in header_pairs(headers):
+        if key == REQUEST_ID_HEADER:
+            request_id.set(value)
+            return
 
 
 def _with_pools(request: PickRequest, tenant: Tenant) -> PickRequest:

@@ -42,6 +42,11 @@ class ExtprocSettings(_Frozen):
     snapshot_refresh_s: float = Field(0.1, gt=0, le=5)
     stale_after_s: float = Field(3.0, gt=0)
     """A worker whose live state is older than this is not picked."""
+    endpoint_picker_mode: Literal["poolgate", "gie"] = "poolgate"
+    """``gie``: also answer the picked ``ip:port`` in the ``x-gateway-destination-endpoint`` request header, for
+    gateways that implement the Gateway API Inference Extension endpoint-picker protocol (an ``ORIGINAL_DST``
+    cluster reading that header). ``poolgate`` pins through dynamic metadata only, so a header cannot be used
+    by a client to pin itself; use ``gie`` only behind a gateway that strips the client's copy first."""
 
 
 class ControllerSettings(_Frozen):
@@ -93,7 +98,7 @@ class TaskClassRules(_Frozen):
     code_models: tuple[str, ...] = ()
 
 
-SCORER_NAMES = ("predicted_ttft", "kv_headroom", "inflight", "prefix_affinity")
+SCORER_NAMES = ("predicted_ttft", "kv_headroom", "inflight", "prefix_affinity", "lora_affinity")
 """Scorers extproc knows, by the name ``scheduling.weights`` uses."""
 MAX_WAIT_LIMIT_S = 50.0
 """Longest hold allowed: Envoy's ext_proc ``max_message_timeout`` is 60 s and the hold asks for a bit more."""
@@ -103,9 +108,10 @@ class SchedulingSettings(_Frozen):
     """Weights and bounds of the resource-aware picker (extproc)."""
 
     weights: dict[str, float] = Field(default_factory=lambda: {
-        "predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5})
+        "predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5, "lora_affinity": 2.0})
     """Scorer name → weight; scores are in [0, 1] and combine as a weighted sum. A missing name weighs 0.
-    Affinity outweighs in-flight balance (a cached prefix skips its prefill) but not a longer queue or less KV."""
+    Affinity outweighs in-flight balance (a cached prefix skips its prefill) but not a longer queue or less KV.
+    ``lora_affinity`` scores only requests that name a LoRA adapter (an adapter swap stalls the batch)."""
     default_prefill_tokens_per_s: float = Field(8000.0, gt=0)
     """Prefill rate assumed for a worker that has not reported one yet."""
     default_output_tokens: int = Field(256, gt=0)
@@ -469,6 +475,18 @@ class CatalogueModel(_Frozen):
         return self
 
 
+class LoraAdapter(_Frozen):
+    """A LoRA adapter clients may ask for by ``name`` (as well as ``base:name``); served by ``base``'s workers."""
+
+    name: str = Field(min_length=1, pattern=r"^[^:\s]+$")
+    """The adapter's name as vLLM knows it (``lora_name``); no colon, which separates ``base:adapter``."""
+    base: str = Field(min_length=1)
+    """Served name of the base model whose workers load the adapter."""
+    path: str | None = None
+    """Where workers load it from (``lora_path``); without one, the controller never loads it (it must be
+    preloaded, or found by vLLM's resolver plugin)."""
+
+
 class CatalogueSettings(_Frozen):
     """The model catalogue (extproc). A pool's ``model`` not named here stays an implicit one-version entry.
 
@@ -480,6 +498,19 @@ class CatalogueSettings(_Frozen):
     """Also list versions' internal served names in ``/v1/models`` (they stay usable directly either way)."""
     reload_interval_s: float = Field(1.0, gt=0, le=60)
     """How often extproc checks the configuration file for changes."""
+    adapters: tuple[LoraAdapter, ...] = ()
+    """LoRA adapters asked for by name; ``base:adapter`` works without an entry here."""
+    adapter_sync_s: float = Field(5.0, gt=0)
+    """How often the controller checks that configured adapters are loaded on their base's workers."""
+
+    @field_validator("adapters")
+    @classmethod
+    def _unique_adapters(cls, adapters: tuple[LoraAdapter, ...]) -> tuple[LoraAdapter, ...]:
+        names = [a.name for a in adapters]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"adapter names must be unique; repeated: {', '.join(repeated)}")
+        return adapters
 
 
 class Config(_Frozen):

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 
@@ -20,6 +21,8 @@ from controller.simworker.presets import DEFAULT_PRESET, PRESETS
 from controller.simworker.worker import SimWorker, WorkerSpec
 
 log = logging.getLogger(__name__)
+
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also export vllm:gpu_cache_usage_perc (the pre-V1 name)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="run the modelled GPU this many times faster than real time (default 1)")
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters; the load/unload endpoints also need "
+                           f"{RUNTIME_LORA_ENV}=True in the environment, as with vLLM")
+    lora.add_argument("--max-loras", type=int, default=1, help="adapters loaded at once (default %(default)s)")
+    lora.add_argument("--lora-load-s", type=float, default=0.0, help="seconds one adapter load takes")
     faults = parser.add_argument_group("faults")
     faults.add_argument("--enable-fault-api", action="store_true",
                         help="serve GET/POST /sim/faults to change faults at run time")
@@ -63,6 +72,13 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         raise ValueError("--ports lists a port twice")
     if args.worker_ids is not None and len(args.worker_ids) != len(ports):
         raise ValueError(f"--worker-ids needs one id per port ({len(ports)} ports)")
+    if args.max_loras < 1:
+        raise ValueError("--max-loras must be at least 1")
+    if args.lora_load_s < 0:
+        raise ValueError("--lora-load-s must be 0 or more")
+    runtime_lora = os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("true", "1")
+    if args.enable_lora and runtime_lora:
+        log.warning("%s is set: adapters can be loaded at run time (meant for trusted use)", RUNTIME_LORA_ENV)
     if args.worker_id is not None and len(ports) != 1:
         raise ValueError("--worker-id is for a single worker; use --worker-ids with --ports")
     ids = args.worker_ids or ([args.worker_id] if args.worker_id else [f"sim-{port}" for port in ports])
@@ -78,7 +94,8 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             num_gpu_blocks=args.num_gpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
             legacy_kv_metric=args.legacy_kv_metric, time_scale=args.time_scale, faults=faults,
-            enable_fault_api=args.enable_fault_api,
+            enable_fault_api=args.enable_fault_api, enable_lora=args.enable_lora, max_loras=args.max_loras,
+            lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora,
         )
         for port, worker_id in zip(ports, ids, strict=True)
     ]

@@ -23,6 +23,7 @@ from controller.simworker import protocol, tokens
 from controller.simworker.driver import EngineDriver, TokenStream
 from controller.simworker.engine import EngineRequest
 from controller.simworker.faults import FaultSettings
+from controller.simworker.lora import AdapterTable
 from controller.simworker.metrics import WorkerMetrics
 from controller.simworker.protocol import ApiError, GenerationPlan, GenerationRequest
 from poolgate.routing import WORKER_HEADER
@@ -57,16 +58,23 @@ class ServingConfig:
     block_size: int
     enable_prefix_caching: bool
     enable_fault_api: bool
+    runtime_lora_updating: bool = False
+    """Serve the adapter load/unload endpoints (vLLM: ``--enable-lora`` plus
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``)."""
+    lora_load_s: float = 0.0
+    """What loading one adapter costs, in seconds."""
 
 
 class WorkerApi:
     def __init__(self, config: ServingConfig, driver: EngineDriver, metrics: WorkerMetrics,
-                 control: WorkerControl, rng: random.Random) -> None:
+                 control: WorkerControl, rng: random.Random, adapters: AdapterTable | None = None) -> None:
         self.config = config
         self.driver = driver
         self.metrics = metrics
         self.control = control
         self.rng = rng
+        self.adapters = adapters
+        """None without ``--enable-lora``: adapter names are unknown models."""
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._hang_middleware, self._error_middleware])
@@ -78,6 +86,9 @@ class WorkerApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        if self.adapters is not None and self.config.runtime_lora_updating:
+            app.router.add_post("/v1/load_lora_adapter", self.load_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_adapter)
         if self.config.enable_fault_api:
             app.router.add_get("/sim/faults", self.get_faults)
             app.router.add_post("/sim/faults", self.set_faults)
@@ -94,8 +105,33 @@ class WorkerApi:
         return _json({"version": SIM_VERSION})
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json(protocol.model_list(self.config.model_name, self.config.model_root,
-                                         self.config.max_model_len))
+        listing = protocol.model_list(self.config.model_name, self.config.model_root, self.config.max_model_len)
+        if self.adapters is not None:
+            cards = listing["data"]
+            assert isinstance(cards, list)
+            base = cards[0]
+            cards.extend({**base, "id": name, "root": path, "parent": self.config.model_name}
+                         for name, path in self.adapters.loaded.items())
+        return _json(listing)
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        assert self.adapters is not None
+        name, path = _adapter_fields(await _read_json(request), need_path=True)
+        self.adapters.reserve(name, path)
+        try:
+            if self.config.lora_load_s:
+                await asyncio.sleep(self.config.lora_load_s)
+        except BaseException:
+            self.adapters.loaded.pop(name, None)  # the client went away mid-load: the slot is free again
+            raise
+        log.info("worker %s loaded LoRA adapter %s from %s", self.config.worker_id, name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        assert self.adapters is not None
+        name, _ = _adapter_fields(await _read_json(request), need_path=False)
+        self.adapters.release(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, protocol.parse_completion)
@@ -121,8 +157,12 @@ class WorkerApi:
                         parse: Callable[[object], GenerationRequest]) -> web.StreamResponse:
         self._require_serving()
         generation = parse(await _read_json(request))
-        if generation.model is not None and generation.model != self.config.model_name:
-            raise ApiError(404, f"The model `{generation.model}` does not exist.", "model")
+        served = self.config.model_name
+        adapter: str | None = None
+        if generation.model is not None and generation.model != served:
+            if self.adapters is None or generation.model not in self.adapters.loaded:
+                raise ApiError(404, f"The model `{generation.model}` does not exist.", "model")
+            adapter = served = generation.model
         plan = protocol.plan_generation(generation, self.config.max_model_len)
         self.control.note_inference_request()
         self._require_serving()
@@ -138,29 +178,39 @@ class WorkerApi:
             request_id=request_id, prompt_tokens=plan.prompt_tokens, output_target=plan.output_target,
             finish_reason_at_target=plan.finish_reason, prompt_block_hashes=hashes,
         ))
+        if adapter is not None and self.adapters is not None:
+            self.adapters.begin(request_id, adapter)
         try:
             if generation.stream:
-                return await self._stream(request, generation, plan, request_id, stream)
-            return await self._respond_when_done(generation, plan, request_id, stream)
+                return await self._stream(request, generation, plan, request_id, stream, served)
+            return await self._respond_when_done(generation, plan, request_id, stream, served)
         finally:
             self.driver.abort(request_id)  # no-op once finished; frees KV if the client went away
+            if adapter is not None and self.adapters is not None:
+                self.adapters.end(request_id)
+
+    def _note_progress(self, request_id: str, stream: TokenStream) -> None:
+        """An adapter request counts as waiting until its first token, then as running."""
+        if self.adapters is not None and (stream.tokens or stream.finished is not None):
+            self.adapters.started(request_id)
 
     async def _respond_when_done(self, generation: GenerationRequest, plan: GenerationPlan, request_id: str,
-                                 stream: TokenStream) -> web.Response:
+                                 stream: TokenStream, model: str) -> web.Response:
         while stream.finished is None:
             await stream.wait_change()
+            self._note_progress(request_id, stream)
         finished = stream.finished
         if finished.reason == "error":
             raise ApiError(500, "the engine failed while serving this request")
         text = protocol.generated_text(plan.text_seed, 0, finished.output_tokens)
         return _json(protocol.full_response(
-            generation.kind, request_id, self.config.model_name, int(time.time()), text, finished.reason,
+            generation.kind, request_id, model, int(time.time()), text, finished.reason,
             plan.prompt_tokens, finished.output_tokens,
         ))
 
     async def _stream(self, request: web.Request, generation: GenerationRequest, plan: GenerationPlan,
-                      request_id: str, stream: TokenStream) -> web.StreamResponse:
-        kind, model, created = generation.kind, self.config.model_name, int(time.time())
+                      request_id: str, stream: TokenStream, model: str) -> web.StreamResponse:
+        kind, created = generation.kind, int(time.time())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         if kind == "chat":
@@ -170,6 +220,7 @@ class WorkerApi:
         try:
             while True:
                 await stream.wait_change()
+                self._note_progress(request_id, stream)
                 finished = stream.finished
                 if finished is not None and finished.reason == "error":
                     await response.write(_event(ApiError(500, "the engine failed while serving this request")
@@ -235,6 +286,17 @@ async def _read_json(request: web.Request) -> object:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+
+
+def _adapter_fields(body: object, need_path: bool) -> tuple[str, str]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "'lora_name' must be a non-empty string", "lora_name")
+    if need_path and (not isinstance(path, str) or not path):
+        raise ApiError(400, "'lora_path' must be a non-empty string", "lora_path")
+    return name, path if isinstance(path, str) else ""
 
 
 def _json(body: object, status: int = 200) -> web.Response:

@@ -20,6 +20,7 @@ from controller.simworker import tokens
 from controller.simworker.driver import EngineDriver
 from controller.simworker.engine import Engine, EngineConfig
 from controller.simworker.faults import FaultSettings
+from controller.simworker.lora import AdapterTable
 from controller.simworker.metrics import WorkerMetrics
 from controller.simworker.presets import GpuPreset, ModelShape, default_num_gpu_blocks, step_cost
 from controller.simworker.server import Health, ServingConfig, WorkerApi
@@ -50,6 +51,11 @@ class WorkerSpec:
     time_scale: float = 1.0
     faults: FaultSettings = field(default_factory=FaultSettings)
     enable_fault_api: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    lora_load_s: float = 0.0
+    runtime_lora_updating: bool = False
+    """``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` was set: serve the adapter load/unload endpoints."""
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -119,8 +125,10 @@ class SimWorker:
             worker_id=spec.worker_id, model_name=spec.model_name, model_root=spec.model_root,
             max_model_len=config.max_model_len, block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching, enable_fault_api=spec.enable_fault_api,
+            runtime_lora_updating=spec.enable_lora and spec.runtime_lora_updating, lora_load_s=spec.lora_load_s,
         )
-        api = WorkerApi(serving, driver, metrics, self, random.Random(tokens.stable_hash(spec.worker_id)))
+        adapters = AdapterTable(spec.max_loras, metrics.registry) if spec.enable_lora else None
+        api = WorkerApi(serving, driver, metrics, self, random.Random(tokens.stable_hash(spec.worker_id)), adapters)
         runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()

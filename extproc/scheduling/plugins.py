@@ -43,6 +43,8 @@ class PickRequest:
     """Pools dedicated to other tenants."""
     priority: int = 0
     """The tenant's priority class (0 = highest); the saturation gate keeps headroom for class 0."""
+    adapter: str | None = None
+    """LoRA adapter the request names (``model`` is then its base); None for a plain model request."""
 
     @property
     def model(self) -> str:

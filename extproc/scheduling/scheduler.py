@@ -21,10 +21,12 @@ from extproc.scheduling.filters import (
     TaskClassPools,
     TenantPools,
 )
+from extproc.scheduling.lora_filter import AdapterRoom
 from extproc.scheduling.plugins import Decision, Filter, Outcome, PickContext, PickRequest, Scorer
 from extproc.scheduling.saturation import SaturationGate
 from extproc.scheduling.scorers.kv_headroom import KvHeadroom
 from extproc.scheduling.scorers.least_inflight import LeastInflight
+from extproc.scheduling.scorers.lora_affinity import LoraAffinity
 from extproc.scheduling.scorers.predicted_ttft import PredictedTtft
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
 from poolgate.config import SCORER_NAMES, SchedulingSettings
@@ -99,6 +101,7 @@ def scorer_registry(settings: SchedulingSettings) -> dict[str, Scorer]:
         "kv_headroom": KvHeadroom(settings.kv_reserve_fraction),
         "inflight": LeastInflight(),
         "prefix_affinity": PrefixAffinity(),
+        "lora_affinity": LoraAffinity(),
     }
 
 
@@ -110,7 +113,7 @@ def build_scheduler(settings: SchedulingSettings, rng: random.Random | None = No
     retry = settings.retry_after_s
     filters: list[Filter] = [TenantPools(retry), TaskClassPools(), ReadyAndFresh(retry), FitsContext(),
                              GpuMemoryWatermark(settings.gpu_memory_min_free_mib, retry),
-                             KvFits(settings.kv_reserve_fraction, retry)]
+                             KvFits(settings.kv_reserve_fraction, retry), AdapterRoom()]
     if settings.max_inflight_per_worker or settings.queue_when_waiting:  # off: the pick pays nothing for it
         filters.append(SaturationGate(settings.max_inflight_per_worker, settings.lower_class_inflight_fraction,
                                       settings.queue_when_waiting, retry))

@@ -5,6 +5,7 @@ Redis is the tests' own redis-server; Envoy comes from the wheel; workers are si
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,16 +15,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import redis
 import yaml
 
 from poolgate.procs import free_port
 
-E2E_CONFIG = {
+E2E_CONFIG: dict[str, Any] = {
     "key_prefix": "e2e",
     "controller": {"token": "e2e-token", "heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0},
     "extproc": {"max_request_bytes": 1048576},
@@ -46,19 +49,59 @@ class RunningStack:
     admin_url: str
     redis_url: str
     run_dir: Path
-    config: dict[str, object]
+    config_path: Path
+    config: dict[str, Any]
     process: subprocess.Popen[str]
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def prefix(self) -> str:
+        return str(self.config.get("key_prefix", "poolgate"))
 
     def children(self) -> dict[str, int]:
         return {k: int(v) for k, v in json.loads((self.run_dir / "children.json").read_text()).items()}
 
-    def worker_address(self, worker_id: str) -> str:
+    def record(self, worker_id: str) -> dict[str, str]:
         client = redis.Redis.from_url(self.redis_url)
         try:
-            data = client.hgetall(f"{self.config['key_prefix']}:worker:{worker_id}")
+            raw = client.hgetall(f"{self.prefix}:worker:{worker_id}")
         finally:
             client.close()
-        return f"{data[b'host'].decode()}:{data[b'port'].decode()}"
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def state(self, worker_id: str) -> str | None:
+        return self.record(worker_id).get("state")
+
+    def address(self, worker_id: str) -> str:
+        record = self.record(worker_id)
+        return f"{record['host']}:{record['port']}"
+
+    def pool_ids(self, pool: str) -> list[str]:
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            ids = sorted(i.decode() for i in client.smembers(f"{self.prefix}:workers"))
+        finally:
+            client.close()
+        return [i for i in ids if self.record(i).get("pool") == pool]
+
+    def envoy_hosts(self, cluster: str) -> dict[str, list[str]]:
+        """address → health flags of a cluster's hosts, from Envoy's admin ``/clusters``."""
+        text = httpx.get(f"{self.admin_url}/clusters", timeout=5).text
+        hosts: dict[str, list[str]] = {}
+        for line in text.splitlines():
+            parts = line.split("::")
+            if len(parts) >= 4 and parts[0] == cluster and parts[2] == "health_flags":
+                hosts[parts[1]] = parts[3].split("|")
+        return hosts
+
+    def in_rotation(self, address: str, cluster: str = "pool-chat") -> bool:
+        return self.envoy_hosts(cluster).get(address) == ["healthy"]
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run ``poolgate ARGS`` against this stack (its config and Redis)."""
+        return subprocess.run(
+            [sys.executable, "-m", "poolgate.cli", *args, "--config", str(self.config_path), "--redis-url",
+             self.redis_url], capture_output=True, text=True, timeout=60, check=False)
 
     def controller_url(self) -> str:
         for line in (self.run_dir / "controller.log").read_text().splitlines():
@@ -67,21 +110,22 @@ class RunningStack:
         raise AssertionError("controller did not print its API address")
 
 
-@pytest.fixture(scope="session")
-def stack(redis_server: object) -> Iterator[RunningStack]:
+@contextlib.contextmanager
+def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = 120) -> Iterator[RunningStack]:
+    """``poolgate up`` with ``config`` on free ports, until READY; on exit SIGTERM it and check that no
+    process it started (children or workers, found by the run directory in their command line) is left."""
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-e2e-"))
     config_path = run_dir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(E2E_CONFIG))
+    config_path.write_text(yaml.safe_dump(config))
     port, admin = free_port(), free_port()
-    redis_url = redis_server.url  # type: ignore[attr-defined]
     process = subprocess.Popen(
         [sys.executable, "-m", "poolgate.cli", "up", "--config", str(config_path), "--port", str(port),
          "--admin-port", str(admin), "--redis-url", redis_url, "--log-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     assert process.stdout is not None
-    deadline = time.monotonic() + 120
-    output = []
+    output: list[str] = []
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         if not line:
@@ -93,22 +137,41 @@ def stack(redis_server: object) -> Iterator[RunningStack]:
         process.kill()
         raise AssertionError("poolgate up did not become ready:\n" + "".join(output))
     running = RunningStack(f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{admin}", redis_url, run_dir,
-                           E2E_CONFIG, process)
+                           config_path, config, process, output)
     # Keep reading its output so a chatty child can never block on a full pipe.
-    drain = threading.Thread(target=lambda: [output.append(line) for line in process.stdout or []], daemon=True)
+    drain = threading.Thread(target=lambda: output.extend(process.stdout or []), daemon=True)
     drain.start()
-    yield running
-    process.send_signal(signal.SIGTERM)
     try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    drain.join(5)
-    if process.stdout:
-        process.stdout.close()
-    leftovers = [name for name, pid in running.children().items() if pid_alive(pid)]
+        yield running
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        drain.join(5)
+        if process.stdout:
+            process.stdout.close()
+    started = [*running.children().values(), *_pids_mentioning(run_dir)]
+    leftovers = [pid for pid in started if pid_alive(pid)]
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def _pids_mentioning(run_dir: Path) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if str(run_dir).encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(scope="session")
+def stack(redis_server: object) -> Iterator[RunningStack]:
+    with poolgate_up(E2E_CONFIG, redis_server.url) as running:  # type: ignore[attr-defined]
+        yield running
 
 
 def pid_alive(pid: int) -> bool:

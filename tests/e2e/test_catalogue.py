@@ -4,24 +4,18 @@ moves the split while requests keep flowing, without one failed request."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 import yaml
 
-from poolgate.procs import free_port
+from tests.e2e.conftest import RunningStack, poolgate_up
 
 pytestmark = pytest.mark.e2e
 
@@ -46,66 +40,27 @@ def config(weights: dict[str, int]) -> dict[str, object]:
     }
 
 
-@dataclass
-class Stack:
-    base_url: str
-    config_path: Path
-
-
 @pytest.fixture(scope="module")
-def catalogue_stack(redis_server: object) -> Iterator[Stack]:
-    run_dir = Path(tempfile.mkdtemp(prefix="poolgate-e2e-catalogue-"))
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config({"v1": 90, "v2": 10})))
-    port, admin = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "poolgate.cli", "up", "--config", str(config_path), "--port", str(port),
-         "--admin-port", str(admin), "--redis-url", redis_server.url,  # type: ignore[attr-defined]
-         "--log-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    assert process.stdout is not None
-    output: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        output.append(line)
-        if line.startswith("READY "):
-            break
-    if not output or not output[-1].startswith("READY "):
-        process.kill()
-        raise AssertionError("poolgate up did not become ready:\n" + "".join(output))
-    drain = threading.Thread(target=lambda: output.extend(process.stdout or []), daemon=True)
-    drain.start()
-    stack = Stack(f"http://127.0.0.1:{port}/v1", config_path)
-    with httpx.Client(timeout=30) as client:  # both versions serving before any split is measured
-        seen: set[str] = set()
-        while seen != {"v1-a", "v2-a"}:
-            assert time.monotonic() < deadline + 60, "both versions did not serve"
-            answer = ask(client, stack)
-            if answer.status_code == 200:
-                seen.add(answer.headers["x-poolgate-worker"])
-    yield stack
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    drain.join(5)
-    if process.stdout:
-        process.stdout.close()
+def catalogue_stack(redis_server: object) -> Iterator[RunningStack]:
+    with poolgate_up(config({"v1": 90, "v2": 10}), redis_server.url) as stack:  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 60
+        with httpx.Client(timeout=30) as client:  # both versions serving before any split is measured
+            seen: set[str] = set()
+            while seen != {"v1-a", "v2-a"}:
+                assert time.monotonic() < deadline, "both versions did not serve"
+                answer = ask(client, stack)
+                if answer.status_code == 200:
+                    seen.add(answer.headers["x-poolgate-worker"])
+        yield stack
 
 
-def ask(client: httpx.Client, stack: Stack, **extra: object) -> httpx.Response:
+def ask(client: httpx.Client, stack: RunningStack, **extra: object) -> httpx.Response:
     return client.post(f"{stack.base_url}/chat/completions",
                        json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                              **extra})
 
 
-def measure(stack: Stack, count: int) -> tuple[Counter[str], list[str]]:
+def measure(stack: RunningStack, count: int) -> tuple[Counter[str], list[str]]:
     """Workers that answered ``count`` requests (8 at a time), and every failure seen."""
     failures: list[str] = []
     workers: Counter[str] = Counter()
@@ -127,7 +82,7 @@ def measure(stack: Stack, count: int) -> tuple[Counter[str], list[str]]:
     return workers, failures
 
 
-def test_split_90_10_through_envoy_and_public_name_in_answers(catalogue_stack: Stack) -> None:
+def test_split_90_10_through_envoy_and_public_name_in_answers(catalogue_stack: RunningStack) -> None:
     workers, failures = measure(catalogue_stack, SPLIT_REQUESTS)
     assert not failures
     share = workers["v2-a"] / SPLIT_REQUESTS
@@ -135,7 +90,7 @@ def test_split_90_10_through_envoy_and_public_name_in_answers(catalogue_stack: S
     assert abs(share - 0.10) <= TOLERANCE
 
 
-def test_stream_chunks_carry_the_public_name(catalogue_stack: Stack) -> None:
+def test_stream_chunks_carry_the_public_name(catalogue_stack: RunningStack) -> None:
     with httpx.Client(timeout=30) as client:
         for _ in range(10):  # both versions are likely among ten streams; every chunk must say "chat"
             with client.stream("POST", f"{catalogue_stack.base_url}/chat/completions", json={
@@ -148,12 +103,12 @@ def test_stream_chunks_carry_the_public_name(catalogue_stack: Stack) -> None:
             assert len(chunks) >= 12 and {c["model"] for c in chunks} == {"chat"}
 
 
-def test_model_list_shows_the_public_name_only(catalogue_stack: Stack) -> None:
+def test_model_list_shows_the_public_name_only(catalogue_stack: RunningStack) -> None:
     listed = httpx.get(f"{catalogue_stack.base_url}/models", timeout=30).json()
     assert [m["id"] for m in listed["data"]] == ["chat"]
 
 
-def test_cap_is_a_400_that_names_the_limit(catalogue_stack: Stack) -> None:
+def test_cap_is_a_400_that_names_the_limit(catalogue_stack: RunningStack) -> None:
     with httpx.Client(timeout=30) as client:
         codes: Counter[int] = Counter()
         for _ in range(60):  # the cap is on v2 only (10 % of draws)
@@ -165,7 +120,7 @@ def test_cap_is_a_400_that_names_the_limit(catalogue_stack: Stack) -> None:
         assert codes[400] > 0 and codes[200] > 0
 
 
-def test_live_config_change_moves_the_split_without_failures(catalogue_stack: Stack) -> None:
+def test_live_config_change_moves_the_split_without_failures(catalogue_stack: RunningStack) -> None:
     stop = threading.Event()
     background: list[tuple[Counter[str], list[str]]] = []
 

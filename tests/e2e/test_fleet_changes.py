@@ -19,17 +19,6 @@ from tests.e2e.conftest import RunningStack
 pytestmark = pytest.mark.e2e
 
 
-def envoy_hosts(stack: RunningStack, cluster: str) -> dict[str, list[str]]:
-    """address → health flags of a cluster's hosts, from Envoy's admin /clusters."""
-    text = httpx.get(f"{stack.admin_url}/clusters", timeout=5).text
-    hosts: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        parts = line.split("::")
-        if len(parts) >= 4 and parts[0] == cluster and parts[2] == "health_flags":
-            hosts[parts[1]] = parts[3].split("|")
-    return hosts
-
-
 def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> float:
     """Poll with a generous bound; return the time it actually took."""
     started = time.monotonic()
@@ -100,14 +89,14 @@ def test_worker_joins_and_leaves_envoy_within_two_seconds(stack: RunningStack,
                                                           external_worker: ExternalWorker) -> None:
     external_worker.wait_ready()
     external_worker.register()
-    joined = wait_for(lambda: envoy_hosts(stack, "pool-chat").get(external_worker.address) == ["healthy"])
+    joined = wait_for(lambda: stack.envoy_hosts("pool-chat").get(external_worker.address) == ["healthy"])
     external_worker.stop_heartbeats()
-    left = wait_for(lambda: external_worker.address not in envoy_hosts(stack, "pool-chat"))
+    left = wait_for(lambda: external_worker.address not in stack.envoy_hosts("pool-chat"))
     external_worker.register()
-    wait_for(lambda: external_worker.address in envoy_hosts(stack, "pool-chat"))
+    wait_for(lambda: external_worker.address in stack.envoy_hosts("pool-chat"))
     external_worker.stop_heartbeats()
     assert external_worker.api.delete(f"/v1/workers/{external_worker.worker_id}").status_code == 204
-    deregistered = wait_for(lambda: external_worker.address not in envoy_hosts(stack, "pool-chat"))
+    deregistered = wait_for(lambda: external_worker.address not in stack.envoy_hosts("pool-chat"))
     print(f"\nmeasured: joined Envoy {joined:.2f} s after registering; left {left:.2f} s after the last "
           f"heartbeat (TTL {stack.config['controller']['heartbeat_ttl_s']} s); left {deregistered:.2f} s "  # type: ignore[index]
           "after deregistering")

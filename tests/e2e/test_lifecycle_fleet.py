@@ -7,26 +7,21 @@ Every "within N s" check polls with a generous bound and prints the time it meas
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
-import yaml
 
 from poolgate.procs import free_port
-from tests.e2e.conftest import pid_alive
+from tests.e2e.conftest import RunningStack, poolgate_up
 
 pytestmark = pytest.mark.e2e
 
@@ -53,68 +48,7 @@ CONFIG = {
 }
 
 
-@dataclass
-class Stack:
-    base_url: str
-    admin_url: str
-    redis_url: str
-    run_dir: Path
-    config_path: Path
-    process: subprocess.Popen[str]
-    prefix: str
-    output: list[str] = field(default_factory=list)
-
-    def record(self, worker_id: str) -> dict[str, str]:
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            raw = client.hgetall(f"{self.prefix}:worker:{worker_id}")
-        finally:
-            client.close()
-        return {k.decode(): v.decode() for k, v in raw.items()}
-
-    def state(self, worker_id: str) -> str | None:
-        return self.record(worker_id).get("state")
-
-    def address(self, worker_id: str) -> str:
-        record = self.record(worker_id)
-        return f"{record['host']}:{record['port']}"
-
-    def pool_ids(self, pool: str) -> list[str]:
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            ids = sorted(i.decode() for i in client.smembers(f"{self.prefix}:workers"))
-        finally:
-            client.close()
-        return [i for i in ids if self.record(i).get("pool") == pool]
-
-    def envoy_hosts(self, cluster: str) -> dict[str, list[str]]:
-        text = httpx.get(f"{self.admin_url}/clusters", timeout=5).text
-        hosts: dict[str, list[str]] = {}
-        for line in text.splitlines():
-            parts = line.split("::")
-            if len(parts) >= 4 and parts[0] == cluster and parts[2] == "health_flags":
-                hosts[parts[1]] = parts[3].split("|")
-        return hosts
-
-    def in_rotation(self, address: str, cluster: str = "pool-chat") -> bool:
-        return self.envoy_hosts(cluster).get(address) == ["healthy"]
-
-    def children(self) -> dict[str, int]:
-        return {k: int(v) for k, v in json.loads((self.run_dir / "children.json").read_text()).items()}
-
-    def controller_url(self) -> str:
-        for line in (self.run_dir / "controller.log").read_text().splitlines():
-            if "controller ready: api " in line:
-                return line.split("controller ready: api ")[1].split()[0]
-        raise AssertionError("controller did not print its API address")
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "poolgate.cli", *args, "--config", str(self.config_path), "--redis-url",
-             self.redis_url], capture_output=True, text=True, timeout=60, check=False)
-
-
-def worker_pid(stack: Stack, worker_id: str) -> int:
+def worker_pid(stack: RunningStack, worker_id: str) -> int:
     """The simulated worker process the stack's controller started for ``worker_id`` (its child: other
     stacks on the machine may run workers with the same id)."""
     controller = stack.children()["controller"]
@@ -141,59 +75,9 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0, poll_s: flo
     raise AssertionError(f"condition not met within {timeout_s} s")
 
 
-@contextlib.contextmanager
-def running_stack(config: dict[str, object], redis_url: str) -> Iterator[Stack]:
-    """``poolgate up`` with ``config`` on free ports; stopped, with no process left behind, on exit."""
-    run_dir = Path(tempfile.mkdtemp(prefix="poolgate-lifecycle-"))
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    port, admin = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "poolgate.cli", "up", "--config", str(config_path), "--port", str(port),
-         "--admin-port", str(admin), "--redis-url", redis_url, "--log-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    assert process.stdout is not None
-    output: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        output.append(line)
-        if line.startswith("READY "):
-            break
-    if not output or not output[-1].startswith("READY "):
-        process.kill()
-        raise AssertionError("poolgate up did not become ready:\n" + "".join(output))
-    running = Stack(f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{admin}", redis_url, run_dir, config_path,
-                    process, str(config["key_prefix"]), output)
-    drain = threading.Thread(target=lambda: [output.append(line) for line in process.stdout or []], daemon=True)
-    drain.start()
-    try:
-        yield running
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-        drain.join(5)
-        if process.stdout:
-            process.stdout.close()
-    leftovers = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if str(run_dir).encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    leftovers.append(int(entry))
-    assert not [p for p in leftovers if pid_alive(p)], f"processes left behind: {leftovers}"
-
-
 @pytest.fixture(scope="module")
-def stack(redis_server: object) -> Iterator[Stack]:
-    with running_stack(CONFIG, redis_server.url) as running:  # type: ignore[attr-defined]
+def stack(redis_server: object) -> Iterator[RunningStack]:
+    with poolgate_up(CONFIG, redis_server.url) as running:  # type: ignore[attr-defined]
         wait_for(lambda: all(running.state(w) == "Ready" for w in ("chat-a", "chat-b", "chat-c")), 30)
         yield running
 
@@ -241,7 +125,7 @@ async def load(base_url: str, stop: asyncio.Event, concurrency: int, body: dict[
     return outcomes
 
 
-async def test_kill_9_under_load_leaves_rotation_fast_and_new_requests_succeed(stack: Stack) -> None:
+async def test_kill_9_under_load_leaves_rotation_fast_and_new_requests_succeed(stack: RunningStack) -> None:
     stop = asyncio.Event()
     victim = "chat-b"
     address = stack.address(victim)
@@ -298,7 +182,7 @@ class BackgroundLoad:
         return self.outcomes
 
 
-def test_kill_9_of_a_worker_the_controller_does_not_run(stack: Stack) -> None:
+def test_kill_9_of_a_worker_the_controller_does_not_run(stack: RunningStack) -> None:
     """An external worker whose heartbeats go on (its node agent lives): only passive signals (Envoy's
     outlier detection) and the controller's probes can take it out of rotation."""
     port = free_port()
@@ -360,12 +244,12 @@ def test_kill_9_of_a_worker_the_controller_does_not_run(stack: Stack) -> None:
     assert len(after_kill) > 20 and not failed_after, [o.error for o in failed_after][:3]
 
 
-def set_faults(stack: Stack, worker_id: str, faults: dict[str, object]) -> None:
+def set_faults(stack: RunningStack, worker_id: str, faults: dict[str, object]) -> None:
     response = httpx.post(f"http://{stack.address(worker_id)}/sim/faults", json=faults, timeout=5)
     assert response.status_code == 200, response.text
 
 
-def test_hung_worker_is_ejected_and_replaced(stack: Stack) -> None:
+def test_hung_worker_is_ejected_and_replaced(stack: RunningStack) -> None:
     victim = "chat-c"
     address = stack.address(victim)
     registered_at = stack.record(victim)["registered_at"]
@@ -379,7 +263,7 @@ def test_hung_worker_is_ejected_and_replaced(stack: Stack) -> None:
     assert httpx.get(f"http://{stack.address(victim)}/health", timeout=2).status_code == 200
 
 
-def test_kv_leaking_worker_is_drained_and_replaced(stack: Stack) -> None:
+def test_kv_leaking_worker_is_drained_and_replaced(stack: RunningStack) -> None:
     victim = "chat-a"
     registered_at = stack.record(victim)["registered_at"]
     set_faults(stack, victim, {"kv_leak_blocks_per_s": 3000})
@@ -399,7 +283,7 @@ def test_kv_leaking_worker_is_drained_and_replaced(stack: Stack) -> None:
     assert float(stack.record(victim).get("kv_usage", "0")) < 0.5
 
 
-async def test_drain_with_active_streams_completes_them_and_takes_no_new_requests(stack: Stack) -> None:
+async def test_drain_with_active_streams_completes_them_and_takes_no_new_requests(stack: RunningStack) -> None:
     await asyncio.to_thread(wait_for, lambda: all(stack.state(w) == "Ready" for w in ("chat-a", "chat-b", "chat-c")),
                             30)
     async with httpx.AsyncClient(timeout=60) as http:
@@ -429,7 +313,7 @@ async def test_drain_with_active_streams_completes_them_and_takes_no_new_request
     assert stack.state(victim) is None  # stopped and deregistered once its streams ended
 
 
-def test_scale_a_pool_with_the_cli(stack: Stack) -> None:
+def test_scale_a_pool_with_the_cli(stack: RunningStack) -> None:
     result = stack.cli("scale", "spare", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     grown = wait_for(lambda: sum(stack.state(w) == "Ready" for w in stack.pool_ids("spare")) == 2, 30)

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.test_lifecycle_fleet import BackgroundLoad, Outcome, Stack, running_stack, wait_for
+from tests.e2e.conftest import RunningStack, poolgate_up
+from tests.e2e.test_lifecycle_fleet import BackgroundLoad, Outcome, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -32,12 +33,12 @@ BODY = {"model": "burst-model", "messages": [{"role": "user", "content": "hello 
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server: object) -> Iterator[Stack]:
-    with running_stack(CONFIG, redis_server.url) as running:  # type: ignore[attr-defined]
+def stack(redis_server: object) -> Iterator[RunningStack]:
+    with poolgate_up(CONFIG, redis_server.url) as running:  # type: ignore[attr-defined]
         yield running
 
 
-def ready_workers(stack: Stack) -> int:
+def ready_workers(stack: RunningStack) -> int:
     return sum(stack.state(w) == "Ready" for w in stack.pool_ids("burst"))
 
 
@@ -46,7 +47,7 @@ def median_latency(outcomes: list[Outcome], since: float, until: float, finished
     return statistics.median(values) if values else float("nan")
 
 
-def test_load_step_scales_up_and_load_drop_scales_down(stack: Stack) -> None:
+def test_load_step_scales_up_and_load_drop_scales_down(stack: RunningStack) -> None:
     base = BackgroundLoad(stack.base_url, 4, BODY)
     time.sleep(4.0)
     step_at = time.monotonic()

@@ -92,7 +92,7 @@ def assert_still_serving(stack: RunningStack) -> None:
 
 
 def test_client_routing_headers_cannot_choose_pool_or_worker(stack: RunningStack) -> None:
-    workers = {w: stack.worker_address(w) for w in ("code-a", "chat-a")}
+    workers = {w: stack.address(w) for w in ("code-a", "chat-a")}
     forged = {
         "x-poolgate-cluster": "pool-code",
         "x-gateway-destination-endpoint": workers["code-a"],

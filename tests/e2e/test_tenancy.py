@@ -3,25 +3,17 @@ quotas with Retry-After, and usage reconciled from a real stream whose extra usa
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import redis
-import yaml
 
 from extproc.quota import WINDOW_S, QuotaKeys
 from extproc.tenancy import key_digest
-from poolgate.procs import free_port
+from tests.e2e.conftest import RunningStack, poolgate_up
 
 pytestmark = pytest.mark.e2e
 
@@ -45,68 +37,30 @@ CONFIG = {
 }
 
 
-@dataclass
-class Stack:
-    base_url: str
-    redis_url: str
-
-
 @pytest.fixture(scope="module")
-def tenancy_stack(redis_server: object) -> Iterator[Stack]:
-    run_dir = Path(tempfile.mkdtemp(prefix="poolgate-e2e-tenancy-"))
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(CONFIG))
-    port, admin = free_port(), free_port()
-    redis_url = redis_server.url  # type: ignore[attr-defined]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "poolgate.cli", "up", "--config", str(config_path), "--port", str(port),
-         "--admin-port", str(admin), "--redis-url", redis_url, "--log-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    assert process.stdout is not None
-    output: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        output.append(line)
-        if line.startswith("READY "):
-            break
-    if not output or not output[-1].startswith("READY "):
-        process.kill()
-        raise AssertionError("poolgate up did not become ready:\n" + "".join(output))
-    drain = threading.Thread(target=lambda: [output.append(line) for line in process.stdout or []], daemon=True)
-    drain.start()
-    stack = Stack(f"http://127.0.0.1:{port}/v1", redis_url)
-    # With keys required, READY means the router answers; wait until each pool serves a keyed request too.
-    for key, model in ((KEYS["gold"], "chat-model"), (KEYS["metered"], "chat-model"), (KEYS["metered"], "code-model")):
-        while chat(stack, key, model).status_code != 200:
-            assert time.monotonic() < deadline + 60, "stack did not serve keyed requests"
-            time.sleep(0.2)
-    yield stack
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    drain.join(5)
-    if process.stdout:
-        process.stdout.close()
+def tenancy_stack(redis_server: object) -> Iterator[RunningStack]:
+    with poolgate_up(CONFIG, redis_server.url) as stack:  # type: ignore[attr-defined]
+        # With keys required, READY means the router answers; wait until each pool serves a keyed request too.
+        deadline = time.monotonic() + 60
+        for key, model in ((KEYS["gold"], "chat-model"), (KEYS["metered"], "chat-model"),
+                           (KEYS["metered"], "code-model")):
+            while chat(stack, key, model).status_code != 200:
+                assert time.monotonic() < deadline, "stack did not serve keyed requests"
+                time.sleep(0.2)
+        yield stack
 
 
-def client(stack: Stack, key: str, **kwargs: object) -> openai.OpenAI:
+def client(stack: RunningStack, key: str, **kwargs: object) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0, timeout=30, **kwargs)  # type: ignore[arg-type]
 
 
-def chat(stack: Stack, key: str, model: str = "chat-model", **headers: str) -> httpx.Response:
+def chat(stack: RunningStack, key: str, model: str = "chat-model", **headers: str) -> httpx.Response:
     return httpx.post(f"{stack.base_url}/chat/completions", timeout=30,
                       headers={"authorization": f"Bearer {key}", **headers},
                       json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
 
-def test_wrong_or_missing_key_is_401(tenancy_stack: Stack) -> None:
+def test_wrong_or_missing_key_is_401(tenancy_stack: RunningStack) -> None:
     with pytest.raises(openai.AuthenticationError):
         client(tenancy_stack, "pg-wrong").chat.completions.create(
             model="chat-model", messages=[{"role": "user", "content": "x"}], max_tokens=1)
@@ -114,7 +68,7 @@ def test_wrong_or_missing_key_is_401(tenancy_stack: Stack) -> None:
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
 
 
-def test_forged_tenant_header_is_ignored(tenancy_stack: Stack) -> None:
+def test_forged_tenant_header_is_ignored(tenancy_stack: RunningStack) -> None:
     for forged in ({"x-tenant-id": "gold"}, {"x-poolgate-tenant": "gold"}):
         assert chat(tenancy_stack, "pg-wrong", **forged).status_code == 401
         answer = chat(tenancy_stack, KEYS["gold"], **forged)  # a real key with someone else's name: its own
@@ -124,18 +78,18 @@ def test_forged_tenant_header_is_ignored(tenancy_stack: Stack) -> None:
     assert workers == {"chat-a"}  # never the pool dedicated to gold
 
 
-def test_dedicated_pool(tenancy_stack: Stack) -> None:
+def test_dedicated_pool(tenancy_stack: RunningStack) -> None:
     workers = {chat(tenancy_stack, KEYS["gold"]).headers["x-poolgate-worker"] for _ in range(6)}
     assert workers == {"vip-a"}
 
 
-def test_disallowed_model_is_403(tenancy_stack: Stack) -> None:
+def test_disallowed_model_is_403(tenancy_stack: RunningStack) -> None:
     with pytest.raises(openai.PermissionDeniedError) as caught:
         client(tenancy_stack, KEYS["bronze"]).completions.create(model="code-model", prompt="x", max_tokens=1)
     assert caught.value.status_code == 403
 
 
-def test_over_quota_is_429_with_retry_after(tenancy_stack: Stack) -> None:
+def test_over_quota_is_429_with_retry_after(tenancy_stack: RunningStack) -> None:
     statuses = [chat(tenancy_stack, KEYS["bronze"]) for _ in range(5)]
     refused = [r for r in statuses if r.status_code == 429]
     assert refused and sum(r.status_code == 200 for r in statuses) <= 3
@@ -144,7 +98,7 @@ def test_over_quota_is_429_with_retry_after(tenancy_stack: Stack) -> None:
     assert 1 <= int(refused[0].headers["retry-after"]) <= 60
 
 
-def test_stream_usage_is_charged_and_the_extra_chunk_hidden(tenancy_stack: Stack) -> None:
+def test_stream_usage_is_charged_and_the_extra_chunk_hidden(tenancy_stack: RunningStack) -> None:
     if time.time() % WINDOW_S > WINDOW_S - 10:  # keep both streams and the check in one minute window
         time.sleep(WINDOW_S - time.time() % WINDOW_S + 0.1)
     api = client(tenancy_stack, KEYS["metered"])
