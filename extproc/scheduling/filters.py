@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extproc import errors
+from extproc.scheduling.kv import kv_footprint, kv_free_tokens
 from extproc.scheduling.plugins import NoCapacity, PickContext, PickRequest, Refusal
 from poolgate.fleet import WorkerRecord, WorkerState
 
@@ -143,11 +144,6 @@ def kv_footprint_tokens(request: PickRequest, block_size: int) -> int:
     return -(-request.total_tokens // block) * block
 
 
-def kv_free_tokens(worker: WorkerRecord, reserved_tokens: int, reserve_fraction: float) -> float:
-    """capacity × (1 − usage − reserve) − what this replica placed there that the record does not show."""
-    return worker.kv_capacity_tokens * (1.0 - worker.kv_usage - reserve_fraction) - reserved_tokens
-
-
 class KvFits:
     """Keeps workers whose free KV tokens hold the request's footprint (see ``kv_footprint_tokens``).
 
@@ -175,9 +171,8 @@ class KvFits:
             if capacity <= 0:
                 kept.append(w)
                 continue
-            block = w.kv_block_size or 1
-            need = (total + block - 1) // block * block
-            free = capacity * (usable - w.kv_usage) - reserved(w.id, 0)
+            need = kv_footprint(total, w.kv_block_size)
+            free = kv_free_tokens(w, self.reserve_fraction, reserved(w.id, 0))
             if need <= free or (need > capacity * usable and free >= capacity * usable):
                 kept.append(w)
         return kept

@@ -14,8 +14,8 @@ from extproc.scheduling.filters import (
     ReadyAndFresh,
     TaskClassPools,
     kv_footprint_tokens,
-    kv_free_tokens,
 )
+from extproc.scheduling.kv import kv_free_tokens
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.config import PoolSpec, TaskClass
 from poolgate.fleet import WorkerRecord, WorkerState
@@ -118,7 +118,7 @@ def test_kv_footprint_is_whole_blocks(tokens: int, block: int, expected: int) ->
 
 
 def test_kv_free_tokens_formula() -> None:
-    assert kv_free_tokens(worker("w", kv_capacity_tokens=10_000, kv_usage=0.5), 1000, 0.1) == pytest.approx(3000)
+    assert kv_free_tokens(worker("w", kv_capacity_tokens=10_000, kv_usage=0.5), 0.1, 1000) == pytest.approx(3000)
 
 
 @pytest.mark.parametrize(("usage", "reserved", "prompt", "keep"), [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from extproc.scheduling.kv import kv_footprint, kv_free_tokens
 from extproc.scheduling.plugins import PickContext, PickRequest
 from poolgate.fleet import WorkerRecord
 
@@ -23,7 +24,6 @@ class KvHeadroom:
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[float]:
         reserved = context.reserved_kv_tokens.get
-        usable = 1.0 - self.reserve_fraction
         total = request.total_tokens
         scores = []
         for w in candidates:
@@ -31,7 +31,6 @@ class KvHeadroom:
             if capacity <= 0:
                 scores.append(0.0)
                 continue
-            block = w.kv_block_size or 1
-            after = capacity * (usable - w.kv_usage) - reserved(w.id, 0) - (total + block - 1) // block * block
+            after = kv_free_tokens(w, self.reserve_fraction, reserved(w.id, 0)) - kv_footprint(total, w.kv_block_size)
             scores.append(0.0 if after <= 0 else (after / capacity if after < capacity else 1.0))
         return scores
