@@ -100,7 +100,9 @@ class Stack:
     def _write_pids(self) -> None:
         """``children.json`` in the run directory: name → pid, for operators and fault tests."""
         pids = {c.name: c.process.pid for c in self.children}
-        (self.run_dir / "children.json").write_bytes(orjson.dumps(pids))
+        staging = self.run_dir / "children.json.tmp"
+        staging.write_bytes(orjson.dumps(pids))
+        staging.replace(self.run_dir / "children.json")  # atomic: a reader never sees a half-written file
 
     async def _await_port(self, child: Child, port: int, timeout_s: float) -> None:
         waiter = asyncio.create_task(wait_port("127.0.0.1", port, timeout_s))

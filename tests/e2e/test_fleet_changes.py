@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from poolgate.procs import free_port
-from tests.e2e.conftest import RunningStack
+from tests.e2e.conftest import E2E_CONFIG, RunningStack, poolgate_up
 
 pytestmark = pytest.mark.e2e
 
@@ -117,7 +117,17 @@ def listed_models(stack: RunningStack) -> set[str]:
         return set()
 
 
-def test_fail_open_when_extproc_hangs_or_dies(stack: RunningStack) -> None:
+@pytest.fixture()
+def own_stack(redis_server: object) -> Iterator[RunningStack]:
+    """A stack of its own: this test stops and kills extproc, which must not disturb the shared stack."""
+    config = {**E2E_CONFIG, "key_prefix": "e2e-fail-open",
+              "workers": [w for w in E2E_CONFIG["workers"] if w["id"] in ("chat-a", "code-a")]}
+    with poolgate_up(config, redis_server.url) as running:  # type: ignore[attr-defined]
+        yield running
+
+
+def test_fail_open_when_extproc_hangs_or_dies(own_stack: RunningStack) -> None:
+    stack = own_stack
     extproc_pid = stack.children()["extproc"]
     os.kill(extproc_pid, signal.SIGSTOP)
     try:
