@@ -44,7 +44,7 @@ from controller.placement import GpuFree
 from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
-from poolgate.config import Config, ConfigError, load_config
+from poolgate.config import Config, ConfigError, load_process_config
 from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet
 from poolgate.logging_setup import add_log_format_argument, configure_logging
 
@@ -221,15 +221,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     configure_logging(logging.INFO, getattr(args, "log_format", "text"))
     try:
-        config = load_config(args.config)
+        config, redis_url = load_process_config(args.config, args.redis_url, "controller")
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    redis_url = args.redis_url or config.redis_url
     token = config.controller.resolved_token()
-    if not redis_url:
-        print("controller: no Redis URL (give --redis-url or redis_url in the config)", file=sys.stderr)
-        return 2
     if not token:
         print(f"controller: no token (set {config.controller.token_env} or controller.token)", file=sys.stderr)
         return 2

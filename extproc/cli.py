@@ -8,7 +8,7 @@ import contextlib
 import signal
 import sys
 
-from poolgate.config import ConfigError, load_config
+from poolgate.config import ConfigError, load_process_config
 from poolgate.logging_setup import add_log_format_argument, configure_logging
 from poolgate.secrets import redact_url
 
@@ -29,13 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
-        config = load_config(args.config)
+        config, redis_url = load_process_config(args.config, args.redis_url, "extproc")
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-        return 2
-    redis_url = args.redis_url or config.redis_url
-    if not redis_url:
-        print("extproc needs Redis: pass --redis-url or set redis_url in the configuration", file=sys.stderr)
         return 2
     port = config.ports.extproc if args.port is None else args.port
 

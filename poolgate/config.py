@@ -645,6 +645,16 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None
 
 
+def load_process_config(path: str | Path, redis_url: str | None, process: str) -> tuple[Config, str]:
+    """The config and the Redis URL a long-running process uses (``--redis-url`` wins over the file's);
+    ConfigError, naming the process, when either is missing or bad — every such command exits 2 on it."""
+    config = load_config(path)
+    url = redis_url or config.redis_url
+    if not url:
+        raise ConfigError(f"{process} needs Redis: pass --redis-url or set redis_url in the configuration")
+    return config, url
+
+
 def load_config(path: str | Path) -> Config:
     path = Path(path)
     try:

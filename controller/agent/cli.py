@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from poolgate.config import ConfigError, load_config
+from poolgate.config import ConfigError, load_process_config
 from poolgate.secrets import redact_url
 
 
@@ -24,13 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = load_config(args.config)
+        config, redis_url = load_process_config(args.config, args.redis_url, "agent")
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-        return 2
-    redis_url = args.redis_url or config.redis_url
-    if not redis_url:
-        print("agent needs Redis: pass --redis-url or set redis_url in the configuration", file=sys.stderr)
         return 2
 
     import redis.asyncio as aioredis
