@@ -11,7 +11,8 @@ Reported: gold's p99 TTFT in 2 over 1 (target ≤ 1.25×), bronze's answers (429
 target is that excess is shed with 429 and nothing times out), and per tenant the real tokens (the usage
 the workers report, asked with ``include_usage``) in the busiest 60 s window over its tokens-per-minute
 limit (with ``--quick`` the phases are shorter than a minute, so this is the phase's total: a lower bound).
-Results: ``DIR/tenants.json`` and a short text summary on stdout.
+Results: ``DIR/tenants.json``, ``DIR/tenants.png`` (gold's TTFT distributions, bronze's outcomes) and a
+short text summary on stdout.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import aiohttp
 import orjson
 import yaml
 
+from bench.report import write_report
 from extproc.tenancy import key_digest
 from poolgate.config import load_config
 from poolgate.procs import free_port
@@ -41,8 +43,15 @@ KEYS = {"gold": "pg-bench-gold", "bronze": "pg-bench-bronze"}
 PROMPT_WORDS = 200
 OUTPUT_TOKENS = 64
 CLIENT_TIMEOUT_S = 30.0
-CAPACITY_CONCURRENCY_PER_WORKER = 64
-"""Closed-loop clients per worker when measuring capacity; also the gate's per-worker concurrency target."""
+GOLD_SEED = 1
+BRONZE_TPM_SHARE = 0.15
+"""Bronze's tokens-per-minute limit as a share of the fleet's capacity."""
+PRESET = "l4-24gb"
+"""A slow card, so the fleet's capacity is set by the modelled GPUs, not by this machine's CPUs running the
+load generator, Envoy and extproc: the burst must stress the fleet, not the benchmark harness."""
+CAPACITY_CONCURRENCY_PER_WORKER = 32
+"""Sequences a worker runs at once (``--max-num-seqs``), the closed-loop clients per worker when measuring
+capacity, and the gate's per-worker concurrency target."""
 
 
 @dataclass
@@ -68,8 +77,9 @@ def config(workers: int, bronze_tpm: int, gold_tpm: int, bronze_concurrency: int
         "key_prefix": "bench-tenants",
         "controller": {"heartbeat_interval_s": 0.5, "heartbeat_ttl_s": 5.0},
         "pools": [{"name": "chat", "model": MODEL}],
-        "workers": [{"id": f"chat-{i}", "pool": "chat", "preset": "h100-80gb",
-                     "extra_args": ["--log-level", "WARNING"]} for i in range(workers)],
+        "workers": [{"id": f"chat-{i}", "pool": "chat", "preset": PRESET,
+                     "extra_args": ["--log-level", "WARNING",
+                                    "--max-num-seqs", str(CAPACITY_CONCURRENCY_PER_WORKER)]} for i in range(workers)],
         # The saturation gate: bronze (low) fills a worker only to a quarter of the concurrency the fleet's
         # capacity was measured at; the rest is gold's headroom, and bronze's excess waits in extproc's queue.
         "scheduling": {"max_wait_s": 5.0, "max_inflight_per_worker": CAPACITY_CONCURRENCY_PER_WORKER,
@@ -109,22 +119,32 @@ async def one(session: aiohttp.ClientSession, url: str, tenant: str, seed: int, 
                 if response.status != 200:
                     await response.read()
                     return result
-                tail = b""
+                pending = b""
                 async for chunk in response.content.iter_any():
-                    if result.ttft_s is None and b'"content"' in chunk:
-                        result.ttft_s = loop.time() - sent
-                    data = tail + chunk
-                    if b'"total_tokens"' in data:
-                        marker = data.index(b'"total_tokens"')
-                        digits = data[marker + 15:marker + 30].split(b"}")[0].split(b",")[0].strip(b": ")
-                        result.total_tokens = int(digits) if digits.isdigit() else 0
-                    tail = data[-64:]
+                    *events, pending = (pending + chunk).split(b"\n\n")
+                    for event in events:
+                        read_event(result, event, loop.time() - sent)
                 result.done_at = loop.time() - start
     except TimeoutError:
         result.timed_out = True
     except (aiohttp.ClientError, OSError) as exc:
         result.error = type(exc).__name__
     return result
+
+
+def read_event(result: Result, event: bytes, elapsed_s: float) -> None:
+    """Note the first token's time and the reported usage from one SSE event.
+
+    The first event of a chat stream carries only the role (vLLM sends it at once); TTFT is the first event
+    with generated text."""
+    if not event.startswith(b"data: {"):
+        return
+    data = orjson.loads(event[6:])
+    choices = data.get("choices") or ()
+    if result.ttft_s is None and any((c.get("delta") or {}).get("content") for c in choices):
+        result.ttft_s = elapsed_s
+    if data.get("usage"):
+        result.total_tokens = int(data["usage"].get("total_tokens") or 0)
 
 
 async def open_loop(session: aiohttp.ClientSession, url: str, tenant: str, rate: float, duration_s: float,
@@ -201,7 +221,8 @@ async def run(quick: bool) -> dict[str, Any]:
         await stack.stop()
     gold_rate, bronze_rate = 0.4 * fleet_rps, 3.0 * fleet_rps
     gold_tpm = int(fleet_rps * 60 * tokens_per_request)  # never binding at 40 %
-    bronze_tpm = int(0.4 * fleet_rps * 60 * tokens_per_request)
+    # Below the share the gate would leave bronze, so the tokens-per-minute limit, not the gate, binds it.
+    bronze_tpm = int(BRONZE_TPM_SHARE * fleet_rps * 60 * tokens_per_request)
     config_path.write_text(yaml.safe_dump(config(workers, bronze_tpm, gold_tpm, bronze_concurrency=32 * workers)))
     stack = await start_stack(config_path, run_dir)
     phases: dict[str, dict[str, Any]] = {}
@@ -210,10 +231,11 @@ async def run(quick: bool) -> dict[str, Any]:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             loop = asyncio.get_running_loop()
             start = loop.time()
-            alone = await open_loop(session, url, "gold", gold_rate, phase_s, start, 1)
+            # Gold's arrivals are the same draw in both phases, so the two latency figures compare like for like.
+            alone = await open_loop(session, url, "gold", gold_rate, phase_s, start, GOLD_SEED)
             await asyncio.sleep(5)
             start = loop.time()
-            gold, bronze = await asyncio.gather(open_loop(session, url, "gold", gold_rate, phase_s, start, 2),
+            gold, bronze = await asyncio.gather(open_loop(session, url, "gold", gold_rate, phase_s, start, GOLD_SEED),
                                                 open_loop(session, url, "bronze", bronze_rate, phase_s, start, 3))
     finally:
         await stack.stop()
@@ -250,14 +272,30 @@ async def start_stack(config_path: Path, run_dir: Path) -> Stack:
     return stack
 
 
+def plot(report: dict[str, Any], axes: list[Any]) -> None:
+    """Gold's TTFT distribution alone and under the burst; what became of every bronze request."""
+    ttft_axis, outcome_axis = axes
+    for key, label in (("alone", "gold alone"), ("gold", "gold with bronze burst")):
+        ttfts = sorted(r["ttft_s"] for r in report["results"][key] if r["ttft_s"] is not None)
+        ttft_axis.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=label)
+    ttft_axis.set_xlabel("TTFT (s)")
+    ttft_axis.set_ylabel("share of requests")
+    ttft_axis.set_title(f"gold TTFT; p99 ratio {report['gold_p99_ratio'] or float('nan'):.2f}x")
+    ttft_axis.legend()
+    bronze = report["phases"]["bronze_burst"]
+    names = ("ok", "http_429", "client_timeouts", "other_status", "errors")
+    outcome_axis.bar(names, [bronze[name] for name in names])
+    outcome_axis.tick_params(axis="x", labelrotation=20)
+    outcome_axis.set_title(f"bronze burst: {bronze['sent']} requests")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="poolgate bench tenants", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="short phases (about a minute in all)")
     args = parser.parse_args(argv)
     report = asyncio.run(run(args.quick))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tenants.json").write_text(json.dumps(report, indent=1))
+    write_report("tenants", report, plot, panels=2, directory=args.out)
     phases = report["phases"]
     print(f"fleet capacity {report['fleet_capacity_rps']:.1f} req/s; gold {report['gold_rate_rps']:.1f} req/s, "
           f"bronze {report['bronze_rate_rps']:.1f} req/s")

@@ -6,9 +6,10 @@ Kubernetes places the pods (GPU requests, node selectors); the controller only s
 - ``launch`` raises the replica count; ``stop`` first marks the drained pod with the lowest
   ``controller.kubernetes.io/pod-deletion-cost`` so the ReplicaSet removes *that* pod, then lowers it;
   ``restart`` deletes the pod and the Deployment starts a fresh one.
-- ``sync_registry`` registers the pool's Ready pods (pod name = worker id, pod IP, the pool's port) and
-  refreshes them every heartbeat; pods that go away simply expire. Workers therefore need no registration
-  code of their own: the pod's readiness probe on ``/health`` decides when it joins.
+- ``sync_registry`` registers the pool's Ready pods (pod name = worker id, pod IP, the pool's port, the
+  pod's node for that node's agent) and refreshes them every heartbeat; pods that go away simply expire.
+  Workers therefore need no registration code of their own: the pod's readiness probe on ``/health``
+  decides when it joins.
 
 The client is synchronous (urllib3); calls run in a worker thread so the controller's loop never blocks.
 """
@@ -118,10 +119,12 @@ class KubernetesBackend:
                     continue
                 name = pod.metadata.name
                 annotations = pod.metadata.annotations or {}
-                if not await heartbeat_worker(self._redis, self._keys, name, ttl):
+                node = (pod.spec.node_name if pod.spec else None) or ""
+                # The node goes with every heartbeat too, so records written before it was kept get it.
+                if not await heartbeat_worker(self._redis, self._keys, name, ttl, node=node):
                     record = WorkerRecord(id=name, pool=pool_spec.name, model=pool_spec.model, host=pod.status.pod_ip,
                                           port=int(annotations.get(PORT_ANNOTATION, DEFAULT_WORKER_PORT)),
-                                          max_model_len=pool_spec.max_model_len, backend="kubernetes",
+                                          max_model_len=pool_spec.max_model_len, backend="kubernetes", node=node,
                                           state=WorkerState.READY)
                     await register_worker(self._redis, self._keys, record, ttl)
                 count += 1

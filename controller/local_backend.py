@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -108,6 +109,8 @@ class LocalProcessBackend:
         self._log_dir = log_dir
         self._max_backoff_s = max_backoff_s
         self._gpu_facts = gpu_facts
+        self._node = socket.gethostname()
+        """Every worker runs on this machine; its name is the node in their records."""
         self._workers: dict[str, WorkerProcess] = {}
         self._http: aiohttp.ClientSession | None = None
         self._launched = 0
@@ -261,7 +264,7 @@ class LocalProcessBackend:
         pool = self._config.pool(worker.spec.pool)
         return WorkerRecord(id=worker.spec.id, pool=pool.name, model=pool.model, host=worker.spec.host,
                             port=worker.port, max_model_len=pool.max_model_len, backend=worker.spec.backend,
-                            state=WorkerState.READY)
+                            node=self._node, state=WorkerState.READY)
 
     async def _supervise(self, worker: WorkerProcess) -> None:
         settings = self._config.controller

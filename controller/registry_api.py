@@ -47,6 +47,9 @@ class Registration(BaseModel):
     max_model_len: int | None = Field(None, gt=0)
     backend: str = "external"
     state: WorkerState = WorkerState.READY
+    node: str | None = Field(None, pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9])?$")
+    """The node (machine) the worker runs on, as that node's agent names it (``poolgate agent --node``;
+    on Kubernetes the pod's ``spec.nodeName``). Without it the agents match the worker by its address."""
 
 
 class Heartbeat(BaseModel):
@@ -168,7 +171,7 @@ class RegistryApi:
         record = WorkerRecord(
             id=body.id, pool=pool.name, model=body.model or pool.model, host=body.host, port=body.port,
             served_names=body.served_names, max_model_len=body.max_model_len or pool.max_model_len,
-            backend=body.backend, state=body.state,
+            backend=body.backend, state=body.state, node=body.node or "",
         )
         await register_worker(self._redis, self._keys, record, self._config.controller.heartbeat_ttl_s)
         log.info("registered worker %s (%s) in pool %s", record.id, record.address, record.pool)

@@ -2,7 +2,7 @@
 
 Layout under one key prefix (every key is single-key or within one hash slot, so Redis Cluster works):
 
-- ``{prefix}:worker:{id}``  hash of static facts (pool, model, address, limits) and live facts (state,
+- ``{prefix}:worker:{id}``  hash of static facts (pool, model, address, node, limits) and live facts (state,
   KV usage, queue, updated_at). It expires when heartbeats stop.
 - ``{prefix}:workers``      set of worker ids (an index; readers prune ids whose hash has expired).
 - ``{prefix}:inflight:{id}`` cross-replica count of requests extproc has in flight on a worker.
@@ -50,6 +50,9 @@ class WorkerRecord:
     served_names: tuple[str, ...] = ()
     max_model_len: int = 8192
     backend: str = "sim"
+    node: str = ""
+    """The node (machine) the worker runs on, for the agent of that node; "" = not known (registered by an
+    older writer, or by a registrant that did not say). On Kubernetes: the pod's ``spec.nodeName``."""
     state: WorkerState = WorkerState.READY
     kv_capacity_tokens: int = 0
     """KV cache size in tokens (num_gpu_blocks × block_size); 0 = not reported yet."""

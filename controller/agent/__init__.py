@@ -2,7 +2,8 @@
 
 It writes only live facts (KV usage and capacity, queue, throughput, GPU memory) with heartbeats; it never
 registers, deregisters or changes a worker's state: health is the controller's job. Parsing and rate
-derivations are pure; HTTP, NVML and Redis stay in thin adapters that tests replace.
+derivations are pure; HTTP, NVML, the kubelet's PodResources API and Redis stay in thin adapters that tests
+replace.
 """
 
 from controller.agent.agent import Agent, AgentStats, run_agent

@@ -1,4 +1,9 @@
-"""The agent loop: scrape local workers' ``/metrics`` and the GPUs each tick, write live facts to Redis.
+"""The agent loop: scrape this node's workers' ``/metrics`` and the GPUs each tick, write live facts to Redis.
+
+Which workers are this node's: with a node name (``--node``; on Kubernetes the pod's ``spec.nodeName``), those
+whose record names that node, at any address (pod IPs included); records without a node, and every record
+when the agent has no node name, by address (a host name or address of this machine, or loopback). A list
+of worker ids overrides both.
 
 Each tick reads all workers concurrently, so one slow worker delays a tick by at most the scrape timeout.
 A failed scrape writes nothing for that worker: stale facts must age out (``metrics_at``) rather than be
@@ -11,6 +16,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -22,6 +28,7 @@ from redis.exceptions import RedisError
 
 from controller.agent.gpus import GpuReader, GpuSample, open_gpus, summarize
 from controller.agent.live import live_fields, notable_change
+from controller.agent.podresources import POD_RESOURCES_SOCKET, PodKey, PodResourcesClient, PodResourcesError
 from controller.agent.rates import RateState, advance
 from controller.agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
 from poolgate.config import Config
@@ -60,6 +67,13 @@ class GpuSource(Protocol):
     def read(self) -> Mapping[int, GpuSample]: ...
 
 
+class PodGpuSource(Protocol):
+    """GPU ids (UUIDs) held by each pod of this node (the kubelet's PodResources API in production); raises
+    ``PodResourcesError`` when they cannot be read."""
+
+    async def pod_gpus(self) -> Mapping[PodKey, Sequence[str]]: ...
+
+
 class ScrapeError(Exception):
     """A worker's metrics could not be read or understood."""
 
@@ -75,6 +89,7 @@ class AgentStats:
     write_failures: int = 0
     announcements: int = 0
     fleet_read_failures: int = 0
+    pod_gpu_read_failures: int = 0
 
 
 @dataclass
@@ -103,12 +118,17 @@ def is_local(host: str, local_names: Collection[str]) -> bool:
 
 
 class Agent:
-    """One node's agent. ``tick`` does one round; ``run_agent`` calls it on the configured period."""
+    """One node's agent. ``tick`` does one round; ``run_agent`` calls it on the configured period.
+
+    GPU ids per worker: ``gpu_ids`` and the config's ``workers[].gpus`` first; else, with ``pod_gpus``, the
+    GPUs the worker's pod holds (pod name = worker id in ``kubernetes.namespace``), re-read with the fleet.
+    """
 
     def __init__(
         self, config: Config, redis: RedisLike, keys: FleetKeys, source: MetricsSource,
-        gpus: GpuSource | None = None, *, worker_ids: Collection[str] | None = None,
+        gpus: GpuSource | None = None, *, worker_ids: Collection[str] | None = None, node: str | None = None,
         local_names: Collection[str] = frozenset(), gpu_ids: Mapping[str, Sequence[int | str]] | None = None,
+        pod_gpus: PodGpuSource | None = None,
         clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
         fleet_refresh_s: float = FLEET_REFRESH_S,
     ) -> None:
@@ -118,9 +138,14 @@ class Agent:
         self._source = source
         self._gpus = gpus
         self._worker_ids = None if worker_ids is None else frozenset(worker_ids)
+        self._node = node or None
         self._local_names = frozenset(local_names)
         self._gpu_ids: dict[str, tuple[int | str, ...]] = {spec.id: spec.gpus for spec in config.workers}
         self._gpu_ids.update({k: tuple(v) for k, v in (gpu_ids or {}).items()})
+        self._pod_gpu_source = pod_gpus
+        self._pod_gpus: dict[str, tuple[str, ...]] = {}
+        """Worker id → GPU ids of its pod, from the last good read."""
+        self._pod_gpus_down = False
         self._clock = clock
         self._wall_clock = wall_clock
         self._fleet_refresh_s = fleet_refresh_s
@@ -167,11 +192,36 @@ class Agent:
                 self._tracked[worker_id] = _Tracked(record)  # new, or restarted elsewhere: fresh rates
             else:
                 known.record = record
+        if self._pod_gpu_source is not None and self._tracked:
+            await self._refresh_pod_gpus()
 
     def _wanted(self, record: WorkerRecord) -> bool:
         if self._worker_ids is not None:
             return record.id in self._worker_ids
+        if self._node is not None and record.node:
+            return record.node == self._node
         return is_local(record.host, self._local_names)
+
+    async def _refresh_pod_gpus(self) -> None:
+        assert self._pod_gpu_source is not None
+        try:
+            by_pod = await self._pod_gpu_source.pod_gpus()
+        except PodResourcesError as exc:
+            self.stats.pod_gpu_read_failures += 1
+            if not self._pod_gpus_down:
+                log.warning("cannot read which GPUs this node's pods hold (%s); GPU facts of worker pods are "
+                            "not refreshed until it answers", exc)
+                self._pod_gpus_down = True
+            return
+        if self._pod_gpus_down:
+            log.info("pod GPU assignments readable again")
+            self._pod_gpus_down = False
+        namespace = self._config.kubernetes.namespace
+        self._pod_gpus = {name: tuple(gpus) for (pod_namespace, name), gpus in by_pod.items()
+                          if pod_namespace == namespace}
+
+    def _gpu_ids_of(self, worker_id: str) -> tuple[int | str, ...]:
+        return self._gpu_ids.get(worker_id) or self._pod_gpus.get(worker_id, ())
 
     async def _scrape(self, tracked: _Tracked) -> tuple[EngineMetrics | None, float]:
         record = tracked.record
@@ -194,7 +244,7 @@ class Agent:
                      gpu_samples: Mapping[int, GpuSample]) -> None:
         worker_id = tracked.record.id
         tracked.rates = advance(tracked.rates, metrics, scraped_at)
-        gpus = summarize(gpu_samples, self._gpu_ids.get(worker_id, ()))
+        gpus = summarize(gpu_samples, self._gpu_ids_of(worker_id))
         fields = live_fields(metrics, tracked.rates, gpus)
         announce = notable_change(tracked.announced, fields)
         try:
@@ -227,28 +277,39 @@ class Agent:
 
 async def run_agent(
     config: Config, redis: RedisLike, keys: FleetKeys, stop: asyncio.Event | None = None, *,
-    worker_ids: Collection[str] | None = None, gpu_ids: Mapping[str, Sequence[int | str]] | None = None,
+    worker_ids: Collection[str] | None = None, node: str | None = None,
+    gpu_ids: Mapping[str, Sequence[int | str]] | None = None, pod_resources_socket: str = POD_RESOURCES_SOCKET,
     source: MetricsSource | None = None, open_nvml: Callable[[str], GpuReader | None] = open_gpus,
     clock: Callable[[], float] = time.monotonic, ready: Callable[[Agent], None] | None = None,
 ) -> AgentStats:
     """Run the agent until ``stop`` is set (or the task is cancelled); returns its counters.
 
-    ``worker_ids`` limits it to those workers (any host); otherwise it serves the workers registered with a
-    host of this node. GPU ids per worker come from the config's ``workers[].gpus``; ``gpu_ids`` adds or
-    overrides (e.g. parsed ``CUDA_VISIBLE_DEVICES``). ``poolgate up`` and the controller can run it in-process
-    with their own Redis client; the client is not closed here.
+    ``worker_ids`` limits it to those workers (any host); otherwise it serves the workers registered on
+    ``node`` (any address) and those registered without a node at an address of this machine. GPU ids per
+    worker come from the config's ``workers[].gpus``; ``gpu_ids`` adds or overrides (e.g. parsed
+    ``CUDA_VISIBLE_DEVICES``); with a node and the kubelet's PodResources socket present, the GPUs each worker
+    pod holds fill in the rest. ``poolgate up`` and the controller can run it in-process with their own Redis
+    client; the client is not closed here.
     """
     interval = config.agent.scrape_interval_s
-    # Both may block (driver load, host name lookup): keep them off the event loop.
+    # All may block (driver load, host name lookup, file system): keep them off the event loop.
     gpus = await asyncio.to_thread(open_nvml, config.agent.nvml)
     local_names = await asyncio.to_thread(local_host_names)
+    pod_gpus: PodResourcesClient | None = None
+    if node:
+        if await asyncio.to_thread(os.path.exists, pod_resources_socket):
+            pod_gpus = PodResourcesClient(pod_resources_socket)
+            log.info("node %s: GPUs of worker pods from the kubelet at %s", node, pod_resources_socket)
+        else:
+            log.info("node %s: no kubelet PodResources socket at %s; GPU facts only for workers with "
+                     "configured GPU ids", node, pod_resources_socket)
     session: aiohttp.ClientSession | None = None
     if source is None:
         session = aiohttp.ClientSession()
         # A scrape may outlast one tick a little (busy Python server), never by seconds.
         source = HttpMetricsSource(session, timeout_s=max(0.2, min(2 * interval, 2.0)))
-    agent = Agent(config, redis, keys, source, gpus, worker_ids=worker_ids, local_names=local_names,
-                  gpu_ids=gpu_ids, clock=clock)
+    agent = Agent(config, redis, keys, source, gpus, worker_ids=worker_ids, node=node, local_names=local_names,
+                  gpu_ids=gpu_ids, pod_gpus=pod_gpus, clock=clock)
     stop = stop or asyncio.Event()
     if ready is not None:
         ready(agent)
@@ -262,6 +323,8 @@ async def run_agent(
     finally:
         if session is not None:
             await session.close()
+        if pod_gpus is not None:
+            await pod_gpus.close()
         if gpus is not None:
             gpus.close()
     return agent.stats

@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
+from controller.agent.podresources import POD_RESOURCES_SOCKET
 from poolgate.config import ConfigError, load_process_config
 from poolgate.secrets import redact_url
+
+NODE_ENV = "POOLGATE_NODE_NAME"
+"""Set from the Downward API (``spec.nodeName``) in the agent's DaemonSet."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None,
                         help="Redis URL (default: redis_url from the configuration file)")
     parser.add_argument("--workers", nargs="+", metavar="ID", default=None,
-                        help="scrape only these worker ids (default: every registered worker on this host)")
+                        help="scrape only these worker ids, wherever they run (overrides --node)")
+    parser.add_argument("--node", metavar="NAME", default=os.environ.get(NODE_ENV) or None,
+                        help="this node's name: scrape the workers registered on it, at any address (on "
+                             f"Kubernetes the pod's spec.nodeName; default: ${NODE_ENV}). Workers registered "
+                             "without a node, and all workers when no name is given, are matched by an address "
+                             "of this machine")
+    parser.add_argument("--pod-resources-socket", metavar="PATH", default=POD_RESOURCES_SOCKET,
+                        help="the kubelet's PodResources socket; with --node, where the agent learns which GPUs "
+                             "each worker pod holds (default: %(default)s; skipped when it does not exist)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -36,7 +49,12 @@ def main(args: argparse.Namespace) -> int:
     from poolgate.fleet import FleetKeys
 
     def ready(agent: Agent) -> None:
-        scope = " ".join(args.workers) if args.workers else "workers on this host"
+        if args.workers:
+            scope = " ".join(args.workers)
+        elif args.node:
+            scope = f"workers on node {args.node}"
+        else:
+            scope = "workers on this host"
         print(f"poolgate agent ready: scraping {scope} every {config.agent.scrape_interval_s:g} s "
               f"(redis {redact_url(redis_url)})", flush=True)
 
@@ -49,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             await redis.ping()  # fail fast: a wrong URL should not look like an idle agent
             await run_agent(config, redis, FleetKeys(config.key_prefix), stop, worker_ids=args.workers,
-                            ready=ready)
+                            node=args.node, pod_resources_socket=args.pod_resources_socket, ready=ready)
         finally:
             await redis.aclose()
 

@@ -78,8 +78,9 @@ async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-async def register(redis: aioredis.Redis, worker_id: str, port: int, host: str = "127.0.0.1") -> None:
-    record = WorkerRecord(id=worker_id, pool="chat", model="m", host=host, port=port, state=WorkerState.BUSY)
+async def register(redis: aioredis.Redis, worker_id: str, port: int, host: str = "127.0.0.1", node: str = "") -> None:
+    record = WorkerRecord(id=worker_id, pool="chat", model="m", host=host, port=port, node=node,
+                          state=WorkerState.BUSY)
     await register_worker(redis, KEYS, record, ttl_s=5.0)
 
 
@@ -109,6 +110,32 @@ async def test_writes_live_facts_of_local_workers_only(redis: aioredis.Redis) ->
     assert local.state == WorkerState.BUSY  # state belongs to the controller
     assert local.metrics_at == clock.now + 5e8
     assert workers["remote"].running == 0
+
+
+async def test_with_a_node_name_it_serves_the_workers_registered_on_that_node(redis: aioredis.Redis) -> None:
+    await register(redis, "pod-here", 7001, host="10.42.0.7", node="gpu-a")  # a pod IP: not an address of ours
+    await register(redis, "pod-there", 7002, host="10.42.1.9", node="gpu-b")
+    await register(redis, "loopback-there", 7003, node="gpu-b")  # its node says where it is, not its address
+    await register(redis, "unplaced-local", 7004)  # registered without a node: matched by address as before
+    await register(redis, "unplaced-remote", 7005, host="10.99.0.7")
+    source, clock = ScriptedSource(), ManualClock()
+    source.pages = {port: page(running=1) for port in range(7001, 7006)}
+    agent = make_agent(redis, source, clock, node="gpu-a")
+    await agent.tick()
+    assert sorted(source.fetched) == [7001, 7004]
+    workers = await fleet(redis)
+    assert [w for w in sorted(workers) if workers[w].running == 1] == ["pod-here", "unplaced-local"]
+
+
+async def test_without_a_node_name_it_serves_workers_by_address(redis: aioredis.Redis) -> None:
+    await register(redis, "pod-here", 7001, host="10.42.0.7", node="gpu-a")
+    await register(redis, "loopback-there", 7003, node="gpu-b")
+    await register(redis, "unplaced-local", 7004)
+    source, clock = ScriptedSource(), ManualClock()
+    source.pages = {7001: page(), 7003: page(), 7004: page()}
+    agent = make_agent(redis, source, clock)
+    await agent.tick()
+    assert sorted(source.fetched) == [7003, 7004]
 
 
 async def test_announces_only_notable_changes(redis: aioredis.Redis) -> None:

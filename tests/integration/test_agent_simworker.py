@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -132,6 +133,37 @@ async def test_cli_runs_until_sigterm(redis: aioredis.Redis, redis_url: str, tmp
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 10)
         assert line.decode().startswith("poolgate agent ready")
+
+        async def reported() -> bool:
+            return (await record_of(redis)).kv_capacity_tokens > 0
+
+        await wait_for(reported)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 5) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_cli_takes_its_node_from_the_environment(redis: aioredis.Redis, redis_url: str, simworker: int,
+                                                       tmp_path: Path) -> None:
+    """As in the DaemonSet: POOLGATE_NODE_NAME comes from the Downward API, and the agent serves the workers
+    registered on that node."""
+    record = WorkerRecord(id=WORKER_ID, pool="chat", model=MODEL, host="127.0.0.1", port=simworker, node="gpu-a")
+    await register_worker(redis, KEYS, record, ttl_s=10.0)
+    config = tmp_path / "poolgate.yaml"
+    config.write_text(f"key_prefix: {KEYS.prefix}\npools: [{{name: chat, model: {MODEL}}}]\n"
+                      "agent: {scrape_interval_s: 0.1, nvml: 'off'}\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "poolgate.cli", "agent", "--config", str(config), "--redis-url", redis_url,
+        "--pod-resources-socket", str(tmp_path / "no-kubelet.sock"), "--log-level", "WARNING",
+        env={**os.environ, "POOLGATE_NODE_NAME": "gpu-a"}, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 10)
+        assert line.decode().startswith("poolgate agent ready: scraping workers on node gpu-a")
 
         async def reported() -> bool:
             return (await record_of(redis)).kv_capacity_tokens > 0

@@ -12,25 +12,28 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from kubernetes import client as k8s
 
+from controller.agent.agent import Agent
 from controller.kube_backend import DELETION_COST, KubernetesBackend
 from poolgate.config import parse_config
-from poolgate.fleet import FleetKeys, read_fleet
+from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
 
 CONFIG = parse_config({"pools": [{"name": "chat", "model": "llama", "max_model_len": 4096}],
                        "kubernetes": {"namespace": "inference", "deployment_prefix": "pg-"}})
 
 
-def pod(name: str, ready: bool, ip: str = "10.1.0.7") -> dict[str, Any]:
+def pod(name: str, ready: bool, ip: str = "10.1.0.7", node: str = "gpu-node-1") -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "inference", "labels": {"poolgate.io/pool": "chat"},
                          "annotations": {"poolgate.io/port": "8000"}},
+            "spec": {"nodeName": node, "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
 class FakeApi:
     def __init__(self) -> None:
         self.replicas = 2
-        self.pods = {"pg-chat-a1": pod("pg-chat-a1", True), "pg-chat-b2": pod("pg-chat-b2", False, "10.1.0.8")}
+        self.pods = {"pg-chat-a1": pod("pg-chat-a1", True),
+                     "pg-chat-b2": pod("pg-chat-b2", False, "10.1.0.8", node="gpu-node-2")}
         self.calls: list[tuple[str, str, str, Any]] = []
 
     def app(self) -> web.Application:
@@ -106,9 +109,52 @@ async def test_ready_pods_are_registered_as_workers(fake: tuple[FakeApi, k8s.Api
     backend = KubernetesBackend(CONFIG, client, redis, keys)
     assert await backend.sync_registry() == 1
     [worker] = await read_fleet(redis, keys)
-    assert (worker.id, worker.host, worker.port, worker.pool, worker.model) == (
-        "pg-chat-a1", "10.1.0.7", 8000, "chat", "llama")
+    assert (worker.id, worker.host, worker.port, worker.pool, worker.model, worker.node) == (
+        "pg-chat-a1", "10.1.0.7", 8000, "chat", "llama", "gpu-node-1")
     api.pods["pg-chat-b2"]["status"]["conditions"][0]["status"] = "True"
     assert await backend.sync_registry() == 2
     assert sorted(w.id for w in await read_fleet(redis, keys)) == ["pg-chat-a1", "pg-chat-b2"]
+    await redis.aclose()
+
+
+async def test_a_record_written_without_a_node_gets_it_with_the_next_heartbeat(
+        fake: tuple[FakeApi, k8s.ApiClient], redis_url: str) -> None:
+    _, client = fake
+    redis = aioredis.from_url(redis_url)
+    keys = FleetKeys("k8s")
+    # As an older controller wrote it: no node field at all.
+    old = WorkerRecord(id="pg-chat-a1", pool="chat", model="llama", host="10.1.0.7", port=8000, backend="kubernetes")
+    await register_worker(redis, keys, old, ttl_s=30.0)
+    await redis.hdel(keys.worker("pg-chat-a1"), "node")
+    assert [w.node for w in await read_fleet(redis, keys)] == [""]
+    assert await KubernetesBackend(CONFIG, client, redis, keys).sync_registry() == 1
+    assert [w.node for w in await read_fleet(redis, keys)] == ["gpu-node-1"]
+    await redis.aclose()
+
+
+class PagesByAddress:
+    def __init__(self) -> None:
+        self.fetched: list[str] = []
+
+    async def fetch(self, host: str, port: int) -> str:
+        self.fetched.append(f"{host}:{port}")
+        return 'vllm:num_requests_running{engine="0",model_name="llama"} 2\n'
+
+
+async def test_each_nodes_agent_serves_the_pods_on_its_node(fake: tuple[FakeApi, k8s.ApiClient],
+                                                            redis_url: str) -> None:
+    """Pods register their pod IPs, which are no address of any node; the node in their record is what lets
+    each node's agent find its own."""
+    api, client = fake
+    api.pods["pg-chat-b2"]["status"]["conditions"][0]["status"] = "True"
+    redis = aioredis.from_url(redis_url)
+    keys = FleetKeys("k8s")
+    assert await KubernetesBackend(CONFIG, client, redis, keys).sync_registry() == 2
+    scraped: dict[str, list[str]] = {}
+    for node in ("gpu-node-1", "gpu-node-2", "cpu-node"):
+        pages = PagesByAddress()
+        await Agent(CONFIG, redis, keys, pages, node=node, local_names={"cpu-node", "10.0.0.1"}).tick()
+        scraped[node] = pages.fetched
+    assert scraped == {"gpu-node-1": ["10.1.0.7:8000"], "gpu-node-2": ["10.1.0.8:8000"], "cpu-node": []}
+    assert [w.running for w in await read_fleet(redis, keys)] == [2, 2]
     await redis.aclose()

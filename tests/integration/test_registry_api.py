@@ -83,6 +83,10 @@ async def test_register_heartbeat_expire_and_deregister(api: tuple[str, aioredis
         {**WORKER, "id": "bad id!"},
         {"pool": "chat"},
         {**WORKER, "surprise": 1},
+        {**WORKER, "node": "gpu node 1"},
+        {**WORKER, "node": ""},
+        {**WORKER, "node": "-gpu-1"},
+        {**WORKER, "node": "n" * 254},
     ],
 )
 async def test_bad_registrations_are_refused(api: tuple[str, aioredis.Redis], body: dict[str, object]) -> None:
@@ -94,3 +98,15 @@ async def test_bad_registrations_are_refused(api: tuple[str, aioredis.Redis], bo
         async with http.post(f"{base}/v1/workers", data=b"{not json") as response:
             assert response.status == 400
     assert await read_fleet(redis, FleetKeys("t")) == []
+
+
+async def test_the_node_a_worker_runs_on_is_recorded(api: tuple[str, aioredis.Redis]) -> None:
+    base, redis = api
+    keys = FleetKeys("t")
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        async with http.post(f"{base}/v1/workers", json={**WORKER, "node": "gpu-node-7.example"}) as response:
+            assert response.status == 201
+            assert (await response.json())["node"] == "gpu-node-7.example"
+        async with http.post(f"{base}/v1/workers", json={**WORKER, "id": "w2"}) as response:
+            assert response.status == 201
+    assert {w.id: w.node for w in await read_fleet(redis, keys)} == {"w1": "gpu-node-7.example", "w2": ""}

@@ -13,6 +13,8 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
+from controller.agent.cli import NODE_ENV
+from controller.agent.podresources import POD_RESOURCES_SOCKET
 from controller.kube_backend import POOL_LABEL, PORT_ANNOTATION
 from poolgate.config import Config, parse_config
 
@@ -137,6 +139,18 @@ def test_processes_read_the_generated_config_and_listen_where_it_says() -> None:
     assert (controller_ports["xds"], controller_ports["api"]) == (settings.ports.xds, settings.ports.controller_http)
     assert settings.redis_url == "redis://poolgate-redis:6379/0" and "poolgate-redis" in _objects("Service")
     assert settings.kubernetes.namespace == KUSTOMIZATION["namespace"]
+
+
+def test_agent_knows_its_node_and_reads_the_kubelets_pod_resources() -> None:
+    agent = _container("poolgate-agent", "DaemonSet")
+    env = {e["name"]: e for e in agent["env"]}
+    assert env[NODE_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    spec = _objects("DaemonSet")["poolgate-agent"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    socket_dir = POD_RESOURCES_SOCKET.rsplit("/", 1)[0]
+    [mount] = [m for m in agent["volumeMounts"] if m["mountPath"] == socket_dir]
+    assert mount["readOnly"] is True
+    assert volumes[mount["name"]]["hostPath"]["path"] == socket_dir
 
 
 def test_envoy_reaches_extproc_and_the_controller_through_services() -> None:
