@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import time
 from pathlib import Path
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``: a child that hangs on shutdown must not outlive its owner."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

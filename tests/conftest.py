@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from poolgate.procs import free_port
+from poolgate.procs import free_port, stop_process
 
 
 class RedisServer:
@@ -45,12 +45,7 @@ class RedisServer:
         client.close()
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from controller.agent.agent import run_agent
 from poolgate.config import parse_config
 from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
-from poolgate.procs import free_port, port_open
+from poolgate.procs import free_port, port_open, stop_process
 
 MODEL = "m"
 WORKER_ID = "agent-sim"
@@ -45,12 +45,7 @@ def simworker() -> Iterator[int]:
             time.sleep(0.05)
         yield port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.fixture()
@@ -120,19 +115,16 @@ async def test_agent_reports_a_simulated_worker(redis: aioredis.Redis, simworker
     assert stats.announcements < stats.writes
 
 
-async def test_cli_runs_until_sigterm(redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
-    config = tmp_path / "poolgate.yaml"
-    config.write_text(f"key_prefix: {KEYS.prefix}\npools: [{{name: chat, model: {MODEL}}}]\n"
-                      "controller: {heartbeat_interval_s: 1.0, heartbeat_ttl_s: 10.0}\n"
-                      "agent: {scrape_interval_s: 0.1, nvml: 'off'}\n")
+async def run_cli_until_reported(redis: aioredis.Redis, config: Path, redis_url: str, args: list[str],
+                                 env: dict[str, str] | None = None) -> str:
+    """Start ``poolgate agent``, wait until it has written the worker's facts, stop it with SIGTERM (it must
+    exit 0); returns its ready line."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "poolgate.cli", "agent", "--config", str(config), "--redis-url", redis_url,
-        "--workers", WORKER_ID, "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        *args, "--log-level", "WARNING", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 10)
-        assert line.decode().startswith("poolgate agent ready")
+        line = (await asyncio.wait_for(proc.stdout.readline(), 10)).decode()
 
         async def reported() -> bool:
             return (await record_of(redis)).kv_capacity_tokens > 0
@@ -140,10 +132,20 @@ async def test_cli_runs_until_sigterm(redis: aioredis.Redis, redis_url: str, tmp
         await wait_for(reported)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 5) == 0
+        return line
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_cli_runs_until_sigterm(redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    config = tmp_path / "poolgate.yaml"
+    config.write_text(f"key_prefix: {KEYS.prefix}\npools: [{{name: chat, model: {MODEL}}}]\n"
+                      "controller: {heartbeat_interval_s: 1.0, heartbeat_ttl_s: 10.0}\n"
+                      "agent: {scrape_interval_s: 0.1, nvml: 'off'}\n")
+    line = await run_cli_until_reported(redis, config, redis_url, ["--workers", WORKER_ID])
+    assert line.startswith("poolgate agent ready")
 
 
 async def test_cli_takes_its_node_from_the_environment(redis: aioredis.Redis, redis_url: str, simworker: int,
@@ -155,26 +157,10 @@ async def test_cli_takes_its_node_from_the_environment(redis: aioredis.Redis, re
     config = tmp_path / "poolgate.yaml"
     config.write_text(f"key_prefix: {KEYS.prefix}\npools: [{{name: chat, model: {MODEL}}}]\n"
                       "agent: {scrape_interval_s: 0.1, nvml: 'off'}\n")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "poolgate.cli", "agent", "--config", str(config), "--redis-url", redis_url,
-        "--pod-resources-socket", str(tmp_path / "no-kubelet.sock"), "--log-level", "WARNING",
-        env={**os.environ, "POOLGATE_NODE_NAME": "gpu-a"}, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 10)
-        assert line.decode().startswith("poolgate agent ready: scraping workers on node gpu-a")
-
-        async def reported() -> bool:
-            return (await record_of(redis)).kv_capacity_tokens > 0
-
-        await wait_for(reported)
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 5) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    line = await run_cli_until_reported(
+        redis, config, redis_url, ["--pod-resources-socket", str(tmp_path / "no-kubelet.sock")],
+        env={**os.environ, "POOLGATE_NODE_NAME": "gpu-a"})
+    assert line.startswith("poolgate agent ready: scraping workers on node gpu-a")
 
 
 def test_cli_without_redis_fails_fast(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import yaml
 
 from extproc.endpoint_picker import SUBSET_KEY, SUBSET_NAMESPACE
 from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker, set_worker_state
-from poolgate.procs import envoy_binary, free_port, port_open
+from poolgate.procs import envoy_binary, free_port, port_open, stop_process
 from poolgate.routing import DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, WORKER_HEADER
 
 MODEL = "gie-model"
@@ -54,12 +54,7 @@ def workers() -> Iterator[dict[str, int]]:
             time.sleep(0.05)
         yield dict(zip(WORKER_IDS, ports, strict=True))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _filters(extproc_port: int, subset: list[str] | None) -> list[dict[str, Any]]:
@@ -150,12 +145,7 @@ class Gateway:
         return Path(self._log.name).read_text(errors="replace")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 

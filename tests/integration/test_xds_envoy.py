@@ -35,7 +35,7 @@ from controller.xds.build import CLUSTER_TYPE_URL, build_clusters
 from controller.xds.cache import Snapshot
 from poolgate.config import Config, parse_config
 from poolgate.fleet import WorkerRecord, WorkerState
-from poolgate.procs import envoy_binary, free_port
+from poolgate.procs import envoy_binary, free_port, stop_process
 from poolgate.routing import (
     CLUSTER_HEADER,
     DESTINATION_ENDPOINT_KEY,
@@ -131,12 +131,7 @@ class Envoy:
         return Path(self._log.name).read_text(errors="replace")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
         os.unlink(self._log.name)
 
