@@ -1,4 +1,5 @@
-"""Benchmark plumbing: child processes that always get stopped, a fixed-reply upstream, CPU time per pid.
+"""Benchmark plumbing: child processes that always get stopped, a fixed-reply upstream, CPU time per pid,
+metric scrapes of simulated workers.
 
 ``python bench/harness.py upstream PORT`` runs the upstream: an OpenAI-shaped chat completion answered at
 once, so a benchmark of the routing path measures the router and not a model.
@@ -6,11 +7,16 @@ once, so a benchmark of the routing path measures the router and not a model.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -19,6 +25,36 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    """A worker's metric samples by name, summed over label sets (histogram buckets keyed ``name|le``)."""
+    async with session.get(base_url + "/metrics") as response:
+        text = await response.text()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = f"{sample.name}|{sample.labels['le']}" if "le" in sample.labels else sample.name
+            samples[key] = samples.get(key, 0.0) + sample.value
+    return samples
+
+
+def lag_quantile(before: Mapping[str, float], after: Mapping[str, float], share: float) -> float:
+    """A quantile of the simulator's step-lag histogram between two scrapes (linear within a bucket)."""
+    prefix = "poolgate_sim_step_lag_seconds_bucket|"
+    buckets = sorted((float(key[len(prefix):]), after[key] - before.get(key, 0.0))
+                     for key in after if key.startswith(prefix))
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    total = buckets[-1][1]
+    lower, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= share * total:
+            if math.isinf(bound):
+                return lower
+            return lower + (share * total - lower_count) / max(count - lower_count, 1e-9) * (bound - lower)
+        lower, lower_count = bound, count
+    return math.nan
 
 
 class ProcessGroup:

@@ -13,7 +13,6 @@ fixed in the generated config so both Envoys know them.
 from __future__ import annotations
 
 import asyncio
-import math
 import sys
 import time
 from collections.abc import Mapping
@@ -23,10 +22,9 @@ from pathlib import Path
 import aiohttp
 import redis.asyncio as aioredis
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.baseline_envoy import BENCH_CLUSTER_HEADER, baseline_bootstrap, baseline_cluster
-from bench.harness import ProcessGroup
+from bench.harness import ProcessGroup, scrape
 from bench.loadgen import Target
 from bench.workload import ModelRole, RequestSpec
 from poolgate.config import load_config
@@ -76,18 +74,6 @@ def fleet_config(workers: list[WorkerPlan], time_scale: float) -> dict[str, obje
                      "extra_args": ["--time-scale", repr(time_scale), "--log-level", "WARNING"]}
                     for w in workers],
     }
-
-
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """A worker's metric samples by name, summed over label sets (histogram buckets keyed ``name|le``)."""
-    async with session.get(url + "/metrics") as response:
-        text = await response.text()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = f"{sample.name}|{sample.labels['le']}" if "le" in sample.labels else sample.name
-            samples[key] = samples.get(key, 0.0) + sample.value
-    return samples
 
 
 class BenchFleet:
@@ -187,21 +173,3 @@ class BenchFleet:
                 await response.read()
                 if response.status != 200:
                     raise RuntimeError(f"baseline Envoy answered {response.status} for {model}")
-
-
-def lag_quantile(before: Mapping[str, float], after: Mapping[str, float], share: float) -> float:
-    """A quantile of the simulator's step-lag histogram between two scrapes (linear within a bucket)."""
-    prefix = "poolgate_sim_step_lag_seconds_bucket|"
-    buckets = sorted((float(key[len(prefix):]), after[key] - before.get(key, 0.0))
-                     for key in after if key.startswith(prefix))
-    if not buckets or buckets[-1][1] <= 0:
-        return math.nan
-    total = buckets[-1][1]
-    lower, lower_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= share * total:
-            if math.isinf(bound):
-                return lower
-            return lower + (share * total - lower_count) / max(count - lower_count, 1e-9) * (bound - lower)
-        lower, lower_count = bound, count
-    return math.nan

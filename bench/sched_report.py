@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.harness import lag_quantile
 from bench.loadgen import Outcome
 from bench.report import Column, format_table, write_report
-from bench.sched_fleet import lag_quantile
 from bench.workload import MIX
 
 TARGETS = (

@@ -26,10 +26,9 @@ import asyncio
 import contextlib
 import math
 import random
-import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,46 +36,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness import lag_quantile, scrape
 from bench.report import Column, Panel, save_rows
-from poolgate.procs import free_port, port_open
+from poolgate.procs import free_port, simworker_process
 
 SAMPLE_INTERVAL_S = 0.25
-
-
-@contextlib.contextmanager
-def simworker_process(ports: Sequence[int], extra_args: Sequence[str]) -> Iterator[None]:
-    """A ``poolgate simworker`` child process serving ``ports``, stopped on exit."""
-    command = [sys.executable, "-m", "poolgate.cli", "simworker", "--ports", *map(str, ports),
-               "--log-level", "WARNING", *extra_args]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while not all(port_open("127.0.0.1", port) for port in ports):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"simworker did not start: {' '.join(command)}")
-            time.sleep(0.05)
-        yield
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
-    """Metric samples by name (summed over label sets, except histogram buckets keyed by ``le``)."""
-    async with session.get(base_url + "/metrics") as response:
-        text = await response.text()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = f"{sample.name}|{sample.labels['le']}" if "le" in sample.labels else sample.name
-            samples[key] = samples.get(key, 0.0) + sample.value
-    return samples
 
 
 # ---------------------------------------------------------------- sweep
@@ -193,7 +158,8 @@ async def sweep(args: argparse.Namespace) -> list[dict[str, float | int]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     rows = []
-    with simworker_process([port], ["--preset", args.preset, "--time-scale", str(args.time_scale)]):
+    with simworker_process([port], ["--preset", args.preset, "--time-scale", str(args.time_scale),
+                                    "--log-level", "WARNING"]):
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
             for rate in args.rates:
@@ -233,29 +199,10 @@ async def closed_loop_stream(session: aiohttp.ClientSession, url: str, stop_at: 
                     return
 
 
-def lag_quantile(before: dict[str, float], after: dict[str, float], share: float) -> float:
-    """Interpolated quantile of the lag histogram between two scrapes."""
-    prefix = "poolgate_sim_step_lag_seconds_bucket|"
-    bounds = sorted((float(key[len(prefix):]), after[key] - before.get(key, 0.0))
-                    for key in after if key.startswith(prefix))
-    total = bounds[-1][1]
-    if total <= 0:
-        return math.nan
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in bounds:
-        if count >= share * total:
-            if math.isinf(bound):
-                return lower_bound
-            fraction = (share * total - lower_count) / max(count - lower_count, 1e-9)
-            return lower_bound + fraction * (bound - lower_bound)
-        lower_bound, lower_count = bound, count
-    return math.nan
-
-
 async def drift_point(workers: int, streams: int, seconds: float, rng: random.Random) -> dict[str, float | int]:
     ports = [free_port() for _ in range(workers)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
-    with simworker_process(ports, ["--preset", "h100-80gb"]):
+    with simworker_process(ports, ["--preset", "h100-80gb", "--log-level", "WARNING"]):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                          connector=aiohttp.TCPConnector(limit=0)) as session:
             stop_at = time.monotonic() + 1.0 + seconds

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
@@ -17,6 +20,23 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def simworker_process(ports: Sequence[int], args: Sequence[str], start_timeout_s: float = 20.0
+                      ) -> Iterator[subprocess.Popen[bytes]]:
+    """One ``poolgate simworker`` child serving ``ports``, up once every port accepts; stopped on exit."""
+    command = [sys.executable, "-m", "poolgate.cli", "simworker", "--ports", *map(str, ports), *args]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not all(port_open("127.0.0.1", port) for port in ports):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"simworker did not start: {' '.join(command)}")
+            time.sleep(0.05)
+        yield process
+    finally:
+        stop_process(process)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

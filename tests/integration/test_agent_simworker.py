@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from controller.agent.agent import run_agent
 from poolgate.config import parse_config
 from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
-from poolgate.procs import free_port, port_open, stop_process
+from poolgate.procs import free_port, simworker_process
 
 MODEL = "m"
 WORKER_ID = "agent-sim"
@@ -34,18 +34,9 @@ CONFIG = parse_config({
 @pytest.fixture(scope="module")
 def simworker() -> Iterator[int]:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(port), "--model", MODEL,
-         "--worker-id", WORKER_ID, "--preset", "l4-24gb", "--time-scale", "5", "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 15
-        while not port_open("127.0.0.1", port):
-            assert proc.poll() is None and time.monotonic() < deadline, "simworker did not start"
-            time.sleep(0.05)
+    with simworker_process([port], ["--worker-ids", WORKER_ID, "--model", MODEL, "--preset", "l4-24gb",
+                                    "--time-scale", "5", "--log-level", "WARNING"], start_timeout_s=15):
         yield port
-    finally:
-        stop_process(proc)
 
 
 @pytest.fixture()

@@ -26,7 +26,7 @@ import yaml
 
 from extproc.endpoint_picker import SUBSET_KEY, SUBSET_NAMESPACE
 from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker, set_worker_state
-from poolgate.procs import envoy_binary, free_port, port_open, stop_process
+from poolgate.procs import envoy_binary, free_port, port_open, simworker_process, stop_process
 from poolgate.routing import DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, WORKER_HEADER
 
 MODEL = "gie-model"
@@ -43,18 +43,9 @@ CONFIG_DATA: dict[str, Any] = {
 def workers() -> Iterator[dict[str, int]]:
     """Three simulated workers in one process: worker id → port."""
     ports = [free_port() for _ in WORKER_IDS]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poolgate.cli", "simworker", "--ports", *map(str, ports), "--worker-ids",
-         *WORKER_IDS, "--model", MODEL, "--time-scale", "20", "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 15
-        while not all(port_open("127.0.0.1", p) for p in ports):
-            assert proc.poll() is None and time.monotonic() < deadline, "simworker did not start"
-            time.sleep(0.05)
+    with simworker_process(ports, ["--worker-ids", *WORKER_IDS, "--model", MODEL, "--time-scale", "20",
+                                   "--log-level", "WARNING"]):
         yield dict(zip(WORKER_IDS, ports, strict=True))
-    finally:
-        stop_process(proc)
 
 
 def _filters(extproc_port: int, subset: list[str] | None) -> list[dict[str, Any]]:
