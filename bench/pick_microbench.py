@@ -23,9 +23,14 @@ import gc
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import Column, Panel, save_rows
 from extproc.request import RequestFacts

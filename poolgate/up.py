@@ -139,7 +139,8 @@ class Stack:
 
         bootstrap = render_bootstrap(self.config, node_id="poolgate-local", listen_port=self.ports.envoy,
                                      admin_port=self.ports.admin, extproc_port=self.ports.extproc,
-                                     xds_port=self.ports.xds, listen_host=self.listen_host)
+                                     xds_port=self.ports.xds, listen_host=self.listen_host,
+                                     access_log_path=str(self.run_dir / "envoy-access.log"))
         bootstrap_path = self.run_dir / "envoy.yaml"
         bootstrap_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
         envoy = await self._spawn("envoy", [str(envoy_binary()), "-c", str(bootstrap_path), "-l", "warning",

@@ -282,6 +282,8 @@ def _listener(
         stream_idle_timeout=_duration(STREAM_IDLE_TIMEOUT_S),
         local_reply_config=_local_reply(),
         access_log=[access_log] if access_log is not None else [],
+        # The id in extproc's logs and the access log, returned so a client can quote it.
+        always_set_request_id_in_response=True,
     )
     listener = listener_pb2.Listener(
         name=LISTENER_NAME,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -23,6 +25,19 @@ def test_chat_completion_names_its_worker(stack: RunningStack) -> None:
     assert completion.model == "chat-model"
     assert completion.choices[0].message.content
     assert completion.usage is not None and completion.usage.completion_tokens <= 8
+
+
+def test_access_log_names_pool_worker_and_request(stack: RunningStack) -> None:
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model="chat-model", messages=[{"role": "user", "content": "Log me"}], max_tokens=4)
+    worker, request_id = raw.headers["x-poolgate-worker"], raw.headers["x-request-id"]
+    log = stack.run_dir / "envoy-access.log"
+    deadline = time.monotonic() + 10  # Envoy flushes its access log about once a second
+    while not (log.exists() and request_id in log.read_text()):
+        assert time.monotonic() < deadline, "no access log line for the request"
+        time.sleep(0.1)
+    line = next(line for line in log.read_text().splitlines() if request_id in line)
+    assert "cluster=pool-chat" in line and f"worker={worker}" in line and " 200 " in line, line
 
 
 def test_completion_and_streaming(stack: RunningStack) -> None:
