@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None,
                         help="gRPC port (default: ports.extproc from the configuration; 0 = any free port)")
     parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on this port (default: off)")
+                        help="serve Prometheus metrics on this port (default: observability.extproc_metrics_port "
+                             "from the configuration, else off)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     add_log_format_argument(parser)
 
@@ -34,6 +35,7 @@ def main(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     port = config.ports.extproc if args.port is None else args.port
+    metrics_port = config.observability.extproc_metrics_port if args.metrics_port is None else args.metrics_port
 
     def listening(bound: int) -> None:
         print(f"poolgate extproc listening on {args.host}:{bound} (redis {redact_url(redis_url)})", flush=True)
@@ -43,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     from extproc.server import serve
 
     async def run() -> None:
-        task = asyncio.create_task(serve(config, redis_url, args.host, port, args.metrics_port, listening,
+        task = asyncio.create_task(serve(config, redis_url, args.host, port, metrics_port, listening,
                                          config_path=args.config))
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):

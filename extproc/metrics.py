@@ -1,8 +1,21 @@
-"""extproc's Prometheus metrics, registered on an injected registry (no process-wide singletons)."""
+"""extproc's Prometheus metrics, registered on an injected registry (no process-wide singletons).
+
+Besides poolgate's own series, four histograms carry the OpenTelemetry GenAI semantic conventions under
+their Prometheus names (dots become underscores, unit ``s`` adds ``_seconds``, the ``{token}`` annotation
+adds nothing) with the conventions' bucket boundaries; ``genai`` records them.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+GENAI_LABELS = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "gen_ai_response_model")
+"""The semantic conventions' attributes every GenAI histogram here carries, in this order."""
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                               10.0)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
 class Metrics:
@@ -64,3 +77,25 @@ class Metrics:
             "poolgate_extproc_stale_workers", "Workers in the snapshot whose live state is too old to pick",
             registry=self.registry)
         self.workers = Gauge("poolgate_extproc_workers", "Workers in the snapshot", registry=self.registry)
+        self.token_usage = Histogram(
+            "gen_ai_client_token_usage", "Tokens per inference request as the worker reported them in its usage "
+            "block, by gen_ai_token_type (input, output); requests without a reported usage are not counted "
+            "(OpenTelemetry gen_ai.client.token.usage)", [*GENAI_LABELS, "gen_ai_token_type"],
+            buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.request_duration = Histogram(
+            "gen_ai_server_request_duration_seconds", "Inference request duration, from extproc seeing the "
+            "request headers to the last response byte (or to extproc's own error answer); error_type is set "
+            "when it failed: extproc's error code, the worker's HTTP status, or incomplete "
+            "(OpenTelemetry gen_ai.server.request.duration)", [*GENAI_LABELS, "error_type"],
+            buckets=REQUEST_DURATION_BUCKETS, registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "gen_ai_server_time_to_first_token_seconds", "Streamed requests that succeeded: from extproc seeing "
+            "the request headers to the first response chunk carrying output, so it includes poolgate's queueing "
+            "and holding for capacity as well as the engine's queue and prefill "
+            "(OpenTelemetry gen_ai.server.time_to_first_token)", GENAI_LABELS,
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=self.registry)
+        self.time_per_output_token = Histogram(
+            "gen_ai_server_time_per_output_token_seconds", "Streamed requests that succeeded with two or more "
+            "output tokens: (last chunk - first output chunk) / (output tokens - 1) "
+            "(OpenTelemetry gen_ai.server.time_per_output_token)", GENAI_LABELS,
+            buckets=TIME_PER_OUTPUT_TOKEN_BUCKETS, registry=self.registry)

@@ -92,7 +92,8 @@ async def serve(
     service = ExtProcService(build_scheduler(config.scheduling), watcher, inflight, config.extproc.max_request_bytes,
                              metrics, settings=config.scheduling, profiler=profiler, capacity_changed=capacity_changed,
                              tenants=tenants, quotas=quotas, catalogue=catalogue,
-                             endpoint_picker_mode=config.extproc.endpoint_picker_mode)
+                             endpoint_picker_mode=config.extproc.endpoint_picker_mode,
+                             observability=config.observability)
     watcher.publish_queue(service.queue.held_by_domain)
     server = grpc.aio.server(options=grpc_options(config.extproc.max_request_bytes))
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)

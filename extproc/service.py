@@ -13,7 +13,9 @@ timeout, then a release pass re-picks queued requests in the queue's order whene
 changed (a request here ended, the fleet snapshot was refreshed, or a short poll). Past its class's deadline
 the answer is 429 with Retry-After; a client that goes away leaves the queue at once. At stream end the
 worker's in-flight count, the KV reservation and the quota slot are released; for tenants charged by tokens
-the usage read from the response body corrects the tokens reserved at admission.
+the usage read from the response body corrects the tokens reserved at admission. With the GenAI metrics on
+(``observability.genai_metrics``) every inference response's status and body pass through here as well, and
+the request's duration, time to first token, time per output token and token usage are recorded at its end.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from extproc.catalogue_source import CatalogueSource
 from extproc.endpoint_picker import GIE_MODE, endpoint_subset, within
 from extproc.errors import ApiError
 from extproc.flow_queue import FlowQueue, QueueEntry
+from extproc.genai import GenAiCall
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.parameters import apply_parameters
@@ -56,7 +59,7 @@ from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, R
 from extproc.snapshot import FleetSnapshot
 from extproc.tenancy import Tenant, TenantDirectory
 from extproc.usage import UsageWatch, with_usage_requested
-from poolgate.config import SchedulingSettings, TenancySettings
+from poolgate.config import ObservabilitySettings, SchedulingSettings, TenancySettings
 from poolgate.logging_setup import request_id
 
 log = logging.getLogger(__name__)
@@ -90,9 +93,9 @@ class Phase(enum.Enum):
 class RequestState:
     """One HTTP request as seen by extproc: what was asked, what was decided, what must be released."""
 
-    __slots__ = ("body", "catalogue", "decision", "entry", "facts", "head", "held_worker", "hold_started", "new_body",
-                 "phase", "renamer", "request", "reservation", "route", "subset", "tenant", "ticket", "usage",
-                 "waiter", "watch_response")
+    __slots__ = ("body", "catalogue", "decision", "entry", "facts", "genai", "head", "held_worker", "hold_started",
+                 "new_body", "phase", "renamer", "request", "reservation", "route", "subset", "tenant", "ticket",
+                 "usage", "waiter", "watch_response")
 
     def __init__(self) -> None:
         self.phase = Phase.HEADERS
@@ -126,6 +129,8 @@ class RequestState:
         """Restores the public model name in the response body."""
         self.subset: frozenset[str] | None = None
         """``ip:port`` endpoints the gateway allows for this request (endpoint-picker subset hint); None = all."""
+        self.genai: GenAiCall | None = None
+        """What the GenAI metrics record at the stream's end (inference requests, when they are on)."""
 
 
 class CapacitySignal:
@@ -176,8 +181,12 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         catalogue: CatalogueSource | None = None,
         rng: random.Random | None = None,
         endpoint_picker_mode: str = "poolgate",
+        observability: ObservabilitySettings | None = None,
     ) -> None:
         settings = settings or SchedulingSettings()
+        self._genai_metrics = observability is not None and observability.genai_metrics
+        """Watch every inference response (status and body) for the GenAI metrics. Like quotas, off unless
+        wired: ``serve`` passes the configuration's settings (on by default there)."""
         self._header_pin = endpoint_picker_mode == GIE_MODE
         """Also name the picked worker in a request header (gateways routing with ORIGINAL_DST on it)."""
         self.catalogue = catalogue or CatalogueSource(EMPTY_CATALOGUE)
@@ -240,7 +249,7 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
             if kind == "request_body":
                 return self._on_body(state, message.request_body.body, message.request_body.end_of_stream)
             if kind == "response_headers":
-                return self._on_response_headers(state)
+                return self._on_response_headers(state, message.response_headers)
             if kind == "response_body":
                 return self._on_response_body(state, message.response_body.body,
                                               message.response_body.end_of_stream)
@@ -333,6 +342,7 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
             released = True
         if state.ticket is not None:
             self._release_quota(state)
+        self._record_genai(state)  # still here: the stream closed before the response's last byte
         if released:
             self.capacity_changed.notify()
 
@@ -340,6 +350,8 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         tenants = self.tenants
         head = state.head = parse_head(header_pairs(headers), tenants.settings.tenant_header,
                                        tenants.settings.trust_tenant_header)
+        if self._genai_metrics and head.is_inference:
+            state.genai = GenAiCall(head.path, self._timer())
         if head.content_length is not None and head.content_length > self._max_request_bytes:
             return self._reject(state, errors.body_too_large(head.content_length, self._max_request_bytes))
         if head.is_api or head.is_model_list:
@@ -357,11 +369,12 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         if not headers.end_of_stream:
             state.phase = Phase.BODY
             tenant = state.tenant
-            state.watch_response = (head.is_inference and self._reconcile and tenant is not None
-                                    and tenant.tokens_per_minute is not None)
+            state.watch_response = state.genai is not None or (
+                head.is_inference and self._reconcile and tenant is not None and tenant.tokens_per_minute is not None)
             state.catalogue = catalogue = self.catalogue.current
-            return answers.continue_headers(watch_response=state.watch_response,
-                                            watch_response_headers=head.is_inference and catalogue.renames)
+            return answers.continue_headers(
+                watch_response=state.watch_response,
+                watch_response_headers=head.is_inference and (catalogue.renames or state.genai is not None))
         if head.is_inference:
             return self._reject(state, errors.invalid_request("The request body must be a JSON object.",
                                                               code="missing_body"))
@@ -392,9 +405,16 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
             return self._reject(state, facts)
         tenant = state.tenant
         assert tenant is not None  # identified at the headers phase
+        call = state.genai
+        if call is not None:
+            call.stream = facts.stream
+            call.request_model = facts.model
+            call.model_known = facts.model in self._fleet.snapshot.models
         if not tenant.may_use(facts.model):
             return self._refuse(state, errors.model_not_allowed(facts.model), "model_not_allowed")
         route = state.catalogue.resolve(facts.model, tenant.name, self._rng)
+        if call is not None and route is not None and route.adapter is None:
+            call.model_known = True  # a catalogue name (any ``base:adapter`` is known once placed)
         if route is not None and route.touches_body:
             resolved = self._apply_route(state, head, data, facts, route)
             if isinstance(resolved, ApiError):
@@ -438,8 +458,13 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
             return reparsed if isinstance(reparsed, ApiError) else replace(reparsed, model=route.served_name)
         return replace(facts, model=route.served_name)
 
-    def _on_response_headers(self, state: RequestState) -> ProcessingResponse:
-        """Asked only while the catalogue renames models: watch the body of requests sent under another name."""
+    def _on_response_headers(self, state: RequestState, headers: HttpHeaders) -> ProcessingResponse:
+        """Asked while the GenAI metrics are on (the status tells a worker's error) or the catalogue renames
+        models (watch the body of requests sent under another name)."""
+        if state.genai is not None:
+            state.genai.response_headers(_status(headers), headers.end_of_stream, self._timer())
+            if headers.end_of_stream:
+                self._record_genai(state)
         route = state.route
         if route is None or state.decision is None:
             return answers.continue_response_headers()
@@ -447,14 +472,26 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         return answers.continue_response_headers(rewrite_body=True, body_watched=state.watch_response)
 
     def _on_response_body(self, state: RequestState, chunk: bytes, end_of_stream: bool) -> ProcessingResponse:
+        if state.genai is not None:
+            state.genai.response_chunk(chunk, end_of_stream, self._timer())
         usage, renamer = state.usage, state.renamer
-        if usage is None and renamer is None:
-            return answers.continue_response_body()
         replacement = usage.feed(chunk, end_of_stream) if usage is not None else None
         if renamer is not None:
             renamed = renamer.feed(chunk if replacement is None else replacement, end_of_stream)
             replacement = renamed if renamed is not None else replacement
+        if end_of_stream:
+            self._record_genai(state)  # at the last byte, with the usage it carried
         return answers.continue_response_body(replacement)
+
+    def _record_genai(self, state: RequestState) -> None:
+        """Record the request's GenAI metrics once: when its response ends, extproc answers an error itself,
+        or (``finish``) its stream closes first."""
+        call, usage = state.genai, state.usage
+        if call is None:
+            return
+        state.genai = None
+        call.record(self._metrics, usage.input_tokens if usage is not None else None,
+                    usage.output_tokens if usage is not None else None, self._timer())
 
     def _route(self, state: RequestState) -> ProcessingResponse:
         """Place an admitted request now, or queue it (behind others waiting for the same capacity)."""
@@ -599,6 +636,9 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
             self.affinity.record(request.affinity_keys, worker_id)
         self._metrics.picks.labels(decision.pool, worker_id).inc()
         self._metrics.requests.labels("routed").inc()
+        if state.genai is not None:
+            state.genai.model_known = True  # placed: a worker serves it
+            state.genai.response_model = request.adapter or request.model
         extra: list[tuple[str, str]] = []
         if self._debug_header:
             extra.append((DECISION_HEADER, describe(decision, request)))
@@ -657,7 +697,18 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
     def _reject(self, state: RequestState, error: ApiError) -> ProcessingResponse:
         state.phase = Phase.DONE
         self._metrics.requests.labels(error.code or error.type).inc()
+        if state.genai is not None:
+            state.genai.refused(error.code or error.type, self._timer())
+            self._record_genai(state)
         return answers.error_answer(error)
+
+
+def _status(headers: HttpHeaders) -> int | None:
+    """The response's ``:status``, when it is a number."""
+    for key, value in header_pairs(headers):
+        if key == ":status":
+            return int(value) if value.isascii() and value.isdigit() else None
+    return None
 
 
 def _bind_request_id(headers: HttpHeaders) -> None:

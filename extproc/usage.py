@@ -1,10 +1,13 @@
-"""Reads the token usage a worker reports in its response body, for tenants charged by tokens per minute.
+"""Reads the token usage a worker reports in its response body: tenants charged by tokens per minute and the
+GenAI token-usage metric use it.
 
 A non-streaming answer carries ``usage`` in its JSON body; a stream carries it in a last chunk
 (``"choices": []`` plus ``usage``) only when the request asked for ``stream_options.include_usage``. extproc
 asks for it on behalf of clients that did not, and then removes that chunk from what they receive, so their
 stream looks exactly as they asked. Envoy sends the response body in chunks (``STREAMED``); an SSE event may
 be split across chunks, so complete events are passed on and a partial one is kept for the next chunk.
+Chunks are only searched for bytes, never JSON-parsed, unless they hold a usage object (``"usage":{``): a
+stream's usage is parsed once, at its last chunk.
 """
 
 from __future__ import annotations
@@ -19,14 +22,18 @@ _EVENT_END = b"\n\n"
 
 
 class UsageWatch:
-    """One response's observer: ``feed`` each body chunk; ``total_tokens`` once the usage was seen."""
+    """One response's observer: ``feed`` each body chunk; ``total_tokens`` once the usage was seen, and
+    ``input_tokens`` / ``output_tokens`` when it named them (``prompt_tokens`` / ``completion_tokens``)."""
 
-    __slots__ = ("_buffer", "_overflow", "hide_usage_chunk", "stream", "total_tokens")
+    __slots__ = ("_buffer", "_overflow", "hide_usage_chunk", "input_tokens", "output_tokens", "stream",
+                 "total_tokens")
 
     def __init__(self, stream: bool, hide_usage_chunk: bool = False) -> None:
         self.stream = stream
         self.hide_usage_chunk = hide_usage_chunk and stream
         self.total_tokens: int | None = None
+        self.input_tokens: int | None = None
+        self.output_tokens: int | None = None
         self._buffer = bytearray()
         self._overflow = False
 
@@ -52,6 +59,8 @@ class UsageWatch:
 
     def _scan(self, chunk: bytes, end_of_stream: bool) -> None:
         """Observe only: look at complete events, keep a partial tail."""
+        if not self._buffer and chunk.endswith(_EVENT_END) and not _may_report_usage(chunk):
+            return  # the common case: whole events, no usage object (``"usage":null`` on every chunk is none)
         self._buffer += chunk
         cut = len(self._buffer) if end_of_stream else self._buffer.rfind(_EVENT_END) + len(_EVENT_END)
         if cut < len(_EVENT_END) and not end_of_stream:
@@ -60,7 +69,7 @@ class UsageWatch:
             return
         complete = bytes(self._buffer[:cut])
         del self._buffer[:cut]
-        if b'"usage"' in complete:
+        if _may_report_usage(complete):
             for event in complete.split(_EVENT_END):
                 self._event_usage(event)
 
@@ -110,13 +119,16 @@ class UsageWatch:
     def _note(self, usage: Any) -> bool:
         if not isinstance(usage, dict):
             return False
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            self.input_tokens, self.output_tokens = prompt, completion
         total = usage.get("total_tokens")
-        if not isinstance(total, int):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if not isinstance(prompt, int) or not isinstance(completion, int):
-                return False
-            total = prompt + completion
-        self.total_tokens = total
+        if isinstance(total, int):
+            self.total_tokens = total
+        elif self.input_tokens is not None and self.output_tokens is not None:
+            self.total_tokens = self.input_tokens + self.output_tokens
+        else:
+            return False
         return True
 
 

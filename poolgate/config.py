@@ -513,6 +513,21 @@ class CatalogueSettings(_Frozen):
         return adapters
 
 
+class ObservabilitySettings(_Frozen):
+    """What extproc measures beyond its own decisions, and where it shows it."""
+
+    genai_metrics: bool = False
+    """Export the OpenTelemetry GenAI metrics (token usage, time to first token, time per output token,
+    request duration; see docs/metrics.md). Every inference response then passes through extproc, its status
+    and its body chunk by chunk: one ext_proc message per streamed chunk, paid in extproc CPU (tens of µs
+    each) and a little latency per chunk; streaming requests get ``stream_options.include_usage`` injected,
+    with the extra usage chunk hidden from clients that did not ask for it. Responses extproc watches anyway
+    (tenants with a tokens-per-minute limit) cost nothing more."""
+    extproc_metrics_port: int | None = Field(None, ge=1, le=65535)
+    """extproc serves Prometheus ``/metrics`` on this port (``poolgate up`` included); ``poolgate extproc
+    --metrics-port`` wins over it. Unset: no metrics endpoint unless the flag is given."""
+
+
 class Config(_Frozen):
     redis_url: str | None = None
     """Redis to use. When empty, ``poolgate up`` starts its own redis-server on a free port."""
@@ -532,6 +547,7 @@ class Config(_Frozen):
     tenancy: TenancySettings = TenancySettings()
     tenants: tuple[TenantSpec, ...] = ()
     catalogue: CatalogueSettings = CatalogueSettings()
+    observability: ObservabilitySettings = ObservabilitySettings()
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:

@@ -54,8 +54,66 @@ def _simworker() -> CollectorRegistry:
     return WorkerMetrics("model", {"block_size": "16", "num_gpu_blocks": "1000"}, 80e9, legacy_kv_metric=True).registry
 
 
+GENAI_SERIES = (
+    ("gen_ai.client.token.usage", "gen_ai_client_token_usage",
+     "input and output tokens of each request whose response reported `usage`"),
+    ("gen_ai.server.request.duration", "gen_ai_server_request_duration_seconds",
+     "every inference request; `error_type` when it failed"),
+    ("gen_ai.server.time_to_first_token", "gen_ai_server_time_to_first_token_seconds",
+     "streamed requests that succeeded"),
+    ("gen_ai.server.time_per_output_token", "gen_ai_server_time_per_output_token_seconds",
+     "streamed requests that succeeded with ≥ 2 output tokens"),
+)
+GENAI_ATTRIBUTES = (
+    ("gen_ai.operation.name", "`chat` (`/v1/chat/completions`) or `text_completion` (`/v1/completions`)"),
+    ("gen_ai.provider.name", "`openai`: the API the workers speak (the attribute was `gen_ai.system` up to "
+                             "conventions v1.36)"),
+    ("gen_ai.request.model", "the model the client asked for; empty for a name neither the catalogue nor the "
+                             "fleet knows"),
+    ("gen_ai.response.model", "the name the worker was sent and answers with (a catalogue version's served "
+                              "name); empty when the request was not placed"),
+    ("gen_ai.token.type", "`input` or `output`"),
+    ("error.type", "extproc's error code (`no_capacity`, `queue_full`, `invalid_api_key` …, as in "
+                   "`poolgate_extproc_requests`), the worker's HTTP status (`500` …), or `incomplete` (the "
+                   "stream closed before the last byte); empty on success"),
+)
+GENAI_INTRO = """\
+The four `gen_ai_*` histograms follow the OpenTelemetry GenAI semantic conventions for metrics, named the way
+OpenTelemetry's Prometheus translation names them: dots become underscores in metric and attribute names,
+the unit `s` adds `_seconds`, the `{token}` annotation adds nothing. Bucket boundaries are the ones the
+conventions recommend, so queries written against these names elsewhere carry over.
+"""
+GENAI_PROSE = """\
+extproc measures from its seat in front of the workers, from the moment it sees the request headers: time
+to first token includes poolgate's queueing and holding for capacity, the trip to the worker and the
+engine's own queue and prefill (the engine's share alone is `vllm:time_to_first_token_seconds`). The first
+token is the first response chunk whose content, text, reasoning or tool call is non-empty (a role-only first
+event does not count). Time per output token is (last chunk − first output chunk) / (output tokens − 1),
+with the output tokens from the usage block. A non-streamed answer arrives whole, its first byte being its
+last: it records duration and token usage only. `server.address` and `server.port` are left out (a series
+per worker for every bucket; `poolgate_extproc_picks` counts placements per worker).
+
+They are recorded only with `observability.genai_metrics` on (off by default; on in `deploy/local.yaml` and
+the Kubernetes config): every inference response then passes through extproc chunk by chunk (one ext_proc
+message per streamed chunk, extproc CPU), and streaming requests get `stream_options.include_usage` added,
+with the extra usage chunk hidden from clients that did not ask for it. Chunks are searched for bytes, never
+parsed; only the usage block is, once per response.
+"""
+
+
+def genai_section() -> list[str]:
+    """How the OpenTelemetry GenAI conventions map onto extproc's ``gen_ai_*`` series."""
+    lines = ["### OpenTelemetry GenAI names", "", GENAI_INTRO,
+             "| OpenTelemetry metric | Prometheus series | recorded |", "|---|---|---|"]
+    lines += [f"| `{otel}` | `{prometheus}` | {when} |" for otel, prometheus, when in GENAI_SERIES]
+    lines += ["", "| attribute | label | value |", "|---|---|---|"]
+    lines += [f"| `{name}` | `{name.replace('.', '_')}` | {value} |" for name, value in GENAI_ATTRIBUTES]
+    return [*lines, "", GENAI_PROSE]
+
+
 PROCESSES = {
-    "extproc": (_extproc, "`poolgate extproc --metrics-port P`, `/metrics`"),
+    "extproc": (_extproc, "`poolgate extproc --metrics-port P` (or `observability.extproc_metrics_port`), "
+                          "`/metrics`"),
     "controller": (_controller, "the controller's HTTP API port, `/metrics` (no token needed)"),
     "simworker": (_simworker, "each simulated worker's port, `/metrics` (vLLM's names; a real `vllm serve` "
                               "exports these vLLM series and more)"),
@@ -107,6 +165,8 @@ def render() -> str:
             meaning = family.help.replace("|", "\\|")
             lines.append(f"| `{family.name}` | {family.type} | {labels} | {meaning} |")
         lines.append("")
+        if process == "extproc":
+            lines += genai_section()
     return "\n".join(lines)
 
 

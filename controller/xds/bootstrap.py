@@ -159,11 +159,11 @@ def _ext_proc(config: Config) -> hcm_pb2.HttpFilter:
         metadata_options=ext_proc_pb2.MetadataOptions(
             receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(untyped=[LB_METADATA_NAMESPACE])
         ),
-        # extproc asks for the response body (mode_override at the request headers) only for requests
-        # whose token usage it must read: tenants with a tokens-per-minute limit. Everyone else keeps NONE.
-        # So do requests sent to a catalogue version under another name (the public name is restored).
-        allow_mode_override=(any(t.tokens_per_minute for t in config.tenants) and config.tenancy.reconcile_usage)
-        or bool(config.catalogue.models),
+        # extproc asks for the response (mode_override on its request-headers answer) only for requests whose
+        # response it must read: usage of tenants with a tokens-per-minute limit, the public model name of a
+        # catalogue version, the GenAI metrics. Every other request keeps response headers SKIP and body NONE,
+        # so allowing the override costs nothing where it is not used.
+        allow_mode_override=True,
     )
     if not settings.fail_open:
         filter_config.status_on_error.CopyFrom(http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable))

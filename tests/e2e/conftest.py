@@ -170,7 +170,9 @@ def _pids_mentioning(run_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="session")
 def stack(redis_server: object) -> Iterator[RunningStack]:
-    with poolgate_up(E2E_CONFIG, redis_server.url) as running:  # type: ignore[attr-defined]
+    """The shared stack; with the GenAI metrics on, every routed response passes through extproc."""
+    config = {**E2E_CONFIG, "observability": {"genai_metrics": True, "extproc_metrics_port": free_port()}}
+    with poolgate_up(config, redis_server.url) as running:  # type: ignore[attr-defined]
         yield running
 
 

@@ -7,6 +7,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import RunningStack
 
@@ -38,6 +39,23 @@ def test_access_log_names_pool_worker_and_request(stack: RunningStack) -> None:
         time.sleep(0.1)
     line = next(line for line in log.read_text().splitlines() if request_id in line)
     assert "cluster=pool-chat" in line and f"worker={worker}" in line and " 200 " in line, line
+
+
+def test_gateway_genai_metrics_without_tenants(stack: RunningStack) -> None:
+    """No tenant reads usage here: the GenAI metrics alone make Envoy pass the streamed response to extproc."""
+    port = stack.config["observability"]["extproc_metrics_port"]
+
+    def series(name: str) -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == name and sample.labels.get("gen_ai_request_model") == "code-model")
+
+    names = ("gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_time_per_output_token_seconds_count")
+    before = [series(name) for name in names]
+    chunks = list(client(stack).completions.create(model="code-model", prompt="def f(x):", max_tokens=6,
+                                                     stream=True))
+    assert chunks and all(chunk.usage is None for chunk in chunks)  # the injected usage chunk stays hidden
+    assert [series(name) - then for name, then in zip(names, before, strict=True)] == [1, 1]
 
 
 def test_completion_and_streaming(stack: RunningStack) -> None:

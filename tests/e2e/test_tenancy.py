@@ -1,5 +1,6 @@
 """Tenants through real Envoy (``poolgate up`` with a tenants config): keys, forged headers, model rights,
-quotas with Retry-After, and usage reconciled from a real stream whose extra usage chunk the client never sees."""
+quotas with Retry-After, usage reconciled from a real stream whose extra usage chunk the client never sees, and
+the same usage in extproc's OpenTelemetry GenAI metrics for a tenant without a token quota."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import httpx
 import openai
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.quota import WINDOW_S, QuotaKeys
 from extproc.tenancy import key_digest
+from poolgate.procs import free_port
 from tests.e2e.conftest import RunningStack, poolgate_up
 
 pytestmark = pytest.mark.e2e
@@ -39,7 +42,8 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def tenancy_stack(redis_server: object) -> Iterator[RunningStack]:
-    with poolgate_up(CONFIG, redis_server.url) as stack:  # type: ignore[attr-defined]
+    config = {**CONFIG, "observability": {"genai_metrics": True, "extproc_metrics_port": free_port()}}
+    with poolgate_up(config, redis_server.url) as stack:  # type: ignore[attr-defined]
         # With keys required, READY means the router answers; wait until each pool serves a keyed request too.
         deadline = time.monotonic() + 60
         for key, model in ((KEYS["gold"], "chat-model"), (KEYS["metered"], "chat-model"),
@@ -120,3 +124,43 @@ def test_stream_usage_is_charged_and_the_extra_chunk_hidden(tenancy_stack: Runni
         assert int(store.get(key) or 0) - before == 2 * usage.total_tokens
     finally:
         store.close()
+
+
+def genai_series(stack: RunningStack, name: str, **labels: str) -> float:
+    """The sum of extproc's ``name`` samples for chat-model whose labels include ``labels``."""
+    port = stack.config["observability"]["extproc_metrics_port"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    wanted = {"gen_ai_request_model": "chat-model", **labels}
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and wanted.items() <= sample.labels.items())
+
+
+def test_genai_metrics_count_a_streams_tokens_and_the_client_never_sees_the_usage_chunk(
+        tenancy_stack: RunningStack) -> None:
+    """gold has no token quota: the usage chunk is asked for, read and hidden for the GenAI metrics alone."""
+    api = client(tenancy_stack, KEYS["gold"])
+    ask = {"model": "chat-model", "messages": [{"role": "user", "content": "count to ten"}], "max_tokens": 12,
+           "stream": True}
+
+    def totals() -> tuple[float, ...]:
+        return (genai_series(tenancy_stack, "gen_ai_client_token_usage_count", gen_ai_token_type="input"),
+                genai_series(tenancy_stack, "gen_ai_client_token_usage_sum", gen_ai_token_type="input"),
+                genai_series(tenancy_stack, "gen_ai_client_token_usage_sum", gen_ai_token_type="output"),
+                genai_series(tenancy_stack, "gen_ai_server_time_to_first_token_seconds_count"),
+                genai_series(tenancy_stack, "gen_ai_server_request_duration_seconds_count", error_type=""))
+
+    def since(before: tuple[float, ...]) -> tuple[float, ...]:
+        # Recorded as extproc sees the last chunk, so before Envoy passes that chunk to the client.
+        return tuple(now - then for then, now in zip(before, totals(), strict=True))
+
+    before = totals()
+    with_usage = list(api.chat.completions.create(**ask, stream_options={"include_usage": True}))  # type: ignore[call-overload]
+    usage = with_usage[-1].usage
+    assert usage is not None  # a client that asked gets its chunk
+    assert since(before) == (1, usage.prompt_tokens, usage.completion_tokens, 1, 1)
+
+    before = totals()
+    chunks = list(api.chat.completions.create(**ask))  # type: ignore[call-overload]
+    assert chunks and all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+    generated = sum(1 for c in chunks if c.choices[0].delta.content)
+    assert since(before) == (1, usage.prompt_tokens, generated, 1, 1)

@@ -115,7 +115,7 @@ def test_ext_proc_settings(fail_open: bool) -> None:
     assert list(filter_config.metadata_options.receiving_namespaces.untyped) == [LB_METADATA_NAMESPACE]
     assert 2 <= filter_config.message_timeout.seconds <= 5
     assert filter_config.max_message_timeout.seconds >= 60
-    assert filter_config.allow_mode_override is False
+    assert filter_config.allow_mode_override is True  # extproc asks per request for what it must read
 
 
 def test_routes_follow_the_cluster_header_then_fail_open() -> None:
