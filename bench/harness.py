@@ -39,9 +39,11 @@ async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, flo
     return samples
 
 
-def lag_quantile(before: Mapping[str, float], after: Mapping[str, float], share: float) -> float:
-    """A quantile of the simulator's step-lag histogram between two scrapes (linear within a bucket)."""
-    prefix = "poolgate_sim_step_lag_seconds_bucket|"
+def lag_quantile(before: Mapping[str, float], after: Mapping[str, float], share: float,
+                 histogram: str = "poolgate_sim_step_lag_seconds") -> float:
+    """A quantile of a histogram between two scrapes (linear within a bucket); by default the simulator's
+    step lag."""
+    prefix = f"{histogram}_bucket|"
     buckets = sorted((float(key[len(prefix):]), after[key] - before.get(key, 0.0))
                      for key in after if key.startswith(prefix))
     if not buckets or buckets[-1][1] <= 0:

@@ -1,11 +1,18 @@
 """``poolgate bench tenants --out DIR [--quick]``: does a gold tenant keep its latency while bronze bursts?
 
-One pool of simulated workers behind ``poolgate up`` with two keyed tenants: gold (class ``high``) and
-bronze (class ``low``, with a concurrency and a tokens-per-minute limit). The fleet's capacity C (requests/s
-of the fixed request shape) is measured first with a closed loop. Then:
+One pool of simulated L4 workers behind ``poolgate up`` with two keyed tenants: gold (class ``high``) and
+bronze (class ``low``, with a concurrency limit and a tokens-per-minute limit of 10 % of the fleet's
+tokens). The fleet's capacity C (requests/s of the fixed request shape) is measured first with a closed
+loop, after a warm-up. Then, on a fresh stack:
 
 1. gold alone, open loop (Poisson) at 0.4 C;
-2. gold again at 0.4 C while bronze sends 3 C.
+2. gold again at 0.4 C, the same arrival times, while bronze sends 3 C.
+
+Every request that gets through adds a prefill to some engine step, which lengthens the first token of
+whatever else is in that step: gold's TTFT with the burst rises with the share of the fleet bronze is
+allowed, which the operator sets (its tokens-per-minute limit, ``lower_class_inflight_fraction``). The
+workers' own TTFT and how far the simulated GPUs lagged real time are reported per phase to separate
+the modelled fleet from this machine's CPUs.
 
 Reported: gold's p99 TTFT in 2 over 1 (target ≤ 1.25×), bronze's answers (429s vs client timeouts: the
 target is that excess is shed with 429 and nothing times out), and per tenant the real tokens (the usage
@@ -23,8 +30,9 @@ import json
 import random
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +40,7 @@ import aiohttp
 import orjson
 import yaml
 
+from bench.harness import lag_quantile, scrape
 from bench.report import write_report
 from extproc.tenancy import key_digest
 from poolgate.config import load_config
@@ -44,7 +53,7 @@ PROMPT_WORDS = 200
 OUTPUT_TOKENS = 64
 CLIENT_TIMEOUT_S = 30.0
 GOLD_SEED = 1
-BRONZE_TPM_SHARE = 0.15
+BRONZE_TPM_SHARE = 0.1
 """Bronze's tokens-per-minute limit as a share of the fleet's capacity."""
 PRESET = "l4-24gb"
 """A slow card, so the fleet's capacity is set by the modelled GPUs, not by this machine's CPUs running the
@@ -64,22 +73,19 @@ class Result:
     total_tokens: int = 0
     timed_out: bool = False
     error: str = ""
+    refusal: str = ""
+    """The error code of a non-200 answer (``tokens_per_minute``, ``queue_deadline``, ...)."""
 
 
-@dataclass
-class Phase:
-    name: str
-    results: list[Result] = field(default_factory=list)
-
-
-def config(workers: int, bronze_tpm: int, gold_tpm: int, bronze_concurrency: int) -> dict[str, Any]:
+def config(ports: Sequence[int], bronze_tpm: int, gold_tpm: int, bronze_concurrency: int) -> dict[str, Any]:
     return {
         "key_prefix": "bench-tenants",
         "controller": {"heartbeat_interval_s": 0.5, "heartbeat_ttl_s": 5.0},
         "pools": [{"name": "chat", "model": MODEL}],
-        "workers": [{"id": f"chat-{i}", "pool": "chat", "preset": PRESET,
+        "workers": [{"id": f"chat-{i}", "pool": "chat", "preset": PRESET, "port": port,
                      "extra_args": ["--log-level", "WARNING",
-                                    "--max-num-seqs", str(CAPACITY_CONCURRENCY_PER_WORKER)]} for i in range(workers)],
+                                    "--max-num-seqs", str(CAPACITY_CONCURRENCY_PER_WORKER)]}
+                    for i, port in enumerate(ports)],
         # The saturation gate: bronze (low) fills a worker only to a quarter of the concurrency the fleet's
         # capacity was measured at; the rest is gold's headroom, and bronze's excess waits in extproc's queue.
         "scheduling": {"max_wait_s": 5.0, "max_inflight_per_worker": CAPACITY_CONCURRENCY_PER_WORKER,
@@ -117,7 +123,7 @@ async def one(session: aiohttp.ClientSession, url: str, tenant: str, seed: int, 
             async with session.post(url, data=body(seed), headers=headers) as response:
                 result.status = response.status
                 if response.status != 200:
-                    await response.read()
+                    result.refusal = refusal_code(await response.read())
                     return result
                 pending = b""
                 async for chunk in response.content.iter_any():
@@ -130,6 +136,14 @@ async def one(session: aiohttp.ClientSession, url: str, tenant: str, seed: int, 
     except (aiohttp.ClientError, OSError) as exc:
         result.error = type(exc).__name__
     return result
+
+
+def refusal_code(body: bytes) -> str:
+    """The ``error.code`` of an OpenAI-style error body ("?" when there is none)."""
+    try:
+        return str(orjson.loads(body)["error"]["code"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return "?"
 
 
 def read_event(result: Result, event: bytes, elapsed_s: float) -> None:
@@ -159,22 +173,26 @@ async def open_loop(session: aiohttp.ClientSession, url: str, tenant: str, rate:
     return list(await asyncio.gather(*tasks))
 
 
-async def capacity(session: aiohttp.ClientSession, url: str, duration_s: float, concurrency: int) -> float:
-    """Completed requests per second with ``concurrency`` back-to-back gold clients."""
+async def capacity(session: aiohttp.ClientSession, url: str, warmup_s: float, duration_s: float,
+                   concurrency: int) -> float:
+    """Requests per second completed by ``concurrency`` back-to-back gold clients, counted after a warm-up
+    (until the first requests finish, completions undercount the steady rate)."""
     loop = asyncio.get_running_loop()
     start = loop.time()
+    window = (warmup_s, warmup_s + duration_s)
     done = 0
 
     async def client(index: int) -> None:
         nonlocal done
         seed = index * 10_000
-        while loop.time() - start < duration_s:
+        while loop.time() - start < window[1]:
             seed += 1
-            if (await one(session, url, "gold", seed, start)).status == 200:
+            result = await one(session, url, "gold", seed, start)
+            if result.status == 200 and result.done_at is not None and window[0] <= result.done_at <= window[1]:
                 done += 1
 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
-    return done / (loop.time() - start)
+    return done / duration_s
 
 
 def p99(values: Sequence[float]) -> float | None:
@@ -201,21 +219,23 @@ def summarise(results: Sequence[Result]) -> dict[str, Any]:
     return {"sent": len(results), "ok": len(ok), "http_429": sum(r.status == 429 for r in results),
             "other_status": sum(r.status not in (0, 200, 429) for r in results),
             "client_timeouts": sum(r.timed_out for r in results), "errors": sum(bool(r.error) for r in results),
+            "refusals": dict(Counter(r.refusal for r in results if r.refusal)),
             "p99_ttft_s": p99([r.ttft_s for r in ok if r.ttft_s is not None])}
 
 
 async def run(quick: bool) -> dict[str, Any]:
-    workers, phase_s, measure_s = (2, 20.0, 8.0) if quick else (2, 90.0, 20.0)
+    workers, phase_s, measure_s = (2, 20.0, 10.0) if quick else (2, 150.0, 30.0)
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-bench-tenants-"))
     tokens_per_request = PROMPT_WORDS + 8 + OUTPUT_TOKENS
     # Limits are set after measuring capacity; start with generous ones for the measurement.
     config_path = run_dir / "poolgate.yaml"
-    config_path.write_text(yaml.safe_dump(config(workers, 10**9, 10**9, 10**6)))
+    ports = [free_port() for _ in range(workers)]
+    config_path.write_text(yaml.safe_dump(config(ports, 10**9, 10**9, 10**6)))
     stack = await start_stack(config_path, run_dir)
     try:
         url = stack.base_url + "/chat/completions"
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            fleet_rps = await capacity(session, url, measure_s,
+            fleet_rps = await capacity(session, url, warmup_s=10.0, duration_s=measure_s,
                                        concurrency=CAPACITY_CONCURRENCY_PER_WORKER * workers)
     finally:
         await stack.stop()
@@ -223,23 +243,29 @@ async def run(quick: bool) -> dict[str, Any]:
     gold_tpm = int(fleet_rps * 60 * tokens_per_request)  # never binding at 40 %
     # Below the share the gate would leave bronze, so the tokens-per-minute limit, not the gate, binds it.
     bronze_tpm = int(BRONZE_TPM_SHARE * fleet_rps * 60 * tokens_per_request)
-    config_path.write_text(yaml.safe_dump(config(workers, bronze_tpm, gold_tpm, bronze_concurrency=32 * workers)))
+    config_path.write_text(yaml.safe_dump(config(ports, bronze_tpm, gold_tpm, bronze_concurrency=32 * workers)))
     stack = await start_stack(config_path, run_dir)
-    phases: dict[str, dict[str, Any]] = {}
     try:
         url = stack.base_url + "/chat/completions"
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             loop = asyncio.get_running_loop()
+            worker_urls = [f"http://127.0.0.1:{port}" for port in ports]
+            before = await worker_histograms(session, worker_urls)
             start = loop.time()
             # Gold's arrivals are the same draw in both phases, so the two latency figures compare like for like.
             alone = await open_loop(session, url, "gold", gold_rate, phase_s, start, GOLD_SEED)
+            middle = await worker_histograms(session, worker_urls)
             await asyncio.sleep(5)
+            paused = await worker_histograms(session, worker_urls)
             start = loop.time()
             gold, bronze = await asyncio.gather(open_loop(session, url, "gold", gold_rate, phase_s, start, GOLD_SEED),
                                                 open_loop(session, url, "bronze", bronze_rate, phase_s, start, 3))
+            after = await worker_histograms(session, worker_urls)
     finally:
         await stack.stop()
     phases = {"gold_alone": summarise(alone), "gold_with_burst": summarise(gold), "bronze_burst": summarise(bronze)}
+    phases["gold_alone"].update(worker_figures(before, middle))
+    phases["gold_with_burst"].update(worker_figures(paused, after))
     alone_p99, burst_p99 = phases["gold_alone"]["p99_ttft_s"], phases["gold_with_burst"]["p99_ttft_s"]
     report = {
         "quick": quick, "workers": workers, "phase_s": phase_s, "fleet_capacity_rps": fleet_rps,
@@ -255,6 +281,28 @@ async def run(quick: bool) -> dict[str, Any]:
                     "bronze": [asdict(r) for r in bronze]},
     }
     return report
+
+
+WORKER_HISTOGRAMS = {"sim_step_lag": "poolgate_sim_step_lag_seconds",
+                     "worker_ttft": "vllm:time_to_first_token_seconds"}
+
+
+async def worker_histograms(session: aiohttp.ClientSession, worker_urls: Sequence[str]) -> dict[str, float]:
+    """The workers' step-lag and TTFT histogram buckets, summed over workers."""
+    merged: dict[str, float] = {}
+    prefixes = tuple(f"{name}_bucket|" for name in WORKER_HISTOGRAMS.values())
+    for samples in await asyncio.gather(*(scrape(session, url) for url in worker_urls)):
+        for key, value in samples.items():
+            if key.startswith(prefixes):
+                merged[key] = merged.get(key, 0.0) + value
+    return merged
+
+
+def worker_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the workers saw during a phase: how far the simulated GPUs fell behind real time (this machine's
+    CPUs, not the modelled fleet) and the engine-side TTFT of every request (both tenants)."""
+    return {f"{name}_{label}_ms": lag_quantile(before, after, share, histogram) * 1000
+            for name, histogram in WORKER_HISTOGRAMS.items() for label, share in (("p50", 0.5), ("p99", 0.99))}
 
 
 async def start_stack(config_path: Path, run_dir: Path) -> Stack:
