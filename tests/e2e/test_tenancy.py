@@ -149,18 +149,26 @@ def test_genai_metrics_count_a_streams_tokens_and_the_client_never_sees_the_usag
                 genai_series(tenancy_stack, "gen_ai_server_time_to_first_token_seconds_count"),
                 genai_series(tenancy_stack, "gen_ai_server_request_duration_seconds_count", error_type=""))
 
-    def since(before: tuple[float, ...]) -> tuple[float, ...]:
-        # Recorded as extproc sees the last chunk, so before Envoy passes that chunk to the client.
-        return tuple(now - then for then, now in zip(before, totals(), strict=True))
+    def since(before: tuple[float, ...], expected: tuple[float, ...]) -> tuple[float, ...]:
+        """The growth since ``before``, once it is ``expected`` or after 5 s: extproc records at the response's
+        end of stream, which Envoy may pass on a moment after the client has read ``[DONE]``."""
+        deadline = time.monotonic() + 5
+        while (grown := tuple(now - then for then, now in zip(before, totals(), strict=True))) != expected:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return grown
 
     before = totals()
     with_usage = list(api.chat.completions.create(**ask, stream_options={"include_usage": True}))  # type: ignore[call-overload]
     usage = with_usage[-1].usage
     assert usage is not None  # a client that asked gets its chunk
-    assert since(before) == (1, usage.prompt_tokens, usage.completion_tokens, 1, 1)
+    expected = (1, usage.prompt_tokens, usage.completion_tokens, 1, 1)
+    assert since(before, expected) == expected
 
     before = totals()
     chunks = list(api.chat.completions.create(**ask))  # type: ignore[call-overload]
     assert chunks and all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
     generated = sum(1 for c in chunks if c.choices[0].delta.content)
-    assert since(before) == (1, usage.prompt_tokens, generated, 1, 1)
+    expected = (1, usage.prompt_tokens, generated, 1, 1)
+    assert since(before, expected) == expected
