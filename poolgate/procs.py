@@ -10,9 +10,10 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL after ``grace_s``: a child that hangs on shutdown must not outlive its owner."""
     proc.terminate()
     try:

@@ -6,10 +6,11 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from poolgate.procs import free_port, stop_process
 
@@ -60,3 +61,11 @@ def redis_server() -> Iterator[RedisServer]:
 def redis_url(redis_server: RedisServer) -> str:
     redis_server.flush()
     return redis_server.url
+
+
+@pytest.fixture()
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """An asyncio client of the tests' own Redis, emptied for this test; closed after it."""
+    client = aioredis.from_url(redis_url)
+    yield client
+    await client.aclose()

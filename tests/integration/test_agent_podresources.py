@@ -26,6 +26,7 @@ from controller.agent.kubelet.podresources_pb2 import (
 from controller.agent.podresources import PodResourcesClient, PodResourcesError
 from poolgate.config import parse_config
 from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from tests.manual_clock import ManualClock
 
 CONFIG = parse_config({
     "pools": [{"name": "chat", "model": "m"}],
@@ -90,13 +91,6 @@ async def kubelet(socket_dir: Path) -> AsyncIterator[StandInKubelet]:
     await stand_in.stop()
 
 
-@pytest.fixture()
-async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
 class Pages:
     """``/metrics`` by worker address; records which workers were scraped."""
 
@@ -108,14 +102,6 @@ class Pages:
         return PAGE
 
 
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class StaticGpus:
     def read(self) -> dict[int, GpuSample]:
         return {GPU_A.index: GPU_A, GPU_B.index: GPU_B}
@@ -124,13 +110,13 @@ class StaticGpus:
         pass
 
 
-async def register(redis: aioredis.Redis, worker_id: str, host: str, node: str) -> None:
+async def register(redis_client: aioredis.Redis, worker_id: str, host: str, node: str) -> None:
     record = WorkerRecord(id=worker_id, pool="chat", model="m", host=host, port=8000, node=node)
-    await register_worker(redis, KEYS, record, ttl_s=10.0)
+    await register_worker(redis_client, KEYS, record, ttl_s=10.0)
 
 
-async def fleet(redis: aioredis.Redis) -> dict[str, WorkerRecord]:
-    return {r.id: r for r in await read_fleet(redis, KEYS)}
+async def fleet(redis_client: aioredis.Redis) -> dict[str, WorkerRecord]:
+    return {r.id: r for r in await read_fleet(redis_client, KEYS)}
 
 
 async def test_client_lists_gpus_per_pod(kubelet: StandInKubelet) -> None:
@@ -152,20 +138,20 @@ async def test_client_raises_its_own_error_when_the_kubelet_is_away(socket_dir: 
         await client.close()
 
 
-async def test_agent_on_a_node_attributes_each_pods_gpus(redis: aioredis.Redis, kubelet: StandInKubelet) -> None:
-    await register(redis, "pg-chat-1", "10.42.0.7", node="gpu-a")
-    await register(redis, "pg-chat-2", "10.42.0.8", node="gpu-a")
-    await register(redis, "pg-chat-3", "10.42.1.9", node="gpu-b")
+async def test_agent_on_a_node_attributes_each_pods_gpus(redis_client: aioredis.Redis, kubelet: StandInKubelet) -> None:
+    await register(redis_client, "pg-chat-1", "10.42.0.7", node="gpu-a")
+    await register(redis_client, "pg-chat-2", "10.42.0.8", node="gpu-a")
+    await register(redis_client, "pg-chat-3", "10.42.1.9", node="gpu-b")
     kubelet.pods = [gpu_pod("pg-chat-1", "GPU-bbbb"), gpu_pod("pg-chat-2", "GPU-aaaa"),
                     gpu_pod("pg-chat-1", "GPU-aaaa", namespace="elsewhere")]  # same name, not ours
-    pages, clock = Pages(), ManualClock()
+    pages, clock = Pages(), ManualClock(1000.0)
     client = PodResourcesClient(kubelet.socket_path, timeout_s=0.5)
-    agent = Agent(CONFIG, redis, KEYS, pages, StaticGpus(), node="gpu-a", pod_gpus=client, clock=clock,
+    agent = Agent(CONFIG, redis_client, KEYS, pages, StaticGpus(), node="gpu-a", pod_gpus=client, clock=clock,
                   fleet_refresh_s=2.0)
     try:
         await agent.tick()
         assert sorted(pages.fetched) == ["10.42.0.7", "10.42.0.8"]
-        workers = await fleet(redis)
+        workers = await fleet(redis_client)
         first, second = workers["pg-chat-1"], workers["pg-chat-2"]
         assert (first.gpu_memory_free_mib, first.gpu_utilization) == (20000.0, 0.9)
         assert (second.gpu_memory_free_mib, second.gpu_utilization) == (70000.0, 0.1)
@@ -176,46 +162,48 @@ async def test_agent_on_a_node_attributes_each_pods_gpus(redis: aioredis.Redis, 
         clock.now += 2.0  # the assignments are re-read with the fleet
         await agent.tick()
         assert agent.stats.pod_gpu_read_failures == 1
-        assert (await fleet(redis))["pg-chat-1"].gpu_memory_free_mib == 20000.0
+        assert (await fleet(redis_client))["pg-chat-1"].gpu_memory_free_mib == 20000.0
     finally:
         await client.close()
 
 
-async def test_run_agent_with_a_node_uses_the_kubelet_socket(redis: aioredis.Redis, kubelet: StandInKubelet) -> None:
-    await register(redis, "pg-chat-1", "10.42.0.7", node="gpu-a")
+async def test_run_agent_with_a_node_uses_the_kubelet_socket(redis_client: aioredis.Redis,
+                                                             kubelet: StandInKubelet) -> None:
+    await register(redis_client, "pg-chat-1", "10.42.0.7", node="gpu-a")
     kubelet.pods = [gpu_pod("pg-chat-1", "GPU-bbbb")]
 
     def nvml(_: str) -> GpuReader:
         return StaticGpus()  # type: ignore[return-value]
 
     stop = asyncio.Event()
-    task = asyncio.create_task(run_agent(CONFIG, redis, KEYS, stop, node="gpu-a", source=Pages(), open_nvml=nvml,
+    task = asyncio.create_task(run_agent(CONFIG, redis_client, KEYS, stop, node="gpu-a", source=Pages(), open_nvml=nvml,
                                          pod_resources_socket=kubelet.socket_path))
     try:
         for _ in range(100):
-            if (await fleet(redis))["pg-chat-1"].gpu_memory_free_mib == 20000.0:
+            if (await fleet(redis_client))["pg-chat-1"].gpu_memory_free_mib == 20000.0:
                 break
             await asyncio.sleep(0.02)
-        assert (await fleet(redis))["pg-chat-1"].gpu_memory_free_mib == 20000.0
+        assert (await fleet(redis_client))["pg-chat-1"].gpu_memory_free_mib == 20000.0
         assert kubelet.calls >= 1
     finally:
         stop.set()
         await asyncio.wait_for(task, 2.0)
 
 
-async def test_run_agent_without_the_socket_still_serves_its_node(redis: aioredis.Redis, socket_dir: Path) -> None:
-    await register(redis, "pg-chat-1", "10.42.0.7", node="gpu-a")
+async def test_run_agent_without_the_socket_still_serves_its_node(redis_client: aioredis.Redis,
+                                                                 socket_dir: Path) -> None:
+    await register(redis_client, "pg-chat-1", "10.42.0.7", node="gpu-a")
     pages = Pages()
     stop = asyncio.Event()
-    task = asyncio.create_task(run_agent(CONFIG, redis, KEYS, stop, node="gpu-a", source=pages,
+    task = asyncio.create_task(run_agent(CONFIG, redis_client, KEYS, stop, node="gpu-a", source=pages,
                                          open_nvml=lambda _: None,
                                          pod_resources_socket=str(socket_dir / "missing.sock")))
     try:
         for _ in range(100):
-            if (await fleet(redis))["pg-chat-1"].running == 1:
+            if (await fleet(redis_client))["pg-chat-1"].running == 1:
                 break
             await asyncio.sleep(0.02)
-        assert (await fleet(redis))["pg-chat-1"].running == 1
+        assert (await fleet(redis_client))["pg-chat-1"].running == 1
         assert pages.fetched[0] == "10.42.0.7"
     finally:
         stop.set()

@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import orjson
 import pytest
-import redis.asyncio as redis_asyncio
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
@@ -110,13 +109,6 @@ async def running_extproc(redis_url: str, cfg: Config | None = None) -> AsyncIte
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
-
-
-@pytest.fixture()
-async def redis_client(redis_url: str) -> AsyncIterator[Any]:
-    client = redis_asyncio.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 def pin_of(answer: ProcessingResponse) -> str:

@@ -15,7 +15,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from poolgate.procs import free_port
+from poolgate.procs import free_port, stop_process
 
 CONFIG = {"pools": [{"name": "chat", "model": "m"}], "key_prefix": "health-it"}
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -40,13 +40,7 @@ def extproc(redis_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[s
         finally:
             channel.close()
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace_s=10)
         proc.stdout.close()
 
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import orjson
 import pytest
-import redis.asyncio as redis_asyncio
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
@@ -32,13 +30,6 @@ def config(max_wait_s: float = 5.0) -> Config:
 def worker(worker_id: str, port: int, kv_usage: float) -> WorkerRecord:
     return WorkerRecord(id=worker_id, pool="chat", model="llama", host="127.0.0.1", port=port,
                         max_model_len=16384, kv_capacity_tokens=10_000, kv_usage=kv_usage)
-
-
-@pytest.fixture()
-async def redis_client(redis_url: str) -> AsyncIterator[Any]:
-    client = redis_asyncio.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 async def held_exchange(extproc: Extproc, data: object) -> tuple[list[ProcessingResponse], float]:

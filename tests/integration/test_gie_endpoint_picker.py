@@ -164,12 +164,7 @@ def extproc(redis_url: str, fleet: aioredis.Redis, tmp_path: Path) -> Iterator[i
         assert "listening on" in line, line
         yield int(line.split()[4].split(":")[1])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace_s=10)
         if proc.stdout is not None:
             proc.stdout.close()
 

@@ -25,6 +25,7 @@ from poolgate.fleet import (
     record_passive_failure,
     register_worker,
 )
+from tests.manual_clock import ManualClock
 
 CONFIG = parse_config({
     "pools": [{"name": "chat", "model": "m1"}],
@@ -36,30 +37,15 @@ CONFIG = parse_config({
 KEYS = FleetKeys("ctl")
 
 
-@pytest.fixture()
-async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
-async def register(redis: aioredis.Redis, worker_id: str = "w1") -> None:
-    await register_worker(redis, KEYS, WorkerRecord(id=worker_id, pool="chat", model="m1", host="127.0.0.1",
+async def register(redis_client: aioredis.Redis, worker_id: str = "w1") -> None:
+    await register_worker(redis_client, KEYS, WorkerRecord(id=worker_id, pool="chat", model="m1", host="127.0.0.1",
                                                      port=9001), ttl_s=30)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def test_only_one_controller_holds_the_lease(redis: aioredis.Redis) -> None:
-    clock = Clock()
-    first = LeaderLease(redis, KEYS, "a", ttl_s=5, clock=clock)
-    second = LeaderLease(redis, KEYS, "b", ttl_s=5, clock=clock)
+async def test_only_one_controller_holds_the_lease(redis_client: aioredis.Redis) -> None:
+    clock = ManualClock()
+    first = LeaderLease(redis_client, KEYS, "a", ttl_s=5, clock=clock)
+    second = LeaderLease(redis_client, KEYS, "b", ttl_s=5, clock=clock)
     assert await first.renew() and first.is_leader()
     assert not await second.renew() and not second.is_leader()
     clock.now += 4.1  # past 80 % of the TTL without a renewal: stop acting before Redis would expire it
@@ -85,71 +71,71 @@ class Remedies:
         self.calls.append((worker_id, remedy))
 
 
-async def state(redis: aioredis.Redis) -> WorkerState:
-    [record] = await read_fleet(redis, KEYS)
+async def state(redis_client: aioredis.Redis) -> WorkerState:
+    [record] = await read_fleet(redis_client, KEYS)
     return record.state
 
 
-async def test_monitor_writes_states_and_asks_for_a_replacement(redis: aioredis.Redis) -> None:
-    await register(redis)
-    prober, remedies, clock = ScriptedProber(), Remedies(), Clock()
-    monitor = HealthMonitor(CONFIG, redis, KEYS, prober, remedies, clock=clock)
+async def test_monitor_writes_states_and_asks_for_a_replacement(redis_client: aioredis.Redis) -> None:
+    await register(redis_client)
+    prober, remedies, clock = ScriptedProber(), Remedies(), ManualClock()
+    monitor = HealthMonitor(CONFIG, redis_client, KEYS, prober, remedies, clock=clock)
     prober.ok = False
     for _ in range(3):
         await monitor.round()
         clock.now += 0.5
-    assert await state(redis) is WorkerState.FAILED
+    assert await state(redis_client) is WorkerState.FAILED
     clock.now += 2.0
     await monitor.round()
     assert remedies.calls == [("w1", Remedy.REPLACE)]
     prober.ok = True
     await monitor.round()
-    assert await state(redis) is WorkerState.FAILED
+    assert await state(redis_client) is WorkerState.FAILED
     await monitor.round()
-    assert await state(redis) is WorkerState.READY
+    assert await state(redis_client) is WorkerState.READY
     assert monitor.stats.transitions == {"Ready->Failed": 1, "Failed->Ready": 1}
 
 
-async def test_passive_failures_reported_through_redis_eject_at_once(redis: aioredis.Redis) -> None:
-    await register(redis)
-    monitor = HealthMonitor(CONFIG, redis, KEYS, ScriptedProber(), clock=Clock())
-    await record_passive_failure(redis, KEYS, "w1", 5)  # from before the monitor first looked: a baseline
+async def test_passive_failures_reported_through_redis_eject_at_once(redis_client: aioredis.Redis) -> None:
+    await register(redis_client)
+    monitor = HealthMonitor(CONFIG, redis_client, KEYS, ScriptedProber(), clock=ManualClock())
+    await record_passive_failure(redis_client, KEYS, "w1", 5)  # from before the monitor first looked: a baseline
     await monitor.round()
-    assert await state(redis) is WorkerState.READY
-    await record_passive_failure(redis, KEYS, "w1")
-    await record_passive_failure(redis, KEYS, "w1")
+    assert await state(redis_client) is WorkerState.READY
+    await record_passive_failure(redis_client, KEYS, "w1")
+    await record_passive_failure(redis_client, KEYS, "w1")
     await monitor.round()
-    assert await state(redis) is WorkerState.FAILED
+    assert await state(redis_client) is WorkerState.FAILED
 
 
-async def test_follower_does_nothing(redis: aioredis.Redis) -> None:
-    await register(redis)
+async def test_follower_does_nothing(redis_client: aioredis.Redis) -> None:
+    await register(redis_client)
     prober = ScriptedProber()
     prober.ok = False
-    monitor = HealthMonitor(CONFIG, redis, KEYS, prober, is_leader=lambda: False)
+    monitor = HealthMonitor(CONFIG, redis_client, KEYS, prober, is_leader=lambda: False)
     for _ in range(5):
         await monitor.round()
-    assert await state(redis) is WorkerState.READY
+    assert await state(redis_client) is WorkerState.READY
 
 
-async def test_drain_waits_for_inflight_and_engine_queues(redis: aioredis.Redis) -> None:
-    await register(redis)
-    await redis.set(KEYS.inflight("w1"), 1)
-    await redis.hset(KEYS.worker("w1"), mapping={"running": 1})
-    drainer = Drainer(redis, KEYS, CONFIG.drain)
+async def test_drain_waits_for_inflight_and_engine_queues(redis_client: aioredis.Redis) -> None:
+    await register(redis_client)
+    await redis_client.set(KEYS.inflight("w1"), 1)
+    await redis_client.hset(KEYS.worker("w1"), mapping={"running": 1})
+    drainer = Drainer(redis_client, KEYS, CONFIG.drain)
     stopped = asyncio.Event()
 
     async def stop() -> None:
         stopped.set()
 
     assert await drainer.start("w1", stop)
-    assert await state(redis) is WorkerState.DRAINING
+    assert await state(redis_client) is WorkerState.DRAINING
     await asyncio.sleep(0.3)
     assert not stopped.is_set()
-    await redis.set(KEYS.inflight("w1"), 0)
+    await redis_client.set(KEYS.inflight("w1"), 0)
     await asyncio.sleep(0.2)
     assert not stopped.is_set()  # the engine still runs one (a stream extproc already let go of)
-    await redis.hset(KEYS.worker("w1"), mapping={"running": 0})
+    await redis_client.hset(KEYS.worker("w1"), mapping={"running": 0})
     reason = await asyncio.wait_for(drainer.wait("w1"), 2)
     assert stopped.is_set() and reason is not None and "nothing in flight" in reason
     assert not await drainer.start("unknown", stop)
@@ -182,10 +168,10 @@ class FakeBackend:
 
 
 @pytest.fixture()
-async def api(redis: aioredis.Redis) -> AsyncIterator[tuple[str, FakeBackend]]:
+async def api(redis_client: aioredis.Redis) -> AsyncIterator[tuple[str, FakeBackend]]:
     backend = FakeBackend()
-    instances = InstanceController(CONFIG, redis, KEYS, backend, Drainer(redis, KEYS, CONFIG.drain))
-    runner = web.AppRunner(RegistryApi(CONFIG, redis, KEYS, "tok", instances).app())
+    instances = InstanceController(CONFIG, redis_client, KEYS, backend, Drainer(redis_client, KEYS, CONFIG.drain))
+    runner = web.AppRunner(RegistryApi(CONFIG, redis_client, KEYS, "tok", instances).app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -194,9 +180,9 @@ async def api(redis: aioredis.Redis) -> AsyncIterator[tuple[str, FakeBackend]]:
     await runner.cleanup()
 
 
-async def test_scale_and_drain_through_the_api(redis: aioredis.Redis, api: tuple[str, FakeBackend]) -> None:
+async def test_scale_and_drain_through_the_api(redis_client: aioredis.Redis, api: tuple[str, FakeBackend]) -> None:
     base, backend = api
-    await register(redis)
+    await register(redis_client)
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer tok"}) as http:
         async with http.post(f"{base}/v1/pools/chat/scale", json={"workers": 9}) as response:
             assert response.status == 400 and "max_workers 3" in (await response.json())["error"]["message"]

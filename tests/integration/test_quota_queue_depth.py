@@ -3,36 +3,19 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import Hashable
 from typing import Any
-
-import pytest
-import redis.asyncio as redis_asyncio
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.watcher import QUEUED_REFRESH_S, QUEUED_TTL_S, FleetWatcher, held_per_pool
 from poolgate.config import ExtprocSettings, PoolSpec
 from poolgate.fleet import FleetKeys, read_queued
+from tests.manual_clock import ManualClock
 
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="chat-acme", model="llama"),
          PoolSpec(name="code", model="coder"))
 KEYS = FleetKeys("queued-test")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture()
-async def redis_client(redis_url: str) -> AsyncIterator[Any]:
-    client = redis_asyncio.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 def test_held_requests_count_toward_every_pool_that_could_take_them() -> None:
@@ -46,7 +29,7 @@ def test_held_requests_count_toward_every_pool_that_could_take_them() -> None:
 
 
 async def test_the_flush_writes_changes_refreshes_the_expiry_and_clears_to_zero(redis_client: Any) -> None:
-    clock = Clock()
+    clock = ManualClock()
     held: dict[Hashable, int] = {("llama", None, frozenset()): 4}
     watcher = FleetWatcher(redis_client, KEYS, POOLS, ExtprocSettings(), InflightTracker(), Metrics(),
                            clock=clock, replica_id="replica-a")

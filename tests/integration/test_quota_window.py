@@ -4,33 +4,17 @@ the tokens-per-minute limit, however bursty the arrivals, and a refusal's Retry-
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import redis.asyncio as redis_asyncio
 
 from extproc.errors import ApiError
 from extproc.quota import WINDOW_S, QuotaKeys, QuotaStore, QuotaTicket
 from extproc.tenancy import Tenant
+from tests.manual_clock import ManualClock
 
 KEYS = QuotaKeys("quota-test")
 LIMIT = 100_000
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture()
-async def redis_client(redis_url: str) -> AsyncIterator[Any]:
-    client = redis_asyncio.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 def metered(tokens_per_minute: int = LIMIT, requests_per_minute: int | None = None) -> Tenant:
@@ -65,7 +49,7 @@ def busiest_window(admitted: list[tuple[float, int]], span_s: float = WINDOW_S) 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_no_minute_gets_more_than_the_limit_under_bursts(redis_client: Any, seed: int) -> None:
-    clock = Clock(1_000.0)
+    clock = ManualClock(1_000.0)
     store = QuotaStore(redis_client, KEYS, lease_s=900, clock=clock)
     tenant = metered()
     duration_s = 240.0
@@ -88,7 +72,7 @@ async def test_no_minute_gets_more_than_the_limit_under_bursts(redis_client: Any
 
 
 async def test_retry_after_is_when_the_oldest_bucket_leaves_the_window(redis_client: Any) -> None:
-    clock = Clock(1_000.5)
+    clock = ManualClock(1_000.5)
     store = QuotaStore(redis_client, KEYS, lease_s=900, clock=clock)
     tenant = metered(tokens_per_minute=1_000)
     assert isinstance(await store.admit(tenant, 600), QuotaTicket)
@@ -104,7 +88,7 @@ async def test_retry_after_is_when_the_oldest_bucket_leaves_the_window(redis_cli
 
 
 async def test_release_corrects_the_bucket_and_the_minute_counter(redis_client: Any) -> None:
-    clock = Clock(1_200.3)
+    clock = ManualClock(1_200.3)
     store = QuotaStore(redis_client, KEYS, lease_s=900, clock=clock)
     tenant = metered(tokens_per_minute=1_000)
     ticket = await store.admit(tenant, 800)
@@ -117,7 +101,7 @@ async def test_release_corrects_the_bucket_and_the_minute_counter(redis_client: 
 
 
 async def test_requests_per_minute_use_buckets_too(redis_client: Any) -> None:
-    clock = Clock(2_000.0)
+    clock = ManualClock(2_000.0)
     store = QuotaStore(redis_client, KEYS, lease_s=900, clock=clock)
     tenant = metered(tokens_per_minute=10**9, requests_per_minute=3)
     for at in (2_000.0, 2_030.0, 2_059.9):

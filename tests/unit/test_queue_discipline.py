@@ -8,14 +8,7 @@ import random
 import pytest
 
 from extproc.flow_queue import FlowQueue, QueueEntry
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.manual_clock import ManualClock
 
 
 def drain(queue: FlowQueue, count: int | None = None) -> list[QueueEntry]:
@@ -27,7 +20,7 @@ def drain(queue: FlowQueue, count: int | None = None) -> list[QueueEntry]:
 
 
 def test_strict_priority_regardless_of_arrival() -> None:
-    queue = FlowQueue((5, 5, 5), 100, Clock())
+    queue = FlowQueue((5, 5, 5), 100, ManualClock())
     for index in range(6):
         queue.push("m", f"t{index % 2}", priority=2, tokens=10, payload=("low", index))
     for index in range(3):
@@ -38,7 +31,7 @@ def test_strict_priority_regardless_of_arrival() -> None:
 
 
 def test_fifo_inside_a_tenant() -> None:
-    queue = FlowQueue((5,), 100, Clock())
+    queue = FlowQueue((5,), 100, ManualClock())
     for index in range(5):
         queue.push("m", "a", 0, tokens=random.Random(index).randint(1, 500), payload=index)
     assert [e.payload for e in drain(queue)] == [0, 1, 2, 3, 4]
@@ -49,7 +42,7 @@ def test_fifo_inside_a_tenant() -> None:
 def test_weighted_fair_share_by_tokens_within_5_percent(weights: tuple[float, float], sizes: tuple[int, int]) -> None:
     """Two always-backlogged tenants with very different request sizes share released tokens by weight."""
     rng = random.Random(7)
-    queue = FlowQueue((30,), 10_000, Clock())
+    queue = FlowQueue((30,), 10_000, ManualClock())
     tenants = ("a", "b")
     for _ in range(2000):
         for tenant, weight, size in zip(tenants, weights, sizes, strict=True):
@@ -63,7 +56,7 @@ def test_weighted_fair_share_by_tokens_within_5_percent(weights: tuple[float, fl
 
 
 def test_an_idle_tenant_earns_no_credit() -> None:
-    queue = FlowQueue((30,), 10_000, Clock())
+    queue = FlowQueue((30,), 10_000, ManualClock())
     for _ in range(100):
         queue.push("m", "busy", 0, tokens=100)
     drain(queue, 50)
@@ -74,7 +67,7 @@ def test_an_idle_tenant_earns_no_credit() -> None:
 
 
 def test_deadlines_follow_the_class() -> None:
-    clock = Clock()
+    clock = ManualClock()
     queue = FlowQueue((10.0, 2.0), 100, clock)
     high = queue.push("m", "a", 0, 10).entry
     low = queue.push("m", "b", 1, 10).entry
@@ -90,7 +83,7 @@ def test_deadlines_follow_the_class() -> None:
 
 
 def test_overflow_sheds_the_lowest_class_first() -> None:
-    queue = FlowQueue((5, 5, 5), 3, Clock())
+    queue = FlowQueue((5, 5, 5), 3, ManualClock())
     kept = queue.push("m", "gold", 0, 10).entry
     mid = queue.push("m", "silver", 1, 10).entry
     old_low = queue.push("m", "bronze", 2, 10).entry
@@ -104,7 +97,7 @@ def test_overflow_sheds_the_lowest_class_first() -> None:
 
 
 def test_a_blocked_domain_does_not_hold_up_another() -> None:
-    queue = FlowQueue((5, 5), 100, Clock())
+    queue = FlowQueue((5, 5), 100, ManualClock())
     big = queue.push("model-a", "gold", 0, 5000).entry
     queue.push("model-a", "gold", 0, 10)
     other = queue.push("model-b", "bronze", 1, 10).entry
@@ -114,7 +107,7 @@ def test_a_blocked_domain_does_not_hold_up_another() -> None:
 
 
 def test_depth_by_class_and_tenant() -> None:
-    queue = FlowQueue((5, 5), 100, Clock())
+    queue = FlowQueue((5, 5), 100, ManualClock())
     queue.push("m", "a", 0, 1)
     queue.push("m", "a", 0, 1)
     entry = queue.push("m", "b", 1, 1).entry
