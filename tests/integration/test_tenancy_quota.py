@@ -34,7 +34,9 @@ def tenancy_config(**limits: int) -> dict[str, Any]:
     return {
         "key_prefix": PREFIX,
         "pools": [{"name": "chat", "model": "llama"}],
-        "extproc": {"max_request_bytes": 65536, "snapshot_refresh_s": 0.05},
+        # w1 is registered once and never heartbeats: starting two extprocs on a loaded machine can take
+        # longer than the default staleness bound, which would refuse every request for want of a worker.
+        "extproc": {"max_request_bytes": 65536, "snapshot_refresh_s": 0.05, "stale_after_s": 120},
         "tenancy": {"require_api_key": True},
         "tenants": [{"name": "acme", "api_key_sha256": [key_digest("acme-key")], **limits}],
     }
@@ -137,7 +139,7 @@ async def test_requests_per_minute_hold_across_two_processes(redis_url: str, red
             outcomes.append(answers[-1])
     routed = [a for a in outcomes if a.HasField("request_body")]
     refused = [refusal(a) for a in outcomes if a.HasField("immediate_response")]
-    assert len(routed) == 6
+    assert len(routed) == 6, refused
     assert refused and all(status == 429 and limit == "requests_per_minute" and int(retry) >= 1
                            for status, limit, retry in refused)
 
