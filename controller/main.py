@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import secrets
-import signal
 import socket
 import sys
 import tempfile
@@ -47,11 +46,15 @@ from controller.xds.server import XdsServer
 from poolgate.config import Config, ConfigError, load_process_config
 from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet
 from poolgate.logging_setup import add_log_format_argument, configure_logging
+from poolgate.shutdown import on_stop_signal
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
 
 log = logging.getLogger("poolgate.controller")
+
+STOP_DEADLINE_S = 20.0
+"""Workers get 5 s to exit before they are killed; the rest (leases, xDS, Redis) takes well under a second."""
 
 
 async def watch_fleet(redis: aioredis.Redis, keys: FleetKeys, xds: XdsServer, poll_s: float = 0.25,
@@ -185,9 +188,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     if config.autoscale.enabled and config.autoscale.pools:
         autoscaler = Autoscaler(config, redis, keys, instances, metrics, is_leader=lease.is_leader)
         tasks.append(asyncio.create_task(run_autoscaler(autoscaler, config.autoscale.interval_s, stop)))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     try:
         await stop.wait()
     finally:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import sys
 
 from poolgate.config import ConfigError, load_process_config
 from poolgate.logging_setup import add_log_format_argument, configure_logging
 from poolgate.secrets import redact_url
+from poolgate.shutdown import on_stop_signal
+
+STOP_DEADLINE_S = 12.0
+"""Streams get 5 s to finish, the last in-flight counts 1 s to reach Redis; Kubernetes waits 15 s."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,9 +50,7 @@ def main(args: argparse.Namespace) -> int:
     async def run() -> None:
         task = asyncio.create_task(serve(config, redis_url, args.host, port, metrics_port, listening,
                                          config_path=args.config))
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, task.cancel)
+        on_stop_signal(asyncio.get_running_loop(), task.cancel, STOP_DEADLINE_S)
         with contextlib.suppress(asyncio.CancelledError):
             await task
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
 import subprocess
 import sys
@@ -38,6 +39,26 @@ def simworker_process(ports: Sequence[int], args: Sequence[str], start_timeout_s
         yield process
     finally:
         stop_process(process)
+
+
+@contextlib.contextmanager
+def extproc_process(config_path: Path, redis_url: str, log_level: str = "WARNING", start_timeout_s: float = 30.0
+                    ) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """``poolgate extproc`` as its own process, as a gateway runs it; yields it and its gRPC port (from the line
+    it prints once listening). Its logs go to this process's stderr, so nothing can fill an unread pipe."""
+    command = [sys.executable, "-m", "poolgate.cli", "extproc", "--config", str(config_path), "--port", "0",
+               "--redis-url", redis_url, "--log-level", log_level]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    try:
+        ready, _, _ = select.select([process.stdout], [], [], start_timeout_s)
+        line = process.stdout.readline() if ready else ""
+        if "listening on" not in line:
+            raise RuntimeError(f"extproc did not start within {start_timeout_s:g} s: {line!r}")
+        yield process, int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+    finally:
+        stop_process(process, grace_s=20.0)  # beyond extproc's own stop deadline, which reports a hang
+        process.stdout.close()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

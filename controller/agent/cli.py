@@ -6,14 +6,16 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 from controller.agent.podresources import POD_RESOURCES_SOCKET
 from poolgate.config import ConfigError, load_process_config
 from poolgate.secrets import redact_url
+from poolgate.shutdown import on_stop_signal
 
 NODE_ENV = "POOLGATE_NODE_NAME"
+STOP_DEADLINE_S = 5.0
+"""The agent holds nothing to hand over: stopping is cancelling its scrape loop."""
 """Set from the Downward API (``spec.nodeName``) in the agent's DaemonSet."""
 
 
@@ -61,9 +63,7 @@ def main(args: argparse.Namespace) -> int:
     async def run() -> None:
         redis = aioredis.from_url(redis_url)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+        on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
         try:
             await redis.ping()  # fail fast: a wrong URL should not look like an idle agent
             await run_agent(config, redis, FleetKeys(config.key_prefix), stop, worker_ids=args.workers,

@@ -12,15 +12,18 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 
 from controller.simworker.engine import Engine
 from controller.simworker.faults import FaultSettings
 from controller.simworker.presets import DEFAULT_PRESET, PRESETS
 from controller.simworker.worker import SimWorker, WorkerSpec
+from poolgate.shutdown import on_stop_signal
 
 log = logging.getLogger(__name__)
+
+STOP_DEADLINE_S = 10.0
+"""Open streams get half a second when the servers close; the rest is closing sockets."""
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
@@ -111,9 +114,7 @@ async def serve_workers(workers: list[SimWorker], stop: asyncio.Event) -> int:
 
 async def _run(specs: list[WorkerSpec]) -> int:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     workers = [SimWorker(spec) for spec in specs]
     return await serve_workers(workers, stop)
 

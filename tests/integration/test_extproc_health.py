@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,7 +14,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from poolgate.procs import free_port, stop_process
+from poolgate.procs import extproc_process, free_port
 
 CONFIG = {"pools": [{"name": "chat", "model": "m"}], "key_prefix": "health-it"}
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -27,21 +26,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def extproc(redis_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], health_pb2_grpc.HealthStub]]:
     config_file = tmp_path / "poolgate.yaml"
     config_file.write_text(yaml.safe_dump(CONFIG))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poolgate.cli", "extproc", "--config", str(config_file), "--redis-url", redis_url,
-         "--port", "0", "--log-level", "ERROR"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    try:
-        line = proc.stdout.readline()
-        assert "listening on" in line, line
-        channel = grpc.insecure_channel(line.split()[4])
+    with extproc_process(config_file, redis_url, log_level="ERROR") as (proc, port):
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         try:
             yield proc, health_pb2_grpc.HealthStub(channel)
         finally:
             channel.close()
-    finally:
-        stop_process(proc, grace_s=10)
-        proc.stdout.close()
 
 
 def status(stub: health_pb2_grpc.HealthStub, service: str = "") -> int:

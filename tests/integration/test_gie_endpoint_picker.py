@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,7 +25,7 @@ import yaml
 
 from extproc.endpoint_picker import SUBSET_KEY, SUBSET_NAMESPACE
 from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker, set_worker_state
-from poolgate.procs import envoy_binary, free_port, port_open, simworker_process, stop_process
+from poolgate.procs import envoy_binary, extproc_process, free_port, port_open, simworker_process, stop_process
 from poolgate.routing import DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, WORKER_HEADER
 
 MODEL = "gie-model"
@@ -155,18 +154,8 @@ def extproc(redis_url: str, fleet: aioredis.Redis, tmp_path: Path) -> Iterator[i
     """``poolgate extproc`` as its own process, as a gateway would run it."""
     config_file = tmp_path / "poolgate.yaml"
     config_file.write_text(yaml.safe_dump(CONFIG_DATA))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poolgate.cli", "extproc", "--config", str(config_file), "--redis-url", redis_url,
-         "--port", "0", "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # the first line says where it listens (after the first snapshot)
-        assert "listening on" in line, line
-        yield int(line.split()[4].split(":")[1])
-    finally:
-        stop_process(proc, grace_s=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with extproc_process(config_file, redis_url) as (_, port):
+        yield port
 
 
 @pytest.fixture()

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from test_extproc_grpc import CHAT, KEYS, PREFIX, Extproc, body, eventually, hea
 from extproc.quota import WINDOW_S, QuotaKeys
 from extproc.tenancy import key_digest
 from poolgate.fleet import register_worker
+from poolgate.procs import extproc_process
 
 QUOTA_KEYS = QuotaKeys(PREFIX)
 
@@ -42,30 +40,11 @@ def tenancy_config(**limits: int) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def extproc_process(config: dict[str, Any], redis_url: str, tmp: Path) -> Iterator[int]:
-    """``poolgate extproc`` as its own process; yields its gRPC port."""
-    path = tmp / f"config-{time.monotonic_ns()}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    process = subprocess.Popen([sys.executable, "-m", "poolgate.cli", "extproc", "--config", str(path), "--port", "0",
-                                "--redis-url", redis_url, "--log-level", "WARNING"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert "listening on" in line, line
-        yield int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
-    finally:
-        process.terminate()
-        process.wait(10)
-        if process.stdout:
-            process.stdout.close()
-
-
 @contextlib.asynccontextmanager
 async def two_extprocs(config: dict[str, Any], redis_url: str, tmp: Path) -> AsyncIterator[tuple[Extproc, Extproc]]:
-    with extproc_process(config, redis_url, tmp) as one, extproc_process(config, redis_url, tmp) as two:
+    path = tmp / "poolgate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with extproc_process(path, redis_url) as (_, one), extproc_process(path, redis_url) as (_, two):
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for port in (one, two)]
         try:
             yield (Extproc(ExternalProcessorStub(channels[0]), one), Extproc(ExternalProcessorStub(channels[1]), two))
