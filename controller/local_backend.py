@@ -46,6 +46,9 @@ from poolgate.procs import free_port
 
 log = logging.getLogger("poolgate.controller.local")
 
+WORKER_KEY_ENV = "VLLM_API_KEY"
+"""Where vLLM (and the simulated worker) read the key that ``--api-key`` would give."""
+
 
 def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[str, ...], max_model_len: int,
                  gpu_memory_utilization: float, gpus: tuple[int, ...],
@@ -66,17 +69,21 @@ def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[s
 
 
 def worker_command(config: Config, spec: WorkerSpec, port: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment that start one worker."""
+    """The command line and extra environment that start one worker. The workers' API key goes in the
+    environment (``VLLM_API_KEY``, which vLLM and the simulator read), never on a command line anyone can list."""
     pool = config.pool(spec.pool)
+    key = config.worker_api_key()
+    key_env = {WORKER_KEY_ENV: key} if key else {}
     if spec.backend == "sim":
         cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--host", spec.host, "--port", str(port),
                "--model", pool.model, "--worker-id", spec.id, "--preset", spec.preset,
                "--max-model-len", str(pool.max_model_len)]
-        return [*cmd, *spec.extra_args], {}
+        return [*cmd, *spec.extra_args], key_env
     assert spec.model_path is not None  # the config validator guarantees it
-    return vllm_command(spec.model_path, host=spec.host, port=port, served_names=(pool.model,),
-                        max_model_len=pool.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
-                        gpus=spec.gpus, extra_args=spec.extra_args)
+    cmd, env = vllm_command(spec.model_path, host=spec.host, port=port, served_names=(pool.model,),
+                            max_model_len=pool.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
+                            gpus=spec.gpus, extra_args=spec.extra_args)
+    return cmd, {**env, **key_env}
 
 
 @dataclass

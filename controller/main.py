@@ -171,7 +171,9 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     if lease.is_leader():
         announce_api()
     health = config.health
-    probe_session = aiohttp.ClientSession()
+    worker_key = config.worker_api_key()
+    # Model listings and adapter loads sit under /v1, which a worker started with --api-key guards.
+    probe_session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None)
     prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
     monitor = HealthMonitor(config, redis, keys, prober, instances, is_leader=lease.is_leader)
     tasks = [
@@ -223,6 +225,7 @@ def main(args: argparse.Namespace) -> int:
     configure_logging(logging.INFO, getattr(args, "log_format", "text"))
     try:
         config, redis_url = load_process_config(args.config, args.redis_url, "controller")
+        config.worker_api_key()  # named but unset: refuse now, not with every probe answered 401
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -548,6 +548,22 @@ class Config(_Frozen):
     tenants: tuple[TenantSpec, ...] = ()
     catalogue: CatalogueSettings = CatalogueSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
+    worker_api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Environment variable holding the API key the workers require (vLLM's ``--api-key``). Envoy adds it as
+    ``Authorization: Bearer`` to every request it sends a worker (a client's own key never reaches one),
+    the controller to its model and adapter calls, and the local backend starts its workers with it (as
+    ``VLLM_API_KEY``). Controller, Envoy and ``poolgate up`` need the variable set. Unset: workers need no
+    key."""
+
+    def worker_api_key(self) -> str | None:
+        """The workers' key, or None when they need none; ConfigError when the variable is named but empty."""
+        if self.worker_api_key_env is None:
+            return None
+        key = os.environ.get(self.worker_api_key_env, "")
+        if not key:
+            raise ConfigError(f"worker_api_key_env: ${self.worker_api_key_env} is not set; export the workers' "
+                              "API key in it, or remove the setting if workers need no key")
+        return key
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:

@@ -281,6 +281,7 @@ async def _redis_reachable(url: str) -> bool:
 async def run_up(args: argparse.Namespace) -> int:
     config_path = Path(args.config)
     config = load_config(config_path)
+    config.worker_api_key()  # Envoy and the controller both need it: refuse before starting either
     redis_url = args.redis_url or config.redis_url
     if redis_url and not await _redis_reachable(redis_url):
         if args.redis_url:

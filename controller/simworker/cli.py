@@ -26,6 +26,7 @@ STOP_DEADLINE_S = 10.0
 """Open streams get half a second when the servers close; the rest is closing sockets."""
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+API_KEY_ENV = "VLLM_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also export vllm:gpu_cache_usage_perc (the pre-V1 name)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="run the modelled GPU this many times faster than real time (default 1)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"require this key on /v1 paths, as vLLM does (default: ${API_KEY_ENV})")
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve LoRA adapters; the load/unload endpoints also need "
@@ -98,7 +101,7 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             num_gpu_blocks=args.num_gpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
             legacy_kv_metric=args.legacy_kv_metric, time_scale=args.time_scale, faults=faults,
             enable_fault_api=args.enable_fault_api, enable_lora=args.enable_lora, max_loras=args.max_loras,
-            lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora,
+            lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
         )
         for port, worker_id in zip(ports, ids, strict=True)
     ]

@@ -8,6 +8,7 @@ router can tell which backend answered.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import random
 import time
@@ -63,6 +64,8 @@ class ServingConfig:
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``)."""
     lora_load_s: float = 0.0
     """What loading one adapter costs, in seconds."""
+    api_key: str | None = None
+    """vLLM's ``--api-key`` (or ``VLLM_API_KEY``): paths under ``/v1`` need ``Authorization: Bearer`` it."""
 
 
 class WorkerApi:
@@ -77,7 +80,7 @@ class WorkerApi:
         """None without ``--enable-lora``: adapter names are unknown models."""
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._hang_middleware, self._error_middleware])
+        app = web.Application(middlewares=[self._auth_middleware, self._hang_middleware, self._error_middleware])
         app.on_response_prepare.append(self._name_worker)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)
@@ -269,6 +272,17 @@ class WorkerApi:
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
             return _json(ApiError(500, "internal error in the simulated worker").body(), status=500)
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """vLLM's check, in its place (before anything else) and with its answer: only ``/v1`` paths need the
+        key; health, metrics and version stay open for probes and scrapers."""
+        key = self.config.api_key
+        if key and request.path.startswith("/v1") and request.method != "OPTIONS":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return _json({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def _hang_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -56,6 +56,8 @@ class WorkerSpec:
     lora_load_s: float = 0.0
     runtime_lora_updating: bool = False
     """``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` was set: serve the adapter load/unload endpoints."""
+    api_key: str | None = None
+    """Required on ``/v1`` paths, as vLLM's ``--api-key``."""
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -126,6 +128,7 @@ class SimWorker:
             max_model_len=config.max_model_len, block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching, enable_fault_api=spec.enable_fault_api,
             runtime_lora_updating=spec.enable_lora and spec.runtime_lora_updating, lora_load_s=spec.lora_load_s,
+            api_key=spec.api_key,
         )
         adapters = AdapterTable(spec.max_loras, metrics.registry) if spec.enable_lora else None
         api = WorkerApi(serving, driver, metrics, self, random.Random(tokens.stable_hash(spec.worker_id)), adapters)

@@ -186,7 +186,18 @@ def pool_retry_policy() -> route_components_pb2.RetryPolicy:
     )
 
 
-def _routes() -> route_pb2.RouteConfiguration:
+def worker_key_header(key_env: str | None) -> list[base_pb2.HeaderValueOption]:
+    """The workers' API key, read by Envoy from its own environment when it starts (never written into a
+    config), replacing whatever the request carried: a client's key is for poolgate, never for a worker."""
+    if key_env is None:
+        return []
+    return [base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key="authorization", value=f"Bearer %ENVIRONMENT({key_env})%"),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )]
+
+
+def _routes(worker_key_env: str | None) -> route_pb2.RouteConfiguration:
     by_header = route_components_pb2.Route(
         name="pool",
         match=route_components_pb2.RouteMatch(
@@ -196,6 +207,7 @@ def _routes() -> route_pb2.RouteConfiguration:
         route=route_components_pb2.RouteAction(cluster_header=CLUSTER_HEADER, timeout=_duration(0),
                                                retry_policy=pool_retry_policy()),
         request_headers_to_remove=[CLUSTER_HEADER],  # routing detail; workers need not see it
+        request_headers_to_add=worker_key_header(worker_key_env),
     )
     retry = route_components_pb2.RetryPolicy(
         retry_on="retriable-status-codes",
@@ -208,6 +220,9 @@ def _routes() -> route_pb2.RouteConfiguration:
         name="fail-open",
         match=route_components_pb2.RouteMatch(prefix="/"),
         route=route_components_pb2.RouteAction(cluster=FALLBACK_CLUSTER, timeout=_duration(0), retry_policy=retry),
+        # extproc removes the client's key from what it routes; without extproc this route must do it.
+        request_headers_to_remove=["authorization"],
+        request_headers_to_add=worker_key_header(worker_key_env),
     )
     host = route_components_pb2.VirtualHost(name="poolgate", domains=["*"], routes=[by_header, fail_open])
     # The clusters arrive later over CDS; a static route table would otherwise be refused at start.
@@ -273,7 +288,7 @@ def _listener(
     manager = hcm_pb2.HttpConnectionManager(
         stat_prefix="poolgate",
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
-        route_config=_routes(),
+        route_config=_routes(config.worker_api_key_env),
         http_filters=[
             _ext_proc(config),
             hcm_pb2.HttpFilter(**_typed("envoy.filters.http.router", router_pb2.Router())),

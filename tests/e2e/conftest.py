@@ -111,9 +111,11 @@ class RunningStack:
 
 
 @contextlib.contextmanager
-def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = 120) -> Iterator[RunningStack]:
-    """``poolgate up`` with ``config`` on free ports, until READY; on exit SIGTERM it and check that no
-    process it started (children or workers, found by the run directory in their command line) is left."""
+def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = 120,
+                env: dict[str, str] | None = None) -> Iterator[RunningStack]:
+    """``poolgate up`` with ``config`` on free ports (and ``env`` added to its environment), until READY; on
+    exit SIGTERM it and check that no process it started (children or workers, found by the run directory in
+    their command line) is left."""
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-e2e-"))
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
@@ -121,7 +123,7 @@ def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = 120) 
     process = subprocess.Popen(
         [sys.executable, "-m", "poolgate.cli", "up", "--config", str(config_path), "--port", str(port),
          "--admin-port", str(admin), "--redis-url", redis_url, "--log-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
     )
     assert process.stdout is not None
     output: list[str] = []
@@ -135,6 +137,8 @@ def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = 120) 
             break
     if not output or not output[-1].startswith("READY "):
         process.kill()
+        process.wait()
+        process.stdout.close()
         raise AssertionError("poolgate up did not become ready:\n" + "".join(output))
     running = RunningStack(f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{admin}", redis_url, run_dir,
                            config_path, config, process, output)

@@ -104,7 +104,9 @@ def test_worker_joins_and_leaves_envoy_within_two_seconds(stack: RunningStack,
 
 
 def chat_ok(stack: RunningStack) -> bool:
+    """A chat request carrying the client's own key, which no worker accepts."""
     response = httpx.post(f"{stack.base_url}/chat/completions", timeout=30,
+                          headers={"Authorization": "Bearer a-client-key"},
                           json={"model": "chat-model", "messages": [{"role": "user", "content": "hi"}],
                                 "max_tokens": 2})
     return response.status_code == 200
@@ -117,17 +119,29 @@ def listed_models(stack: RunningStack) -> set[str]:
         return set()
 
 
+WORKER_KEY = "e2e-worker-key"
+
+
 @pytest.fixture()
 def own_stack(redis_server: object) -> Iterator[RunningStack]:
-    """A stack of its own: this test stops and kills extproc, which must not disturb the shared stack."""
-    config = {**E2E_CONFIG, "key_prefix": "e2e-fail-open",
+    """A stack of its own: this test stops and kills extproc, which must not disturb the shared stack. Its
+    workers require an API key (vLLM's ``--api-key``), which only poolgate holds."""
+    config = {**E2E_CONFIG, "key_prefix": "e2e-fail-open", "worker_api_key_env": "E2E_WORKER_KEY",
               "workers": [w for w in E2E_CONFIG["workers"] if w["id"] in ("chat-a", "code-a")]}
-    with poolgate_up(config, redis_server.url) as running:  # type: ignore[attr-defined]
+    with poolgate_up(config, redis_server.url, env={"E2E_WORKER_KEY": WORKER_KEY}) as running:  # type: ignore[attr-defined]
         yield running
 
 
 def test_fail_open_when_extproc_hangs_or_dies(own_stack: RunningStack) -> None:
     stack = own_stack
+    worker = f"http://{stack.address('chat-a')}/v1/models"
+    assert httpx.get(worker, headers={"Authorization": "Bearer a-client-key"}, timeout=5).status_code == 401
+    assert httpx.get(worker, headers={"Authorization": f"Bearer {WORKER_KEY}"}, timeout=5).status_code == 200
+    # The health monitor checks /v1/models every 0.5 s and fails a worker after 3 misses: with the key sent
+    # the workers stay Ready, and requests with the client's key reach them through extproc.
+    time.sleep(2.0)
+    assert stack.state("chat-a") == "Ready", stack.record("chat-a")
+    assert chat_ok(stack)
     extproc_pid = stack.children()["extproc"]
     os.kill(extproc_pid, signal.SIGSTOP)
     try:
