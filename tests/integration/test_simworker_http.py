@@ -344,3 +344,20 @@ async def test_crash_after_requests_kills_the_worker(start_worker: StartWorker) 
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("the crashed worker still accepts connections")
+
+
+async def test_an_api_key_guards_v1_paths_as_vllm_does(start_worker: StartWorker) -> None:
+    worker = await start_worker(api_key="worker-key")
+    async with aiohttp.ClientSession() as session:
+        for headers in ({}, {"Authorization": "Bearer another-key"}, {"Authorization": "worker-key"}):
+            async with session.get(base_url(worker) + "/v1/models", headers=headers) as response:
+                assert response.status == 401 and await response.json() == {"error": "Unauthorized"}
+        for path in ("/health", "/metrics", "/version"):  # probes and scrapers need no key
+            async with session.get(base_url(worker) + path) as response:
+                assert response.status == 200, path
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with openai.AsyncOpenAI(base_url=base_url(worker) + "/v1", api_key="worker-key", max_retries=0) as keyed:
+        assert (await keyed.chat.completions.create(**chat)).choices[0].message.content
+    async with client(worker) as unkeyed:
+        with pytest.raises(openai.AuthenticationError):
+            await unkeyed.chat.completions.create(**chat)

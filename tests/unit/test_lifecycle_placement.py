@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from controller.local_backend import vllm_command
+import pytest
+
+from controller.local_backend import vllm_command, worker_command
 from controller.placement import GpuFree, place
+from poolgate.config import ConfigError, parse_config
 
 GPUS = {0: GpuFree(0, 81920, 30000), 1: GpuFree(1, 81920, 70000), 2: GpuFree(2, 81920, 50000)}
 
@@ -46,3 +49,20 @@ def test_vllm_command_single_gpu_keeps_explicit_tp() -> None:
                             gpu_memory_utilization=0.9, gpus=(0,))
     assert "--tensor-parallel-size" not in cmd and env == {"CUDA_VISIBLE_DEVICES": "0"}
     assert cmd[cmd.index("--served-model-name") + 1: cmd.index("--served-model-name") + 3] == ["a", "b"]
+
+
+def test_workers_get_their_api_key_in_the_environment_never_on_the_command_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    config = parse_config({"pools": [{"name": "chat", "model": "m"}], "worker_api_key_env": "WORKER_KEY",
+                           "workers": [{"id": "sim", "pool": "chat"},
+                                       {"id": "gpu", "pool": "chat", "backend": "vllm", "model_path": "org/m",
+                                        "gpus": [1]}]})
+    with pytest.raises(ConfigError, match=r"worker_api_key_env: \$WORKER_KEY is not set"):
+        worker_command(config, config.workers[0], 8001)
+    monkeypatch.setenv("WORKER_KEY", "k-123")
+    for spec, expected in zip(config.workers, ({"VLLM_API_KEY": "k-123"},
+                                               {"VLLM_API_KEY": "k-123", "CUDA_VISIBLE_DEVICES": "1"}), strict=True):
+        cmd, env = worker_command(config, spec, 8001)
+        assert env == expected and "k-123" not in " ".join(cmd)
+    without = parse_config({"pools": [{"name": "chat", "model": "m"}], "workers": [{"id": "sim", "pool": "chat"}]})
+    assert worker_command(without, without.workers[0], 8001)[1] == {}

@@ -173,3 +173,19 @@ def test_example_bootstrap_is_current() -> None:
     assert (root / "envoy" / "bootstrap.example.yaml").read_text() == expected, (
         f"envoy/bootstrap.example.yaml is stale: run `python -m controller.xds {source} "
         "> envoy/bootstrap.example.yaml`")
+
+
+def test_a_client_key_never_reaches_a_worker_and_the_workers_key_is_read_from_envoys_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORKER_KEY", "s3cr3t-worker-key")
+    without_key = manager(render()).route_config.virtual_hosts[0].routes
+    assert [list(r.request_headers_to_add) for r in without_key] == [[], []]
+    assert list(without_key[1].request_headers_to_remove) == ["authorization"]  # extproc drops it on the other
+    with_key = parse_config({"pools": [{"name": "chat", "model": "llama"}], "worker_api_key_env": "WORKER_KEY"})
+    rendered = render_bootstrap(with_key, node_id="gw-1", listen_port=8080, admin_port=9901, extproc_port=9002,
+                                xds_port=18000)
+    assert "s3cr3t" not in yaml.safe_dump(rendered)  # the config names the variable; Envoy reads it
+    for route in manager(parsed(rendered)).route_config.virtual_hosts[0].routes:
+        [added] = route.request_headers_to_add
+        assert (added.header.key, added.header.value) == ("authorization", "Bearer %ENVIRONMENT(WORKER_KEY)%")
+        assert added.append_action == added.OVERWRITE_IF_EXISTS_OR_ADD
