@@ -9,8 +9,9 @@ What is measured, from extproc's seat between Envoy and the workers:
 
 - request duration: request headers seen → last response byte (or extproc's own error answer). A request
   that ends in an error carries ``error_type``: extproc's error code (``no_capacity``, ``queue_full`` …),
-  the worker's HTTP status (``500`` …) or ``incomplete`` (the stream closed before the response's last byte:
-  the client went away, or the connection to the worker broke).
+  the worker's HTTP status (``500`` …), ``stream_error`` (a stream that had started failed: the worker's
+  error event in it) or ``incomplete`` (the stream closed before the response's last byte: the client went
+  away, or the connection to the worker broke).
 - time to first token (streamed, succeeded): request headers seen → the first chunk carrying output. A
   worker may send an empty role-only event before any token (the simulated one does); a chunk counts once a
   content, text, reasoning or tool-call value in it is non-empty, found by a byte search, never a JSON parse,
@@ -36,6 +37,11 @@ flavour of the telemetry (the API), not who runs the engine; the model attribute
 OPERATIONS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "text_completion"}
 """``gen_ai.operation.name`` by request path (the conventions' well-known values)."""
 INCOMPLETE = "incomplete"
+STREAM_ERROR = "stream_error"
+"""``error_type`` of a stream that failed after its 200: vLLM then sends its error as an SSE event of its own
+(``data: {"error": {...}}``, then ``[DONE]``)."""
+_ERROR_EVENT = b'data: {"error"'
+"""Generated text cannot match: inside an event's JSON its quotes are escaped."""
 _OUTPUT = re.compile(rb'"(?:content|text|reasoning_content|reasoning)": ?"[^"]|"tool_calls": ?\[\{')
 """A non-empty generated value in an SSE event (``"content":""`` of a role-only event does not match)."""
 
@@ -76,11 +82,14 @@ class GenAiCall:
             self.ended_at = now
 
     def response_chunk(self, chunk: bytes, end_of_stream: bool, now: float) -> None:
-        """Per chunk: two stores, and one byte search until the first output was seen (streams only)."""
+        """Per chunk: two stores, one byte search until the first output was seen and one for an error event
+        (streams only)."""
         if chunk:
             self.last_chunk_at = now
             if self.first_output_at is None and self.stream and _OUTPUT.search(chunk) is not None:
                 self.first_output_at = now
+            if self.stream and self.error_type is None and _ERROR_EVENT in chunk:
+                self.error_type = STREAM_ERROR
         if end_of_stream:
             self.ended_at = now
 

@@ -85,7 +85,7 @@ class Metrics:
         self.request_duration = Histogram(
             "gen_ai_server_request_duration_seconds", "Inference request duration, from extproc seeing the "
             "request headers to the last response byte (or to extproc's own error answer); error_type is set "
-            "when it failed: extproc's error code, the worker's HTTP status, or incomplete "
+            "when it failed: extproc's error code, the worker's HTTP status, stream_error or incomplete "
             "(OpenTelemetry gen_ai.server.request.duration)", [*GENAI_LABELS, "error_type"],
             buckets=REQUEST_DURATION_BUCKETS, registry=self.registry)
         self.time_to_first_token = Histogram(

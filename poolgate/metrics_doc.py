@@ -74,8 +74,9 @@ GENAI_ATTRIBUTES = (
                               "name); empty when the request was not placed"),
     ("gen_ai.token.type", "`input` or `output`"),
     ("error.type", "extproc's error code (`no_capacity`, `queue_full`, `invalid_api_key` …, as in "
-                   "`poolgate_extproc_requests`), the worker's HTTP status (`500` …), or `incomplete` (the "
-                   "stream closed before the last byte); empty on success"),
+                   "`poolgate_extproc_requests`), the worker's HTTP status (`500` …), `stream_error` (a stream "
+                   "that had begun carried the worker's error event, as vLLM sends one when generation fails "
+                   "after its 200) or `incomplete` (the stream closed before the last byte); empty on success"),
 )
 GENAI_INTRO = """\
 The four `gen_ai_*` histograms follow the OpenTelemetry GenAI semantic conventions for metrics, named the way

@@ -19,7 +19,7 @@ from test_extproc_service import NOW, POOLS, Fleet, body, headers, ready
 
 from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
-from extproc.genai import OPERATIONS
+from extproc.genai import OPERATIONS, GenAiCall
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.scheduling import default_scheduler
@@ -186,6 +186,10 @@ def test_a_client_that_asked_for_usage_gets_its_chunk_and_chunks_are_parsed_only
     ((response_headers(503), chunk(b'{"error":{"message":"busy"}}', end=True)), "503", "llama"),
     # the client went away mid-stream (or the worker's connection broke): never reached its last byte
     ((response_headers(200), chunk(delta("Hel"))), "incomplete", "llama"),
+    # generation failed after the 200: vLLM's error event, then [DONE]; no token timing from a broken stream
+    ((response_headers(200), chunk(ROLE_ONLY + delta("Hel")), chunk(delta("lo")),
+      chunk(event(b'{"error":{"object":"error","message":"engine died","type":"InternalServerError","param":null,'
+                  b'"code":500}}') + DONE, end=True)), "stream_error", "llama"),
 ])
 def test_failed_responses_record_their_error_type(messages: tuple[ProcessingRequest, ...], error_type: str,
                                                   model: str) -> None:
@@ -200,7 +204,7 @@ def test_failed_responses_record_their_error_type(messages: tuple[ProcessingRequ
     service.finish(state)
     failed = {**CHAT_LABELS, "error_type": error_type}
     assert sample(metrics, "gen_ai_server_request_duration_seconds_count", failed) == 1
-    expected = 0.2 if error_type != "incomplete" else 3.0  # last byte, or the stream's close
+    expected = len(messages) / 10 if error_type != "incomplete" else 3.0  # last byte, or the stream's close
     assert sample(metrics, "gen_ai_server_request_duration_seconds_sum", failed) == pytest.approx(expected)
     assert sample(metrics, "gen_ai_server_request_duration_seconds_count", {**CHAT_LABELS, "error_type": ""}) is None
     assert sample(metrics, "gen_ai_server_time_to_first_token_seconds_count", CHAT_LABELS) is None
@@ -266,3 +270,12 @@ def test_the_documented_names_are_the_exported_translations_of_the_conventions()
     labels = set().union(*(exported[p].labels for _, p, _ in GENAI_SERIES))
     assert labels == {name.replace(".", "_") for name, _ in GENAI_ATTRIBUTES}
     assert set(OPERATIONS.values()) == {"chat", "text_completion"}
+
+
+def test_generated_text_that_looks_like_an_error_event_is_output_not_an_error() -> None:
+    call = GenAiCall("/v1/chat/completions", started=0.0)
+    call.stream = True
+    call.response_headers(200, end_of_stream=False, now=0.1)
+    call.response_chunk(delta('data: {"error": "not really"}'), end_of_stream=False, now=0.2)
+    call.response_chunk(DONE, end_of_stream=True, now=0.3)
+    assert call.outcome() == "" and call.first_output_at == 0.2
