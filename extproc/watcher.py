@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -111,9 +112,12 @@ class FleetWatcher:
         if taken_at < self._distrust_empty_until:
             # A Redis that came back without its data is not a fleet that left: workers re-register one by
             # one with their next heartbeats, within a TTL. Until then, keep the last known workers that
-            # the new registry does not list yet.
+            # the new registry does not list yet, as fresh as they were when last read: their heartbeats
+            # went to a Redis that was away or lost them, so their age since then says nothing.
             listed = {r.id for r in records}
-            records = [*records, *(w for w in self.snapshot.workers if w.id not in listed)]
+            carried_for = taken_at - self.snapshot.taken_at
+            records = [*records, *(replace(w, updated_at=w.updated_at + carried_for)
+                                   for w in self.snapshot.workers if w.id not in listed)]
         snapshot = build_snapshot(records, self._pools, taken_at, self._settings.stale_after_s)
         self.snapshot = snapshot
         self._metrics.workers.set(len(snapshot.workers))
