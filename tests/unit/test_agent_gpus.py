@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from controller.agent.gpus import MIB, GpuReader, GpuSample, Nvml, open_gpus, parse_visible_devices, summarize
+from controller.placement import GpuFree, place
 
 
 class FakeNvmlError(Exception):
@@ -160,5 +161,42 @@ def test_real_nvml_when_a_gpu_is_present() -> None:
             assert 0.0 <= sample.utilization <= 1.0
             assert sample.uuid.startswith(("GPU-", "MIG-"))
         assert summarize(samples, [0]) is not None
+    finally:
+        reader.close()
+
+
+def test_real_nvml_sees_memory_taken_and_a_busy_gpu_and_placement_follows() -> None:
+    """On a GPU machine with PyTorch: what NVML reports moves with a real allocation and real work, and the
+    controller's placement decides on those numbers."""
+    torch = pytest.importorskip("torch")
+    reader = open_gpus("auto")
+    if reader is None or reader.count == 0 or not torch.cuda.is_available():
+        pytest.skip("no NVML driver, GPU or CUDA PyTorch on this machine")
+    try:
+        torch.zeros(1, device="cuda:0")  # the CUDA context first: its own memory is not the allocation's
+        torch.cuda.synchronize()
+        before = reader.read()[0]
+        block = torch.empty(8 * 1024 * MIB, dtype=torch.uint8, device="cuda:0")
+        torch.cuda.synchronize()
+        during = reader.read()[0]
+        taken = before.memory_free_mib - during.memory_free_mib
+        print(f"NVML: {before.memory_free_mib:.0f} MiB free, {during.memory_free_mib:.0f} after an 8192 MiB "
+              f"allocation ({taken:.0f} MiB taken)")
+        assert 8192 <= taken <= 8192 * 1.05
+
+        gpus = {i: GpuFree(i, s.memory_total_mib, s.memory_free_mib) for i, s in reader.read().items()}
+        assert place(during.memory_free_mib - 1024, 1, gpus).gpus == (0,)
+        assert not place(during.memory_free_mib + 1024, 1, gpus).placed
+        del block
+
+        a = torch.randn(8192, 8192, device="cuda:0", dtype=torch.bfloat16)
+        busiest = 0.0
+        for _ in range(20):  # NVML's utilisation covers its last sample period: read it while kernels run
+            for _ in range(50):
+                a @ a
+            torch.cuda.synchronize()
+            busiest = max(busiest, reader.read()[0].utilization)
+        print(f"NVML utilisation while multiplying matrices: {busiest:.0%}")
+        assert busiest >= 0.5
     finally:
         reader.close()
