@@ -14,9 +14,9 @@ from poolgate.secrets import redact_url
 from poolgate.shutdown import on_stop_signal
 
 NODE_ENV = "POOLGATE_NODE_NAME"
+"""Set from the Downward API (``spec.nodeName``) in the agent's DaemonSet."""
 STOP_DEADLINE_S = 5.0
 """The agent holds nothing to hand over: stopping is cancelling its scrape loop."""
-"""Set from the Downward API (``spec.nodeName``) in the agent's DaemonSet."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -65,7 +65,8 @@ class ServingConfig:
     lora_load_s: float = 0.0
     """What loading one adapter costs, in seconds."""
     api_key: str | None = None
-    """vLLM's ``--api-key`` (or ``VLLM_API_KEY``): paths under ``/v1`` need ``Authorization: Bearer`` it."""
+    """vLLM's ``--api-key`` (or ``VLLM_API_KEY``): requests to ``/v1`` paths must carry
+    ``Authorization: Bearer <key>``."""
 
 
 class WorkerApi:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 SPLIT_REQUESTS = 1000
 TOLERANCE = 0.045
 """The share of 1000 draws at p = 0.1 has a standard deviation of 0.95 points: 4.5 points is about 5 of
-them, so chance fails the test about once in a million runs (3 deviations, over 400 draws, failed once in
+them, so chance fails the test a few times in a million runs (3 deviations, over 400 draws, failed once in
 CI), while a split off by 5 points still fails it."""
 
 

@@ -132,7 +132,7 @@ def own_stack(redis_server: object) -> Iterator[RunningStack]:
         yield running
 
 
-def test_fail_open_when_extproc_hangs_or_dies(own_stack: RunningStack) -> None:
+def test_keyed_workers_served_through_extproc_and_fail_open_when_it_hangs_or_dies(own_stack: RunningStack) -> None:
     stack = own_stack
     worker = f"http://{stack.address('chat-a')}/v1/models"
     assert httpx.get(worker, headers={"Authorization": "Bearer a-client-key"}, timeout=5).status_code == 401
