@@ -48,6 +48,25 @@ log = logging.getLogger("poolgate.controller.local")
 
 WORKER_KEY_ENV = "VLLM_API_KEY"
 """Where vLLM (and the simulated worker) read the key that ``--api-key`` would give."""
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+"""Without it vLLM serves no ``/v1/load_lora_adapter``, and the controller cannot load adapters."""
+
+
+def _has_flag(args: tuple[str, ...], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
+
+
+def lora_launch(config: Config, served_name: str, extra_args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """Arguments and environment that let the controller load the catalogue's adapters for this base model at
+    run time: ``--enable-lora``, room for all of them at once, and the run-time loading switch. What
+    ``extra_args`` already sets wins; the rank limit (``--max-lora-rank``, 16 by default) is left to it."""
+    adapters = [a for a in config.catalogue.adapters if a.base == served_name and a.path]
+    if not adapters:
+        return [], {}
+    args = [] if _has_flag(extra_args, "--enable-lora") else ["--enable-lora"]
+    if not _has_flag(extra_args, "--max-loras"):
+        args += ["--max-loras", str(len(adapters))]
+    return args, {RUNTIME_LORA_ENV: "True"}
 
 
 def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[str, ...], max_model_len: int,
@@ -73,17 +92,19 @@ def worker_command(config: Config, spec: WorkerSpec, port: int) -> tuple[list[st
     environment (``VLLM_API_KEY``, which vLLM and the simulator read), never on a command line anyone can list."""
     pool = config.pool(spec.pool)
     key = config.worker_api_key()
-    key_env = {WORKER_KEY_ENV: key} if key else {}
+    lora_args, lora_env = lora_launch(config, pool.model, spec.extra_args)
+    extra_env = {**lora_env, **({WORKER_KEY_ENV: key} if key else {})}
+    extra_args = (*lora_args, *spec.extra_args)
     if spec.backend == "sim":
         cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--host", spec.host, "--port", str(port),
                "--model", pool.model, "--worker-id", spec.id, "--preset", spec.preset,
                "--max-model-len", str(pool.max_model_len)]
-        return [*cmd, *spec.extra_args], key_env
+        return [*cmd, *extra_args], extra_env
     assert spec.model_path is not None  # the config validator guarantees it
     cmd, env = vllm_command(spec.model_path, host=spec.host, port=port, served_names=(pool.model,),
                             max_model_len=pool.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
-                            gpus=spec.gpus, extra_args=spec.extra_args)
-    return cmd, {**env, **key_env}
+                            gpus=spec.gpus, extra_args=extra_args)
+    return cmd, {**env, **extra_env}
 
 
 @dataclass

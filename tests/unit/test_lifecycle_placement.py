@@ -66,3 +66,23 @@ def test_workers_get_their_api_key_in_the_environment_never_on_the_command_line(
         assert env == expected and "k-123" not in " ".join(cmd)
     without = parse_config({"pools": [{"name": "chat", "model": "m"}], "workers": [{"id": "sim", "pool": "chat"}]})
     assert worker_command(without, without.workers[0], 8001)[1] == {}
+
+
+def test_workers_of_a_base_with_adapters_start_ready_to_load_them_at_run_time() -> None:
+    config = parse_config({
+        "pools": [{"name": "chat", "model": "m"}, {"name": "code", "model": "c"}],
+        "catalogue": {"adapters": [{"name": "sql", "base": "m", "path": "/a/sql"},
+                                   {"name": "legal", "base": "m", "path": "/a/legal"},
+                                   {"name": "preloaded", "base": "m"},  # no path: never loaded at run time
+                                   {"name": "py", "base": "c", "path": "/a/py"}]},
+        "workers": [{"id": "sim", "pool": "chat"},
+                    {"id": "gpu", "pool": "chat", "backend": "vllm", "model_path": "org/m",
+                     "extra_args": ["--max-loras=4", "--max-lora-rank", "64"]},
+                    {"id": "other", "pool": "code", "backend": "vllm", "model_path": "org/c"}]})
+    sim, gpu, other = (worker_command(config, spec, 8001) for spec in config.workers)
+    assert " --enable-lora --max-loras 2" in " ".join(sim[0]) and sim[1] == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert gpu[0].count("--enable-lora") == 1 and "--max-loras=4" in gpu[0] and "--max-loras" not in gpu[0]
+    assert gpu[1]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert " --enable-lora --max-loras 1" in " ".join(other[0])
+    plain = parse_config({"pools": [{"name": "chat", "model": "m"}], "workers": [{"id": "sim", "pool": "chat"}]})
+    assert "--enable-lora" not in worker_command(plain, plain.workers[0], 8001)[0]
