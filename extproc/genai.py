@@ -11,7 +11,8 @@ What is measured, from extproc's seat between Envoy and the workers:
   that ends in an error carries ``error_type``: extproc's error code (``no_capacity``, ``queue_full`` …),
   the worker's HTTP status (``500`` …), ``stream_error`` (a stream that had started failed: the worker's
   error event in it) or ``incomplete`` (the stream closed before the response's last byte: the client went
-  away, or the connection to the worker broke).
+  away before the answer was whole, or the connection to the worker broke). A stream counts as whole at its
+  ``[DONE]`` event, which a client may close on before the last byte.
 - time to first token (streamed, succeeded): request headers seen → the first chunk carrying output. A
   worker may send an empty role-only event before any token (the simulated one does); a chunk counts once a
   content, text, reasoning or tool-call value in it is non-empty, found by a byte search, never a JSON parse,
@@ -42,6 +43,9 @@ STREAM_ERROR = "stream_error"
 (``data: {"error": {...}}``, then ``[DONE]``)."""
 _ERROR_EVENT = b'data: {"error"'
 """Generated text cannot match: inside an event's JSON its quotes are escaped."""
+_DONE_EVENT = b"data: [DONE]"
+"""The end of an OpenAI stream. A client may close as soon as it reads it (the openai SDK does), before the
+response's last byte reaches Envoy: the answer was whole all the same."""
 _OUTPUT = re.compile(rb'"(?:content|text|reasoning_content|reasoning)": ?"[^"]|"tool_calls": ?\[\{')
 """A non-empty generated value in an SSE event (``"content":""`` of a role-only event does not match)."""
 
@@ -82,16 +86,23 @@ class GenAiCall:
             self.ended_at = now
 
     def response_chunk(self, chunk: bytes, end_of_stream: bool, now: float) -> None:
-        """Per chunk: two stores, one byte search until the first output was seen and one for an error event
-        (streams only)."""
+        """Per chunk: two stores, one byte search until the first output was seen and two for the error and
+        end events (streams only)."""
         if chunk:
             self.last_chunk_at = now
             if self.first_output_at is None and self.stream and _OUTPUT.search(chunk) is not None:
                 self.first_output_at = now
             if self.stream and self.error_type is None and _ERROR_EVENT in chunk:
                 self.error_type = STREAM_ERROR
+            if self.stream and _DONE_EVENT in chunk:
+                self.ended_at = now
         if end_of_stream:
             self.ended_at = now
+
+    @property
+    def ended(self) -> bool:
+        """The answer is complete (its last byte, or a stream's ``[DONE]``): ready to record."""
+        return self.ended_at is not None
 
     def outcome(self) -> str:
         """``error_type``'s value: empty when the request succeeded."""

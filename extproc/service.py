@@ -479,8 +479,8 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         if renamer is not None:
             renamed = renamer.feed(chunk if replacement is None else replacement, end_of_stream)
             replacement = renamed if renamed is not None else replacement
-        if end_of_stream:
-            self._record_genai(state)  # at the last byte, with the usage it carried
+        if end_of_stream or (state.genai is not None and state.genai.ended):
+            self._record_genai(state)  # at the last byte or [DONE], with the usage it carried
         return answers.continue_response_body(replacement)
 
     def _record_genai(self, state: RequestState) -> None:

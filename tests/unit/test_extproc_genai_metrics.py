@@ -279,3 +279,25 @@ def test_generated_text_that_looks_like_an_error_event_is_output_not_an_error() 
     call.response_chunk(delta('data: {"error": "not really"}'), end_of_stream=False, now=0.2)
     call.response_chunk(DONE, end_of_stream=True, now=0.3)
     assert call.outcome() == "" and call.first_output_at == 0.2
+
+
+def test_a_client_that_closes_on_done_got_a_whole_answer() -> None:
+    """The openai SDK stops reading at ``[DONE]`` and closes: Envoy then ends extproc's stream before the
+    response's last byte. That request succeeded, and is recorded at its ``[DONE]``."""
+    service, metrics, timer = make_service()
+    state = RequestState()
+    step(service, state, timer, 0.0, headers("POST", "/v1/chat/completions"))
+    step(service, state, timer, 0.0, body({"model": "llama", "stream": True,
+                                           "messages": [{"role": "user", "content": "hi"}]}))
+    step(service, state, timer, 0.1, response_headers(200))
+    step(service, state, timer, 0.2, chunk(ROLE_ONLY + delta("Hel")))
+    step(service, state, timer, 0.3, chunk(delta("lo") + USAGE_CHUNK + DONE))
+    assert sample(metrics, "gen_ai_server_request_duration_seconds_count", {**CHAT_LABELS, "error_type": ""}) == 1
+    timer.now = 105.0
+    service.finish(state)  # the stream closes without the last byte: nothing more is recorded
+    assert sample(metrics, "gen_ai_server_request_duration_seconds_sum",
+                  {**CHAT_LABELS, "error_type": ""}) == pytest.approx(0.3)
+    assert sample(metrics, "gen_ai_server_request_duration_seconds_count",
+                  {**CHAT_LABELS, "error_type": "incomplete"}) is None
+    assert sample(metrics, "gen_ai_server_time_to_first_token_seconds_sum", CHAT_LABELS) == pytest.approx(0.2)
+    assert sample(metrics, "gen_ai_client_token_usage_sum", {**CHAT_LABELS, "gen_ai_token_type": "output"}) == 5
