@@ -186,7 +186,7 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
         settings = settings or SchedulingSettings()
         self._genai_metrics = observability is not None and observability.genai_metrics
         """Watch every inference response (status and body) for the GenAI metrics. Like quotas, off unless
-        wired: ``serve`` passes the configuration's settings (on by default there)."""
+        wired: ``serve`` passes the configuration's ``observability`` (``genai_metrics``, off by default)."""
         self._header_pin = endpoint_picker_mode == GIE_MODE
         """Also name the picked worker in a request header (gateways routing with ORIGINAL_DST on it)."""
         self.catalogue = catalogue or CatalogueSource(EMPTY_CATALOGUE)
