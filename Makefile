@@ -27,7 +27,7 @@ run: setup
 	$(BIN)/poolgate up --config deploy/local.yaml --demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check poolgate extproc controller tests bench
+	$(BIN)/ruff check poolgate extproc controller agent simworker tests bench
 	$(BIN)/mypy
 
 test: setup lint

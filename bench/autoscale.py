@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from controller.autoscale import Action, PoolSample, decide
-from poolgate.config import AutoscaleSettings, PoolScaling
+from poolgate.kernel.config import AutoscaleSettings, PoolScaling
 
 
 @dataclass(frozen=True)

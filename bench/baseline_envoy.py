@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from controller.xds.build import CIRCUIT_LIMIT, CONNECT_TIMEOUT_S
-from poolgate.routing import ROUTING_HEADERS
+from poolgate.kernel.routing import ROUTING_HEADERS
 
 BENCH_CLUSTER_HEADER = "x-bench-cluster"
 assert BENCH_CLUSTER_HEADER not in ROUTING_HEADERS

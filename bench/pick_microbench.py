@@ -36,8 +36,8 @@ from bench.report import Column, Panel, save_rows
 from extproc.request import RequestFacts
 from extproc.scheduling import PickContext, PickRequest, RequestProfiler, build_scheduler
 from extproc.snapshot import build_snapshot
-from poolgate.config import PoolSpec, SchedulingSettings, TaskClass
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.config import PoolSpec, SchedulingSettings, TaskClass
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 WORKERS = 1000
 POOLS = 50

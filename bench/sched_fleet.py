@@ -27,8 +27,8 @@ from bench.baseline_envoy import BENCH_CLUSTER_HEADER, baseline_bootstrap, basel
 from bench.harness import ProcessGroup, scrape
 from bench.loadgen import Target
 from bench.workload import ModelRole, RequestSpec
-from poolgate.config import load_config
-from poolgate.fleet import FleetKeys, read_fleet
+from poolgate.kernel.config import load_config
+from poolgate.kernel.fleet import FleetKeys, read_fleet
 from poolgate.procs import envoy_binary, free_port, wait_port
 from poolgate.up import Stack, StackPorts
 

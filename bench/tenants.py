@@ -43,7 +43,7 @@ import yaml
 from bench.harness import lag_quantile, scrape
 from bench.report import write_report
 from extproc.tenancy import key_digest
-from poolgate.config import load_config
+from poolgate.kernel.config import load_config
 from poolgate.procs import free_port
 from poolgate.up import Stack, StackPorts
 

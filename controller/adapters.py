@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import aiohttp
 import redis.asyncio as aioredis
 
-from poolgate.config import LoraAdapter
-from poolgate.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, read_fleet
+from poolgate.kernel.config import LoraAdapter
+from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, read_fleet
 
 log = logging.getLogger(__name__)
 

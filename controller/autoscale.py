@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from poolgate.config import AutoscaleSettings, PoolScaling
+from poolgate.kernel.config import AutoscaleSettings, PoolScaling
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from redis.exceptions import RedisError
 from controller.autoscale import Action, Decision, PoolSample, decide
 from controller.backend import PlacementRefused
 from controller.instances import InstanceController
-from poolgate.config import Config
-from poolgate.fleet import FleetKeys, RedisLike, WorkerState, read_fleet, read_queued
+from poolgate.kernel.config import Config
+from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerState, read_fleet, read_queued
 
 log = logging.getLogger("poolgate.controller.autoscale")
 

@@ -14,8 +14,16 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from poolgate.config import DrainSettings
-from poolgate.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, read_fleet, read_inflight, set_worker_state
+from poolgate.kernel.config import DrainSettings
+from poolgate.kernel.fleet import (
+    FleetKeys,
+    RedisLike,
+    WorkerRecord,
+    WorkerState,
+    read_fleet,
+    read_inflight,
+    set_worker_state,
+)
 
 log = logging.getLogger("poolgate.controller.drain")
 

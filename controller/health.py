@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from poolgate.config import HealthSettings
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.config import HealthSettings
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 
 @dataclass(frozen=True)

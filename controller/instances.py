@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from controller.backend import InstanceBackend
 from controller.drain import Drainer
 from controller.health import Remedy
-from poolgate.config import Config
-from poolgate.fleet import FleetKeys, RedisLike, read_fleet, read_inflight
+from poolgate.kernel.config import Config
+from poolgate.kernel.fleet import FleetKeys, RedisLike, read_fleet, read_inflight
 
 log = logging.getLogger("poolgate.controller.instances")
 

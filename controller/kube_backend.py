@@ -22,8 +22,8 @@ from typing import Any
 
 from kubernetes import client as k8s
 
-from poolgate.config import Config
-from poolgate.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, heartbeat_worker, register_worker
+from poolgate.kernel.config import Config
+from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, heartbeat_worker, register_worker
 
 log = logging.getLogger("poolgate.controller.kubernetes")
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from poolgate.fleet import FleetKeys, RedisLike
+from poolgate.kernel.fleet import FleetKeys, RedisLike
 
 log = logging.getLogger("poolgate.controller.lease")
 

@@ -32,8 +32,8 @@ import aiohttp
 
 from controller.backend import PlacementRefused
 from controller.placement import GpuFree, Placement, place
-from poolgate.config import Config, WorkerSpec
-from poolgate.fleet import (
+from poolgate.kernel.config import Config, WorkerSpec
+from poolgate.kernel.fleet import (
     FleetKeys,
     RedisLike,
     WorkerRecord,

@@ -29,9 +29,9 @@ import uvloop
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from agent.agent import run_agent
+from agent.gpus import open_gpus
 from controller.adapters import AdapterLoader, run_adapter_loader
-from controller.agent.agent import run_agent
-from controller.agent.gpus import open_gpus
 from controller.autoscaler import Autoscaler, run_autoscaler
 from controller.backend import InstanceBackend
 from controller.drain import Drainer
@@ -43,10 +43,10 @@ from controller.placement import GpuFree
 from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
-from poolgate.config import Config, ConfigError, load_process_config
-from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet
-from poolgate.logging_setup import add_log_format_argument, configure_logging
-from poolgate.shutdown import on_stop_signal
+from poolgate.kernel.config import Config, ConfigError, load_process_config
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet
+from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
+from poolgate.kernel.shutdown import on_stop_signal
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend

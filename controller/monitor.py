@@ -19,8 +19,8 @@ from typing import Protocol
 from redis.exceptions import RedisError
 
 from controller.health import HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
-from poolgate.config import Config
-from poolgate.fleet import (
+from poolgate.kernel.config import Config
+from poolgate.kernel.fleet import (
     FleetKeys,
     RedisLike,
     WorkerRecord,

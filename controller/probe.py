@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 
 from controller.health import ProbeResult
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.fleet import WorkerRecord
 
 
 class HttpProber:

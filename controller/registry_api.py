@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.backend import PlacementRefused
 from controller.instances import InstanceController, NotLeader
-from poolgate.config import Config
-from poolgate.fleet import (
+from poolgate.kernel.config import Config
+from poolgate.kernel.fleet import (
     LIVE_FIELDS,
     FleetKeys,
     RedisLike,

@@ -27,7 +27,7 @@ from google.protobuf.struct_pb2 import Struct
 from extproc.catalogue import ModelCard
 from extproc.errors import ApiError
 from extproc.scheduling import Decision
-from poolgate.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE
+from poolgate.kernel.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 NEVER_UPSTREAM = ("authorization",)

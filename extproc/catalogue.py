@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from poolgate.config import CatalogueModel, CatalogueSettings, ModelVersion, ParameterValue
+from poolgate.kernel.config import CatalogueModel, CatalogueSettings, ModelVersion, ParameterValue
 
 _NO_PARAMETERS: Mapping[str, ParameterValue] = MappingProxyType({})
 _NO_CAPS: Mapping[str, float] = MappingProxyType({})

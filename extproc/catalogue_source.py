@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from extproc.catalogue import Catalogue
-from poolgate.config import Config
+from poolgate.kernel.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ import asyncio
 import contextlib
 import sys
 
-from poolgate.config import ConfigError, load_process_config
-from poolgate.logging_setup import add_log_format_argument, configure_logging
-from poolgate.secrets import redact_url
-from poolgate.shutdown import on_stop_signal
+from poolgate.kernel.config import ConfigError, load_process_config
+from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
+from poolgate.kernel.redaction import redact_url
+from poolgate.kernel.shutdown import on_stop_signal
 
 STOP_DEADLINE_S = 12.0
 """Streams get 5 s to finish, the last in-flight counts 1 s to reach Redis; Kubernetes waits 15 s."""

@@ -21,8 +21,8 @@ from extproc.request import RequestFacts, RequestHead, parse_request
 from extproc.scheduling import PickContext, RequestProfiler, default_scheduler
 from extproc.service import ExtProcService, RequestState
 from extproc.snapshot import FleetSnapshot, build_snapshot
-from poolgate.config import PoolSpec, SchedulingSettings
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import PoolSpec, SchedulingSettings
+from poolgate.kernel.fleet import WorkerRecord
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from extproc.errors import ApiError, invalid_request
-from poolgate.routing import ROUTING_HEADERS
+from poolgate.kernel.routing import ROUTING_HEADERS
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

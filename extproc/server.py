@@ -30,9 +30,9 @@ from extproc.scheduling import build_profiler, build_scheduler
 from extproc.service import CapacitySignal, ExtProcService
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
-from poolgate.config import Config
-from poolgate.fleet import FleetKeys
-from poolgate.reload import ConfigFileWatch
+from poolgate.kernel.config import Config
+from poolgate.kernel.fleet import FleetKeys
+from poolgate.kernel.reload import ConfigFileWatch
 
 log = logging.getLogger(__name__)
 

@@ -59,8 +59,8 @@ from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, R
 from extproc.snapshot import FleetSnapshot
 from extproc.tenancy import Tenant, TenantDirectory
 from extproc.usage import UsageWatch, with_usage_requested
-from poolgate.config import ObservabilitySettings, SchedulingSettings, TenancySettings
-from poolgate.logging_setup import request_id
+from poolgate.kernel.config import ObservabilitySettings, SchedulingSettings, TenancySettings
+from poolgate.kernel.logging_setup import request_id
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from poolgate.config import PoolSpec
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 
 @dataclass(frozen=True, slots=True)

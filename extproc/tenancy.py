@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from extproc import errors
 from extproc.errors import ApiError
-from poolgate.config import TenancySettings, TenantSpec
+from poolgate.kernel.config import TenancySettings, TenantSpec
 
 DEFAULT_CLASS = "standard"
 

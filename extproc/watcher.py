@@ -24,8 +24,8 @@ from redis.exceptions import RedisError
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.snapshot import FleetSnapshot, build_snapshot, empty_snapshot
-from poolgate.config import ExtprocSettings, PoolSpec
-from poolgate.fleet import FleetKeys, read_fleet, read_inflight
+from poolgate.kernel.config import ExtprocSettings, PoolSpec
+from poolgate.kernel.fleet import FleetKeys, read_fleet, read_inflight
 
 log = logging.getLogger(__name__)
 

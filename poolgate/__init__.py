@@ -1,4 +1,5 @@
-"""poolgate core shared by extproc and the controller: configuration, fleet state schema, the CLI.
+"""poolgate's application layer: the ``poolgate`` CLI, ``poolgate up``, ``status`` and the docs generators.
 
-It holds no request-path logic (that is ``extproc``) and no fleet actions (that is ``controller``).
+It wires the programs together (``extproc``, ``controller``, ``agent``, ``simworker``) and is the only
+layer that may import all of them. The shared kernel below every program is ``poolgate.kernel``.
 """

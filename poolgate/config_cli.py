@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from poolgate.config import ConfigError, load_config
+from poolgate.kernel.config import ConfigError, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

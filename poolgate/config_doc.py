@@ -1,7 +1,7 @@
 """The configuration reference, generated from the config schema itself.
 
 ``python -m poolgate.config_doc > docs/configuration.md``. Walks the pydantic models of
-``poolgate.config`` from ``Config`` down: every field with its type, default, bounds and the docstring
+``poolgate.kernel.config`` from ``Config`` down: every field with its type, default, bounds and the docstring
 written under it in the source (pydantic keeps those only when asked, so they are read from the source
 here). A test compares the committed file with this output, so the reference cannot drift from the code.
 """
@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from poolgate import config as config_module
+from poolgate.kernel import config as config_module
 
 BOUNDS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
 
@@ -127,7 +127,7 @@ def sections(model: type[BaseModel], path: str) -> Iterator[str]:
 def render() -> str:
     head = ("# Configuration reference\n\n"
             "One YAML file configures every poolgate process (`poolgate config check FILE` validates it; errors "
-            "name the\nfield path). Generated from the schema in `poolgate/config.py` by "
+            "name the\nfield path). Generated from the schema in `poolgate/kernel/config.py` by "
             "`python -m poolgate.config_doc > docs/configuration.md`;\n"
             "do not edit by hand. `[]` marks a list item, `<name>` a key you choose.\n")
     return "\n".join([head, *sections(config_module.Config, "")])

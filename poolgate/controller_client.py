@@ -14,9 +14,9 @@ import aiohttp
 import orjson
 import redis.asyncio as aioredis
 
-from poolgate.config import ConfigError, load_config
-from poolgate.fleet import FleetKeys
-from poolgate.secrets import redact_url
+from poolgate.kernel.config import ConfigError, load_config
+from poolgate.kernel.fleet import FleetKeys
+from poolgate.kernel.redaction import redact_url
 
 
 class CommandError(Exception):

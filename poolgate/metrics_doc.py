@@ -39,7 +39,7 @@ def _extproc() -> CollectorRegistry:
 
 def _controller() -> CollectorRegistry:
     from controller.autoscaler import Autoscaler
-    from poolgate.config import parse_config
+    from poolgate.kernel.config import parse_config
 
     registry = CollectorRegistry()
     config = parse_config({"pools": [{"name": "p", "model": "m"}]})
@@ -49,7 +49,7 @@ def _controller() -> CollectorRegistry:
 
 
 def _simworker() -> CollectorRegistry:
-    from controller.simworker.metrics import WorkerMetrics
+    from simworker.metrics import WorkerMetrics
 
     return WorkerMetrics("model", {"block_size": "16", "num_gpu_blocks": "1000"}, 80e9, legacy_kv_metric=True).registry
 

@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, read_fleet, read_inflight
-from poolgate.secrets import redact_url
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, read_fleet, read_inflight
+from poolgate.kernel.redaction import redact_url
 
 COLUMNS = ("worker", "model", "pool", "state", "address", "in-flight", "kv", "running", "waiting", "age")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"

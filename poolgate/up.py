@@ -25,9 +25,9 @@ import orjson
 import redis.asyncio as aioredis
 import yaml
 
-from poolgate.config import Config, ConfigError, load_config
+from poolgate.kernel.config import Config, ConfigError, load_config
+from poolgate.kernel.redaction import redact_url
 from poolgate.procs import envoy_binary, free_port, wait_port
-from poolgate.secrets import redact_url
 from poolgate.status import fleet_table
 
 READY_TIMEOUT_S = 120.0

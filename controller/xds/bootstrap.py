@@ -46,8 +46,8 @@ from google.protobuf import any_pb2, duration_pb2, json_format, message, struct_
 from google.protobuf.wrappers_pb2 import BoolValue, UInt32Value
 
 from controller.xds.build import relaxed_circuit_breakers
-from poolgate.config import Config
-from poolgate.routing import CLUSTER_HEADER, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, ROUTING_HEADERS
+from poolgate.kernel.config import Config
+from poolgate.kernel.routing import CLUSTER_HEADER, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, ROUTING_HEADERS
 
 EXTPROC_CLUSTER = "poolgate-extproc"
 XDS_CLUSTER = "poolgate-xds"

@@ -22,9 +22,9 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import duration_pb2
 from google.protobuf.wrappers_pb2 import UInt32Value
 
-from poolgate.config import PoolSpec
-from poolgate.fleet import WorkerRecord, WorkerState
-from poolgate.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
+from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from google.protobuf import any_pb2
 
 from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, build_clusters, build_endpoints
 from controller.xds.cache import Snapshot, SnapshotCache
-from poolgate.config import PoolSpec
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.fleet import WorkerRecord
 
 log = logging.getLogger(__name__)
 

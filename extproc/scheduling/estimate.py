@@ -29,7 +29,7 @@ from typing import Protocol
 
 from extproc.request import CHAT_PATH, RequestFacts
 from extproc.scheduling.plugins import PickRequest
-from poolgate.config import ConfigError, SchedulingSettings, TaskClass, TaskClassRules
+from poolgate.kernel.config import ConfigError, SchedulingSettings, TaskClass, TaskClassRules
 
 MAX_CHARS_PER_TOKEN = 8
 MESSAGE_OVERHEAD_TOKENS = 4

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from extproc import errors
 from extproc.scheduling.kv import kv_footprint, kv_free_tokens
 from extproc.scheduling.plugins import NoCapacity, PickContext, PickRequest, Refusal
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 
 class TenantPools:

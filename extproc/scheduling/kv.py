@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.fleet import WorkerRecord
 
 
 def kv_footprint(tokens: int, block_size: int) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from extproc import errors
 from extproc.scheduling.plugins import PickContext, PickRequest, Refusal
 from extproc.scheduling.scorers.lora_affinity import adapter_score
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.fleet import WorkerRecord
 
 
 class AdapterRoom:

@@ -16,8 +16,8 @@ from typing import Protocol, TypeAlias
 from extproc.errors import ApiError
 from extproc.request import RequestFacts
 from extproc.snapshot import FleetSnapshot
-from poolgate.config import TaskClass
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import TaskClass
+from poolgate.kernel.fleet import WorkerRecord
 
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 _NO_AFFINITY: Mapping[Hashable, str] = MappingProxyType({})

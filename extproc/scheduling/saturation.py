@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extproc.scheduling.plugins import NoCapacity, PickContext, PickRequest, Refusal
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.fleet import WorkerRecord
 
 
 class SaturationGate:

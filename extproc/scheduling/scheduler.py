@@ -29,9 +29,9 @@ from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.scheduling.scorers.lora_affinity import LoraAffinity
 from extproc.scheduling.scorers.predicted_ttft import PredictedTtft
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
-from poolgate.config import SCORER_NAMES, SchedulingSettings
-from poolgate.fleet import WorkerRecord
-from poolgate.routing import cluster_name
+from poolgate.kernel.config import SCORER_NAMES, SchedulingSettings
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.routing import cluster_name
 
 TIE_TOLERANCE = 0.01
 

@@ -31,8 +31,8 @@ import redis.asyncio as aioredis
 import yaml
 
 from controller.xds.bootstrap import render_bootstrap
-from poolgate.config import parse_config
-from poolgate.fleet import FleetKeys, WorkerRecord, heartbeat_worker, register_worker
+from poolgate.kernel.config import parse_config
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, heartbeat_worker, register_worker
 from poolgate.procs import envoy_binary, free_port, port_open
 
 T = TypeVar("T")

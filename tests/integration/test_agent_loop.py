@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from controller.agent.agent import Agent, ScrapeError, run_agent
-from controller.agent.gpus import GpuSample
-from poolgate.config import Config, parse_config
-from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, read_fleet, register_worker
+from agent.agent import Agent, ScrapeError, run_agent
+from agent.gpus import GpuSample
+from poolgate.kernel.config import Config, parse_config
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, read_fleet, register_worker
 from poolgate.procs import free_port
 from tests.manual_clock import ManualClock
 
@@ -255,7 +255,7 @@ async def test_live_facts_never_keep_an_unheartbeated_worker_alive(redis_url: st
     """The agent's writes must not extend a registration: liveness belongs to the registrant."""
     from redis.asyncio import Redis
 
-    from poolgate.fleet import update_live_facts
+    from poolgate.kernel.fleet import update_live_facts
 
     client = Redis.from_url(redis_url)
     keys = FleetKeys("live")

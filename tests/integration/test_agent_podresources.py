@@ -14,18 +14,18 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from controller.agent.agent import Agent, run_agent
-from controller.agent.gpus import GpuReader, GpuSample
-from controller.agent.kubelet.podresources_pb2 import (
+from agent.agent import Agent, run_agent
+from agent.gpus import GpuReader, GpuSample
+from agent.kubelet.podresources_pb2 import (
     ContainerDevices,
     ContainerResources,
     ListPodResourcesRequest,
     ListPodResourcesResponse,
     PodResources,
 )
-from controller.agent.podresources import PodResourcesClient, PodResourcesError
-from poolgate.config import parse_config
-from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from agent.podresources import PodResourcesClient, PodResourcesError
+from poolgate.kernel.config import parse_config
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
 from tests.manual_clock import ManualClock
 
 CONFIG = parse_config({

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from controller.agent.agent import run_agent
-from poolgate.config import parse_config
-from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from agent.agent import run_agent
+from poolgate.kernel.config import parse_config
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
 from poolgate.procs import free_port, simworker_process
 
 MODEL = "m"

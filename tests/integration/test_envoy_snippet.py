@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from controller.xds.bootstrap import render_bootstrap
-from poolgate.config import load_config
+from poolgate.kernel.config import load_config
 from poolgate.procs import envoy_binary
 
 ROOT = Path(__file__).resolve().parents[2]

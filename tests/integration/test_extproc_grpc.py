@@ -26,10 +26,10 @@ from extproc.metrics import Metrics
 from extproc.server import redis_client as make_redis_client
 from extproc.server import serve
 from extproc.watcher import FleetWatcher
-from poolgate.config import Config, ExtprocSettings, PoolSpec
-from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker
+from poolgate.kernel.config import Config, ExtprocSettings, PoolSpec
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker
+from poolgate.kernel.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE
 from poolgate.procs import free_port
-from poolgate.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE
 
 PREFIX = "itest"
 KEYS = FleetKeys(PREFIX)

@@ -10,8 +10,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.watcher import FleetWatcher
-from poolgate.config import ExtprocSettings, PoolSpec
-from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.config import ExtprocSettings, PoolSpec
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
 from tests.manual_clock import ManualClock
 
 POOLS = (PoolSpec(name="chat", model="llama"),)

@@ -12,8 +12,8 @@ import pytest
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
-from poolgate.config import Config, ExtprocSettings, PoolSpec, SchedulingSettings
-from poolgate.fleet import WorkerRecord, heartbeat_worker, register_worker
+from poolgate.kernel.config import Config, ExtprocSettings, PoolSpec, SchedulingSettings
+from poolgate.kernel.fleet import WorkerRecord, heartbeat_worker, register_worker
 
 LIMIT = 256 * 1024
 LONG_PROMPT = {"model": "llama", "max_tokens": 50,

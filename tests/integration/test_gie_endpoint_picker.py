@@ -24,9 +24,9 @@ import redis.asyncio as aioredis
 import yaml
 
 from extproc.endpoint_picker import SUBSET_KEY, SUBSET_NAMESPACE
-from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker, set_worker_state
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker, set_worker_state
+from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, WORKER_HEADER
 from poolgate.procs import envoy_binary, extproc_process, free_port, port_open, simworker_process, stop_process
-from poolgate.routing import DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, WORKER_HEADER
 
 MODEL = "gie-model"
 KEYS = FleetKeys("gie-it")

@@ -16,8 +16,8 @@ from controller.instances import InstanceController
 from controller.lease import LeaderLease
 from controller.monitor import HealthMonitor
 from controller.registry_api import RegistryApi
-from poolgate.config import parse_config
-from poolgate.fleet import (
+from poolgate.kernel.config import parse_config
+from poolgate.kernel.fleet import (
     FleetKeys,
     WorkerRecord,
     WorkerState,

@@ -12,10 +12,10 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from kubernetes import client as k8s
 
-from controller.agent.agent import Agent
+from agent.agent import Agent
 from controller.kube_backend import DELETION_COST, KubernetesBackend
-from poolgate.config import parse_config
-from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.config import parse_config
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
 
 CONFIG = parse_config({"pools": [{"name": "chat", "model": "llama", "max_model_len": 4096}],
                        "kubernetes": {"namespace": "inference", "deployment_prefix": "pg-"}})

@@ -10,11 +10,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from controller.adapters import AdapterLoader, run_adapter_loader
-from controller.simworker.presets import PRESETS
-from controller.simworker.worker import SimWorker, WorkerSpec
-from poolgate.config import LoraAdapter
-from poolgate.fleet import FleetKeys, WorkerRecord, register_worker
+from poolgate.kernel.config import LoraAdapter
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, register_worker
 from poolgate.procs import free_port
+from simworker.presets import PRESETS
+from simworker.worker import SimWorker, WorkerSpec
 
 MODEL = "sim-llama-3-8b"
 SQL = LoraAdapter(name="sql", base=MODEL, path="/adapters/sql")

@@ -10,11 +10,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controller.agent.vllm_metrics import parse_engine_metrics
-from controller.simworker import cli
-from controller.simworker.presets import PRESETS
-from controller.simworker.worker import SimWorker, WorkerSpec
+from agent.vllm_metrics import parse_engine_metrics
 from poolgate.procs import free_port
+from simworker import cli
+from simworker.presets import PRESETS
+from simworker.worker import SimWorker, WorkerSpec
 
 MODEL = "sim-llama-3-8b"
 StartWorker = Callable[..., Awaitable[str]]

@@ -9,8 +9,8 @@ from typing import Any
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.watcher import QUEUED_REFRESH_S, QUEUED_TTL_S, FleetWatcher, held_per_pool
-from poolgate.config import ExtprocSettings, PoolSpec
-from poolgate.fleet import FleetKeys, read_queued
+from poolgate.kernel.config import ExtprocSettings, PoolSpec
+from poolgate.kernel.fleet import FleetKeys, read_queued
 from tests.manual_clock import ManualClock
 
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="chat-acme", model="llama"),

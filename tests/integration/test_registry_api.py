@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from controller.registry_api import RegistryApi
-from poolgate.config import parse_config
-from poolgate.fleet import FleetKeys, WorkerState, read_fleet
+from poolgate.kernel.config import parse_config
+from poolgate.kernel.fleet import FleetKeys, WorkerState, read_fleet
 
 CONFIG = parse_config({
     "pools": [{"name": "chat", "model": "m1", "max_model_len": 4096}],

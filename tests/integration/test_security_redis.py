@@ -25,9 +25,9 @@ import redis
 import redis.asyncio as aioredis
 import yaml
 
-from poolgate.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.redaction import redact_url
 from poolgate.procs import free_port, port_open
-from poolgate.secrets import redact_url
 
 PASSWORD = "redis-pw-Zq81xk"
 TOKEN = "ctl-token-Hr55vd"

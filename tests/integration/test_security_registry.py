@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from controller.registry_api import RegistryApi
-from poolgate.config import Config, ConfigError, parse_config
-from poolgate.fleet import FleetKeys, read_fleet
+from poolgate.kernel.config import Config, ConfigError, parse_config
+from poolgate.kernel.fleet import FleetKeys, read_fleet
 
 TOKEN = "registry-security-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

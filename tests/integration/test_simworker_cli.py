@@ -13,8 +13,8 @@ from email.message import Message
 
 import pytest
 
+from poolgate.kernel.routing import WORKER_HEADER
 from poolgate.procs import free_port, port_open
-from poolgate.routing import WORKER_HEADER
 
 
 def http(url: str, body: bytes | None = None) -> tuple[Message, bytes]:

@@ -11,11 +11,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.simworker.faults import FaultSettings
-from controller.simworker.presets import PRESETS
-from controller.simworker.worker import SimWorker, WorkerSpec
+from poolgate.kernel.routing import WORKER_HEADER
 from poolgate.procs import free_port
-from poolgate.routing import WORKER_HEADER
+from simworker.faults import FaultSettings
+from simworker.presets import PRESETS
+from simworker.worker import SimWorker, WorkerSpec
 
 MODEL = "sim-llama-3-8b"
 StartWorker = Callable[..., Awaitable[SimWorker]]

@@ -16,7 +16,7 @@ from poolgate.procs import extproc_process
 
 CHILD = textwrap.dedent("""
     import asyncio, sys
-    from poolgate.shutdown import on_stop_signal
+    from poolgate.kernel.shutdown import on_stop_signal
 
     async def main(hang: bool) -> None:
         stop = asyncio.Event()

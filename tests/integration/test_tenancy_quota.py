@@ -22,7 +22,7 @@ from test_extproc_grpc import CHAT, KEYS, PREFIX, Extproc, body, eventually, hea
 
 from extproc.quota import WINDOW_S, QuotaKeys
 from extproc.tenancy import key_digest
-from poolgate.fleet import register_worker
+from poolgate.kernel.fleet import register_worker
 from poolgate.procs import extproc_process
 
 QUOTA_KEYS = QuotaKeys(PREFIX)

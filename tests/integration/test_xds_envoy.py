@@ -33,16 +33,16 @@ from google.protobuf import struct_pb2
 from controller.xds import XdsServer, render_bootstrap
 from controller.xds.build import CLUSTER_TYPE_URL, build_clusters
 from controller.xds.cache import Snapshot
-from poolgate.config import Config, parse_config
-from poolgate.fleet import WorkerRecord, WorkerState
-from poolgate.procs import envoy_binary, free_port, stop_process
-from poolgate.routing import (
+from poolgate.kernel.config import Config, parse_config
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.routing import (
     CLUSTER_HEADER,
     DESTINATION_ENDPOINT_KEY,
     FALLBACK_CLUSTER,
     LB_METADATA_NAMESPACE,
     cluster_name,
 )
+from poolgate.procs import envoy_binary, free_port, stop_process
 
 POOLS = {"pools": [{"name": "a", "model": "model-a"}, {"name": "b", "model": "model-b"}]}
 CONFIG = parse_config(POOLS)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from controller.agent.gpus import MIB, GpuReader, GpuSample, Nvml, open_gpus, parse_visible_devices, summarize
+from agent.gpus import MIB, GpuReader, GpuSample, Nvml, open_gpus, parse_visible_devices, summarize
 from controller.placement import GpuFree, place
 
 

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from controller.agent.gpus import MIB, GpuSummary
-from controller.agent.live import live_fields, notable_change
-from controller.agent.rates import RateState
-from controller.agent.vllm_metrics import EngineMetrics
-from poolgate.fleet import LIVE_FIELDS
+from agent.gpus import MIB, GpuSummary
+from agent.live import live_fields, notable_change
+from agent.rates import RateState
+from agent.vllm_metrics import EngineMetrics
+from poolgate.kernel.fleet import LIVE_FIELDS
 
 FULL = EngineMetrics(running=3, waiting=1, kv_usage=0.41234, kv_block_size=16, num_gpu_blocks=1000,
                      preemptions_total=2.0, sim_gpu_memory_total_bytes=8192 * MIB,

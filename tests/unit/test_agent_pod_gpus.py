@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from controller.agent.kubelet.podresources_pb2 import (
+from agent.kubelet.podresources_pb2 import (
     ContainerDevices,
     ContainerResources,
     ListPodResourcesResponse,
     PodResources,
 )
-from controller.agent.podresources import device_uuid, pod_gpus
+from agent.podresources import device_uuid, pod_gpus
 
 
 def pod(name: str, *containers: list[tuple[str, list[str]]], namespace: str = "poolgate") -> PodResources:

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from controller.agent.rates import RateState, advance
-from controller.agent.vllm_metrics import EngineMetrics
+from agent.rates import RateState, advance
+from agent.vllm_metrics import EngineMetrics
 
 
 def scrape(ttft_sum: float | None = None, ttft_count: float | None = None, prompt: float | None = None,

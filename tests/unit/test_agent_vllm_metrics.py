@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
+from agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
 
 # A V1-style page in the shape recent vLLM serves: sorted labels, engine="0", counters with _created
 # siblings, a histogram, HELP lines with trailing spaces, and unrelated process/http families.

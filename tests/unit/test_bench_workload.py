@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from bench import workload
-from controller.simworker import protocol
+from simworker import protocol
 
 
 def test_same_seed_same_trace_and_other_seed_differs() -> None:

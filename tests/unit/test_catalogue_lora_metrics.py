@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from controller.agent.live import live_fields
-from controller.agent.rates import RateState
-from controller.agent.vllm_metrics import parse_engine_metrics
-from poolgate.fleet import WorkerRecord
+from agent.live import live_fields
+from agent.rates import RateState
+from agent.vllm_metrics import parse_engine_metrics
+from poolgate.kernel.fleet import WorkerRecord
 
 PAGE = """# HELP vllm:lora_requests_info Running stats on lora requests.
 # TYPE vllm:lora_requests_info gauge

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from extproc.catalogue import Catalogue
-from poolgate.config import CatalogueSettings, ConfigError, parse_config
+from poolgate.kernel.config import CatalogueSettings, ConfigError, parse_config
 
 POOLS = [{"name": "chat-a", "model": "chat-v1"}, {"name": "chat-b", "model": "chat-v2"},
          {"name": "code", "model": "coder"}]

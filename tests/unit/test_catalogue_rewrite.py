@@ -20,8 +20,8 @@ from extproc.rename import ModelRenamer
 from extproc.scheduling import default_scheduler
 from extproc.service import ExtProcService, RequestState
 from extproc.snapshot import FleetSnapshot, build_snapshot
-from poolgate.config import parse_config
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import parse_config
+from poolgate.kernel.fleet import WorkerRecord
 
 NOW = 5000.0
 CONFIG = parse_config({

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from poolgate.cli import main as cli_main
-from poolgate.config import ConfigError, load_config, parse_config
+from poolgate.kernel.config import ConfigError, load_config, parse_config
 
 GOOD = {
     "pools": [{"name": "chat", "model": "m1"}, {"name": "code", "model": "m2", "max_model_len": 4096}],

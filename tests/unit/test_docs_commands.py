@@ -21,7 +21,7 @@ import pytest
 from controller.local_backend import worker_command
 from poolgate.bench_cli import available
 from poolgate.cli import SUBCOMMANDS
-from poolgate.config import Config
+from poolgate.kernel.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = {"configuration.md", "metrics.md"}

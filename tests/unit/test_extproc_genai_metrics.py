@@ -25,8 +25,8 @@ from extproc.metrics import Metrics
 from extproc.scheduling import default_scheduler
 from extproc.service import ExtProcService, RequestState
 from extproc.snapshot import build_snapshot
-from poolgate.config import ObservabilitySettings, PoolSpec, parse_config
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import ObservabilitySettings, PoolSpec, parse_config
+from poolgate.kernel.fleet import WorkerRecord
 from poolgate.metrics_doc import GENAI_ATTRIBUTES, GENAI_SERIES, exported_metrics
 
 CHAT_LABELS = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai",

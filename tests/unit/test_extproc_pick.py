@@ -12,8 +12,8 @@ from extproc.request import RequestFacts
 from extproc.scheduling import Decision, PickContext, PickRequest, RequestProfiler, default_scheduler
 from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.snapshot import FleetSnapshot, build_snapshot
-from poolgate.config import PoolSpec, SchedulingSettings
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.config import PoolSpec, SchedulingSettings
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 NOW = 1_000_000.0
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="chat-big", model="llama"),

@@ -7,7 +7,7 @@ import pytest
 
 from extproc.errors import ApiError
 from extproc.request import RequestFacts, RequestHead, parse_head, parse_request
-from poolgate.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY
+from poolgate.kernel.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY
 
 CHAT = RequestHead("POST", "/v1/chat/completions", None)
 COMPLETIONS = RequestHead("POST", "/v1/completions", None)

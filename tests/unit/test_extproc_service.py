@@ -22,9 +22,9 @@ from extproc.metrics import Metrics
 from extproc.scheduling import default_scheduler
 from extproc.service import DECISION_HEADER, ExtProcService, Phase, RequestState
 from extproc.snapshot import FleetSnapshot, build_snapshot
-from poolgate.config import PoolSpec, SchedulingSettings
-from poolgate.fleet import WorkerRecord, WorkerState
-from poolgate.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, ROUTING_HEADERS
+from poolgate.kernel.config import PoolSpec, SchedulingSettings
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, ROUTING_HEADERS
 
 NOW = 5000.0
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="code", model="coder"))

@@ -9,9 +9,9 @@ from extproc import answers
 from extproc.endpoint_picker import SUBSET_KEY, SUBSET_NAMESPACE, endpoint_subset, within
 from extproc.scheduling import Decision
 from extproc.snapshot import build_snapshot
-from poolgate.config import PoolSpec
-from poolgate.fleet import WorkerRecord
-from poolgate.routing import DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE
+from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE
 
 
 def _message(value: object | None) -> ProcessingRequest:

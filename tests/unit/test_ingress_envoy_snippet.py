@@ -14,8 +14,8 @@ from envoy.config.route.v3 import route_components_pb2
 from google.protobuf import json_format
 
 from controller.xds.bootstrap import REQUEST_ACCESS_LOG_FORMAT, render_bootstrap
-from poolgate.config import load_config
-from poolgate.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, ROUTING_HEADERS
+from poolgate.kernel.config import load_config
+from poolgate.kernel.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, ROUTING_HEADERS
 
 ROOT = Path(__file__).resolve().parents[2]
 SNIPPET = yaml.safe_load((ROOT / "envoy" / "snippet" / "poolgate.yaml").read_text())

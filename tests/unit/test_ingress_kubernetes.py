@@ -13,10 +13,10 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from controller.agent.cli import NODE_ENV
-from controller.agent.podresources import POD_RESOURCES_SOCKET
+from agent.cli import NODE_ENV
+from agent.podresources import POD_RESOURCES_SOCKET
 from controller.kube_backend import POOL_LABEL, PORT_ANNOTATION
-from poolgate.config import Config, parse_config
+from poolgate.kernel.config import Config, parse_config
 
 KUBE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 KUSTOMIZATION = yaml.safe_load((KUBE / "kustomization.yaml").read_text())

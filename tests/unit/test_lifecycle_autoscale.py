@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from controller.autoscale import Action, PoolSample, decide
-from poolgate.config import AutoscaleSettings, PoolScaling
+from poolgate.kernel.config import AutoscaleSettings, PoolScaling
 
 SETTINGS = AutoscaleSettings(up_waiting_per_worker=2.0, up_kv_usage=0.85, up_sustain_s=3.0,
                              down_running_per_worker=4.0, down_cooldown_s=10.0)

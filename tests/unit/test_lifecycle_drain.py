@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controller.drain import DrainView, drain_finished
-from poolgate.config import DrainSettings
+from poolgate.kernel.config import DrainSettings
 
 SETTINGS = DrainSettings(grace_s=30.0, settle_s=1.0)
 

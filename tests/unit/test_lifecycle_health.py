@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from controller.health import HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
-from poolgate.config import HealthSettings
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.config import HealthSettings
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 SETTINGS = HealthSettings(failures_to_fail=3, successes_to_ready=2, passive_failures_to_fail=3,
                           replace_failed_after_s=5.0, kv_leak_usage=0.9, kv_leak_after_s=4.0, busy_kv_usage=0.95)

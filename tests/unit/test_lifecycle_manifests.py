@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from controller.kube_backend import POOL_LABEL, PORT_ANNOTATION
-from poolgate.config import parse_config
+from poolgate.kernel.config import parse_config
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 

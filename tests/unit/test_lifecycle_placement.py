@@ -6,7 +6,7 @@ import pytest
 
 from controller.local_backend import vllm_command, worker_command
 from controller.placement import GpuFree, place
-from poolgate.config import ConfigError, parse_config
+from poolgate.kernel.config import ConfigError, parse_config
 
 GPUS = {0: GpuFree(0, 81920, 30000), 1: GpuFree(1, 81920, 70000), 2: GpuFree(2, 81920, 50000)}
 

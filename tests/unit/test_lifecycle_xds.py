@@ -6,8 +6,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 
 from controller.xds.bootstrap import build_bootstrap
 from controller.xds.build import build_clusters
-from poolgate.config import PoolSpec, parse_config
-from poolgate.routing import FALLBACK_CLUSTER
+from poolgate.kernel.config import PoolSpec, parse_config
+from poolgate.kernel.routing import FALLBACK_CLUSTER
 
 POOLS = (PoolSpec(name="chat", model="m"),)
 

@@ -8,7 +8,7 @@ import logging
 import orjson
 import pytest
 
-from poolgate.logging_setup import JsonFormatter, RequestIdFilter, TextFormatter, configure_logging, request_id
+from poolgate.kernel.logging_setup import JsonFormatter, RequestIdFilter, TextFormatter, configure_logging, request_id
 
 
 def _line(formatter: logging.Formatter, rid: str | None) -> str:

@@ -19,8 +19,8 @@ from extproc.scheduling.lora_filter import AdapterRoom
 from extproc.scheduling.scorers.lora_affinity import LoraAffinity
 from extproc.service import ExtProcService, RequestState
 from extproc.snapshot import build_snapshot
-from poolgate.config import ConfigError, parse_config
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import ConfigError, parse_config
+from poolgate.kernel.fleet import WorkerRecord
 
 NOW = 5000.0
 CONFIG = parse_config({

@@ -7,9 +7,9 @@ import itertools
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from controller.agent.vllm_metrics import parse_engine_metrics
-from controller.simworker.lora import AdapterTable
-from controller.simworker.protocol import ApiError
+from agent.vllm_metrics import parse_engine_metrics
+from simworker.lora import AdapterTable
+from simworker.protocol import ApiError
 
 
 def table(max_loras: int = 2) -> AdapterTable:

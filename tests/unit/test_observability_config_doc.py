@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from poolgate.config import Config, PoolSpec
 from poolgate.config_doc import field_docstrings, render
+from poolgate.kernel.config import Config, PoolSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from poolgate.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker
 from poolgate.status import format_pools, watch
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from extproc.errors import ApiError
 from extproc.request import CHAT_PATH, COMPLETIONS_PATH, RequestFacts, RequestHead, parse_head, parse_request
-from poolgate.routing import ROUTING_HEADERS
+from poolgate.kernel.routing import ROUTING_HEADERS
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HEADS = (RequestHead("POST", CHAT_PATH, None), RequestHead("POST", COMPLETIONS_PATH, None))

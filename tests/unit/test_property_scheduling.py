@@ -14,8 +14,8 @@ from extproc.errors import ApiError
 from extproc.request import CHAT_PATH, COMPLETIONS_PATH, RequestFacts
 from extproc.scheduling import Decision, NoCapacity, PickContext, RequestProfiler, build_scheduler
 from extproc.snapshot import build_snapshot
-from poolgate.config import PoolSpec, SchedulingSettings, TaskClassRules
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.config import PoolSpec, SchedulingSettings, TaskClassRules
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NOW = 10_000.0

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poolgate.secrets import MASK, redact_text, redact_url
+from poolgate.kernel.redaction import MASK, redact_text, redact_url
 
 passwords = st.text(st.characters(codec="utf-8"), min_size=4, max_size=30).filter(
     lambda p: MASK not in p)

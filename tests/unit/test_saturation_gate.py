@@ -10,8 +10,8 @@ from extproc.request import RequestFacts
 from extproc.scheduling import NoCapacity, PickContext, PickRequest, build_scheduler
 from extproc.scheduling.saturation import SaturationGate
 from extproc.snapshot import build_snapshot
-from poolgate.config import PoolSpec, SchedulingSettings
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import PoolSpec, SchedulingSettings
+from poolgate.kernel.fleet import WorkerRecord
 
 NOW = 1_000.0
 POOLS = (PoolSpec(name="general", model="llama"),)

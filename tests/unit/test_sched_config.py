@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from poolgate.config import SCORER_NAMES, ConfigError, parse_config
+from poolgate.kernel.config import SCORER_NAMES, ConfigError, parse_config
 
 POOLS = {"pools": [{"name": "chat", "model": "m"}]}
 

@@ -20,7 +20,7 @@ from extproc.scheduling.estimate import (
     prompt_tokens_lower_bound,
     tokenizer_counter,
 )
-from poolgate.config import ConfigError, SchedulingSettings, TaskClassRules
+from poolgate.kernel.config import ConfigError, SchedulingSettings, TaskClassRules
 
 CHAT = RequestHead("POST", "/v1/chat/completions", None)
 COMPLETIONS = RequestHead("POST", "/v1/completions", None)
@@ -152,7 +152,7 @@ def _median_error(reference: object, kind: str) -> float:
 
 @pytest.mark.parametrize(("kind", "bound"), [("prose", 0.12), ("code", 0.10)])
 def test_error_against_the_simulated_workers_tokenizer(kind: str, bound: float) -> None:
-    tokens = pytest.importorskip("controller.simworker.tokens")
+    tokens = pytest.importorskip("simworker.tokens")
     assert _median_error(lambda text: len(tokens.tokenize(text)), kind) <= bound
 
 

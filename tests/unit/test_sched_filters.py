@@ -17,8 +17,8 @@ from extproc.scheduling.filters import (
 )
 from extproc.scheduling.kv import kv_free_tokens
 from extproc.snapshot import FleetSnapshot, build_snapshot
-from poolgate.config import PoolSpec, TaskClass
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.config import PoolSpec, TaskClass
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 NOW = 1_000.0
 POOLS = (PoolSpec(name="general", model="llama"), PoolSpec(name="streams", model="llama", task_classes=("streaming",)),

@@ -11,8 +11,8 @@ from extproc.errors import ApiError
 from extproc.request import RequestFacts
 from extproc.scheduling import Decision, NoCapacity, PickContext, RequestProfiler, build_scheduler
 from extproc.snapshot import build_snapshot
-from poolgate.config import PoolSpec, SchedulingSettings, TaskClassRules
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.config import PoolSpec, SchedulingSettings, TaskClassRules
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 NOW = 1_000.0
 SETTINGS = SchedulingSettings(task_classes=TaskClassRules(streaming_min_output_tokens=500))

@@ -14,8 +14,8 @@ from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.scheduling.scorers.predicted_ttft import PredictedTtft
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
 from extproc.snapshot import build_snapshot
-from poolgate.config import SCORER_NAMES, PoolSpec, SchedulingSettings
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import SCORER_NAMES, PoolSpec, SchedulingSettings
+from poolgate.kernel.fleet import WorkerRecord
 
 NOW = 1_000.0
 POOLS = (PoolSpec(name="chat", model="llama"),)

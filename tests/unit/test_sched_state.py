@@ -5,8 +5,8 @@ from __future__ import annotations
 from extproc.affinity import AffinityMap
 from extproc.reservations import ReservationBook
 from extproc.snapshot import build_snapshot
-from poolgate.config import PoolSpec
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.fleet import WorkerRecord
 
 POOLS = (PoolSpec(name="chat", model="llama"),)
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from controller.simworker.engine import Engine, EngineConfig, EngineRequest, FinishReason, StepOutcome
-from controller.simworker.presets import StepCost
+from simworker.engine import Engine, EngineConfig, EngineRequest, FinishReason, StepOutcome
+from simworker.presets import StepCost
 
 COST = StepCost(fixed_s=0.01, per_scheduled_token_s=0.0001, per_context_token_s=0.0)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.simworker.faults import FaultSettings
+from simworker.faults import FaultSettings
 
 
 def test_update_changes_only_named_fields() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.simworker.presets import PRESETS, ModelShape, default_num_gpu_blocks, step_cost
+from simworker.presets import PRESETS, ModelShape, default_num_gpu_blocks, step_cost
 
 
 def test_kv_bytes_per_token_of_an_8b_model() -> None:

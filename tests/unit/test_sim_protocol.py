@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.simworker import protocol, tokens
-from controller.simworker.protocol import ApiError
+from simworker import protocol, tokens
+from simworker.protocol import ApiError
 
 
 @pytest.mark.parametrize(("text", "count"), [

@@ -9,7 +9,7 @@ from extproc.errors import ApiError
 from extproc.request import parse_head
 from extproc.tenancy import Tenant, TenantDirectory, key_digest
 from extproc.usage import UsageWatch, with_usage_requested
-from poolgate.config import ConfigError, parse_config
+from poolgate.kernel.config import ConfigError, parse_config
 
 GOLD_KEY, BRONZE_KEY = "sk-gold-1", "sk-bronze-1"
 

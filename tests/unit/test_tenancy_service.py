@@ -15,8 +15,8 @@ from extproc.scheduling import default_scheduler
 from extproc.service import TENANT_HEADER, ExtProcService, Phase, RequestState
 from extproc.snapshot import build_snapshot
 from extproc.tenancy import TenantDirectory, key_digest
-from poolgate.config import PoolSpec, SchedulingSettings, parse_config
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import PoolSpec, SchedulingSettings, parse_config
+from poolgate.kernel.fleet import WorkerRecord
 
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="vip", model="llama"),
          PoolSpec(name="code", model="coder"))

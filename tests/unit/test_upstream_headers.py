@@ -5,7 +5,7 @@ from __future__ import annotations
 from extproc import answers
 from extproc.request import RequestFacts
 from extproc.scheduling import Decision, PickRequest
-from poolgate.routing import CLUSTER_HEADER
+from poolgate.kernel.routing import CLUSTER_HEADER
 
 
 def decision() -> Decision:

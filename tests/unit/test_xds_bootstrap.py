@@ -20,8 +20,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import json_format
 
 from controller.xds.bootstrap import EXTPROC_CLUSTER, XDS_CLUSTER, render_bootstrap, render_example
-from poolgate.config import Config, load_config, parse_config
-from poolgate.routing import CLUSTER_HEADER, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, ROUTING_HEADERS
+from poolgate.kernel.config import Config, load_config, parse_config
+from poolgate.kernel.routing import CLUSTER_HEADER, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, ROUTING_HEADERS
 
 
 def config(**extproc: Any) -> Config:

@@ -10,9 +10,9 @@ from envoy.extensions.load_balancing_policies.least_request.v3 import least_requ
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 
 from controller.xds.build import build_clusters, build_endpoints
-from poolgate.config import PoolSpec
-from poolgate.fleet import WorkerRecord, WorkerState
-from poolgate.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
+from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
 
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="code", model="coder"))
 

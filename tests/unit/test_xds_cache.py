@@ -8,8 +8,8 @@ import pytest
 
 from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, build_clusters, build_endpoints
 from controller.xds.cache import Snapshot, SnapshotCache
-from poolgate.config import PoolSpec
-from poolgate.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 POOLS = (PoolSpec(name="chat", model="llama"),)
 W1 = WorkerRecord(id="w1", pool="chat", model="llama", host="10.0.0.1", port=8000)

@@ -13,8 +13,8 @@ from google.rpc import status_pb2
 from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, build_clusters, build_endpoints
 from controller.xds.cache import Snapshot, SnapshotCache
 from controller.xds.server import AdsStream
-from poolgate.config import PoolSpec
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.fleet import WorkerRecord
 
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="code", model="coder"))
 W1 = WorkerRecord(id="w1", pool="chat", model="llama", host="10.0.0.1", port=8000)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from extproc.scheduling.kv import kv_footprint, kv_free_tokens
 from extproc.scheduling.plugins import PickContext, PickRequest
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.fleet import WorkerRecord
 
 
 class KvHeadroom:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extproc.scheduling.plugins import PickContext, PickRequest
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.fleet import WorkerRecord
 
 
 class LeastInflight:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extproc.scheduling.plugins import PickContext, PickRequest
-from poolgate.fleet import WorkerRecord
+from poolgate.kernel.fleet import WorkerRecord
 
 IN_USE = 1.0
 FREE_SLOT = 0.5

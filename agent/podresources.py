@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import grpc
 
-from controller.agent.kubelet.podresources_pb2 import ListPodResourcesRequest, ListPodResourcesResponse
+from agent.kubelet.podresources_pb2 import ListPodResourcesRequest, ListPodResourcesResponse
 
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 """Where the kubelet serves the API (``--pod-resources-socket`` changes it)."""

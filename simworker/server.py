@@ -20,14 +20,14 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controller.simworker import protocol, tokens
-from controller.simworker.driver import EngineDriver, TokenStream
-from controller.simworker.engine import EngineRequest
-from controller.simworker.faults import FaultSettings
-from controller.simworker.lora import AdapterTable
-from controller.simworker.metrics import WorkerMetrics
-from controller.simworker.protocol import ApiError, GenerationPlan, GenerationRequest
-from poolgate.routing import WORKER_HEADER
+from poolgate.kernel.routing import WORKER_HEADER
+from simworker import protocol, tokens
+from simworker.driver import EngineDriver, TokenStream
+from simworker.engine import EngineRequest
+from simworker.faults import FaultSettings
+from simworker.lora import AdapterTable
+from simworker.metrics import WorkerMetrics
+from simworker.protocol import ApiError, GenerationPlan, GenerationRequest
 
 log = logging.getLogger(__name__)
 

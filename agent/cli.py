@@ -8,10 +8,10 @@ import logging
 import os
 import sys
 
-from controller.agent.podresources import POD_RESOURCES_SOCKET
-from poolgate.config import ConfigError, load_process_config
-from poolgate.secrets import redact_url
-from poolgate.shutdown import on_stop_signal
+from agent.podresources import POD_RESOURCES_SOCKET
+from poolgate.kernel.config import ConfigError, load_process_config
+from poolgate.kernel.redaction import redact_url
+from poolgate.kernel.shutdown import on_stop_signal
 
 NODE_ENV = "POOLGATE_NODE_NAME"
 """Set from the Downward API (``spec.nodeName``) in the agent's DaemonSet."""
@@ -47,8 +47,8 @@ def main(args: argparse.Namespace) -> int:
     import redis.asyncio as aioredis
     import uvloop
 
-    from controller.agent.agent import Agent, run_agent
-    from poolgate.fleet import FleetKeys
+    from agent.agent import Agent, run_agent
+    from poolgate.kernel.fleet import FleetKeys
 
     def ready(agent: Agent) -> None:
         if args.workers:

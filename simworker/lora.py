@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from controller.simworker.protocol import ApiError
+from simworker.protocol import ApiError
 
 LORA_INFO = "vllm:lora_requests_info"
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from poolgate.config import Config, ConfigError, load_config
+from poolgate.kernel.config import Config, ConfigError, load_config
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-from controller.simworker.engine import Engine, EngineRequest, RequestFinished, StepOutcome
-from controller.simworker.metrics import WorkerMetrics
+from simworker.engine import Engine, EngineRequest, RequestFinished, StepOutcome
+from simworker.metrics import WorkerMetrics
 
 UTILIZATION_WINDOW_S = 1.0
 

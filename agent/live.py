@@ -12,9 +12,9 @@ from typing import Any
 
 import orjson
 
-from controller.agent.gpus import MIB, GpuSummary
-from controller.agent.rates import RateState
-from controller.agent.vllm_metrics import EngineMetrics
+from agent.gpus import MIB, GpuSummary
+from agent.rates import RateState
+from agent.vllm_metrics import EngineMetrics
 
 KV_USAGE_NOTABLE = 0.05
 """KV usage change (share of capacity) that is worth an announcement."""

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from controller.simworker import tokens
-from controller.simworker.engine import FinishReason
+from simworker import tokens
+from simworker.engine import FinishReason
 
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}

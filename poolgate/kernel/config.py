@@ -13,7 +13,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from poolgate.routing import ROUTING_HEADERS
+from poolgate.kernel.routing import ROUTING_HEADERS
 
 
 class ConfigError(Exception):

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from controller.simworker.kv_cache import KVCache
-from controller.simworker.presets import StepCost
+from simworker.kv_cache import KVCache
+from simworker.presets import StepCost
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 

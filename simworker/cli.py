@@ -14,11 +14,11 @@ import logging
 import os
 import sys
 
-from controller.simworker.engine import Engine
-from controller.simworker.faults import FaultSettings
-from controller.simworker.presets import DEFAULT_PRESET, PRESETS
-from controller.simworker.worker import SimWorker, WorkerSpec
-from poolgate.shutdown import on_stop_signal
+from poolgate.kernel.shutdown import on_stop_signal
+from simworker.engine import Engine
+from simworker.faults import FaultSettings
+from simworker.presets import DEFAULT_PRESET, PRESETS
+from simworker.worker import SimWorker, WorkerSpec
 
 log = logging.getLogger(__name__)
 

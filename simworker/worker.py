@@ -16,14 +16,14 @@ from typing import Any
 
 from aiohttp import web
 
-from controller.simworker import tokens
-from controller.simworker.driver import EngineDriver
-from controller.simworker.engine import Engine, EngineConfig
-from controller.simworker.faults import FaultSettings
-from controller.simworker.lora import AdapterTable
-from controller.simworker.metrics import WorkerMetrics
-from controller.simworker.presets import GpuPreset, ModelShape, default_num_gpu_blocks, step_cost
-from controller.simworker.server import Health, ServingConfig, WorkerApi
+from simworker import tokens
+from simworker.driver import EngineDriver
+from simworker.engine import Engine, EngineConfig
+from simworker.faults import FaultSettings
+from simworker.lora import AdapterTable
+from simworker.metrics import WorkerMetrics
+from simworker.presets import GpuPreset, ModelShape, default_num_gpu_blocks, step_cost
+from simworker.server import Health, ServingConfig, WorkerApi
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from controller.agent.vllm_metrics import EngineMetrics
+from agent.vllm_metrics import EngineMetrics
 
 DEFAULT_ALPHA = 0.3
 """Weight of the newest sample; at 4 scrapes a second, older samples fade within about a second."""

@@ -26,13 +26,13 @@ from typing import Any, Protocol
 import aiohttp
 from redis.exceptions import RedisError
 
-from controller.agent.gpus import GpuReader, GpuSample, open_gpus, summarize
-from controller.agent.live import live_fields, notable_change
-from controller.agent.podresources import POD_RESOURCES_SOCKET, PodKey, PodResourcesClient, PodResourcesError
-from controller.agent.rates import RateState, advance
-from controller.agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
-from poolgate.config import Config
-from poolgate.fleet import FleetKeys, RedisLike, WorkerRecord, read_fleet, update_live_facts
+from agent.gpus import GpuReader, GpuSample, open_gpus, summarize
+from agent.live import live_fields, notable_change
+from agent.podresources import POD_RESOURCES_SOCKET, PodKey, PodResourcesClient, PodResourcesError
+from agent.rates import RateState, advance
+from agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
+from poolgate.kernel.config import Config
+from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerRecord, read_fleet, update_live_facts
 
 log = logging.getLogger("poolgate.agent")
 
