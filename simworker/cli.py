@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default from preset)")
     parser.add_argument("--num-gpu-blocks", type=int, help="override the KV cache size in blocks")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
-    parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt prefixes")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse cached prompt prefixes (default on, as in vLLM V1; "
+                             "--no-enable-prefix-caching turns it off)")
     parser.add_argument("--legacy-kv-metric", action="store_true",
                         help="also export vllm:gpu_cache_usage_perc (the pre-V1 name)")
     parser.add_argument("--time-scale", type=float, default=1.0,

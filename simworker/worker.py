@@ -46,7 +46,8 @@ class WorkerSpec:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_gpu_blocks: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    """On by default, as in vLLM V1."""
     legacy_kv_metric: bool = False
     time_scale: float = 1.0
     faults: FaultSettings = field(default_factory=FaultSettings)
