@@ -186,7 +186,7 @@ class WorkerApi:
             if self.adapters is None or generation.model not in self.adapters.loaded:
                 raise ApiError(404, f"The model `{generation.model}` does not exist.", "model")
             adapter = served = generation.model
-        plan = protocol.plan_generation(generation, self.config.max_model_len)
+        plan = protocol.plan_generation(generation, self.config.max_model_len, served)
         self.control.note_inference_request()
         self._require_serving()
         faults = self.control.faults
