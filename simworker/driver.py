@@ -85,6 +85,15 @@ class EngineDriver:
         self._work.set()  # a running sequence may now need preempting
         self._publish_state()
 
+    def reset_prefix_cache(self, preempt_running: bool) -> bool:
+        """Runs between two steps (the engine only changes inside ``step``); False if it was refused."""
+        outcome = self.engine.reset_prefix_cache(preempt_running)
+        if outcome.preemptions:
+            self.metrics.preemptions.inc(outcome.preemptions)
+            self._work.set()
+        self._publish_state()
+        return outcome.done
+
     def kill(self) -> None:
         """The engine died: every open stream ends with an error and nothing new is accepted."""
         self._dead = True

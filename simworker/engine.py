@@ -1,9 +1,9 @@
 """A pure model of one vLLM engine: FCFS continuous batching over a paged KV cache.
 
 Each ``step(now)`` plans one iteration the way vLLM V1's scheduler does and returns how long the
-GPU would take (``presets.StepCost``) and what happened. Nothing here sleeps or reads a clock: the
-caller passes ``now`` and advances it by ``duration_s``, so tests drive it with a virtual clock and
-the async driver with a real one.
+GPU would take (``presets.StepCost``, with a small seeded jitter) and what happened. Nothing here
+sleeps or reads a clock: the caller passes ``now`` and advances it by ``duration_s``, so tests drive
+it with a virtual clock and the async driver with a real one.
 
 One step:
 1. Running sequences first, in admission order: a prefilling sequence gets the next chunk of its
@@ -13,18 +13,23 @@ One step:
 2. If nothing was preempted, waiting sequences are admitted in FCFS order while ``max_num_seqs``,
    the token budget and free blocks allow; the head of the queue blocks the rest. With prefix
    caching the cached leading blocks of the prompt are reused and not prefilled again.
+   Prefix-cache statistics count as vLLM V1 counts them (``KVCacheManager.record_prefix_cache_stats``):
+   at admission, in tokens (``queries`` = the request's tokens, ``hits`` = its cached tokens), and only
+   for a request's first admission; a re-admission after preemption goes to V1's separate
+   ``preempted_*`` stats, which the Prometheus counters leave out.
 3. A sequence whose scheduled tokens reach its end samples one output token; it finishes when it
    reaches its output target ("length" if that is ``max_tokens``, "stop" if the model ends first).
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
 from simworker.kv_cache import KVCache
-from simworker.presets import StepCost
+from simworker.presets import StepCost, attention_pairs, jittered
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -38,6 +43,10 @@ class EngineConfig:
     max_model_len: int
     enable_prefix_caching: bool
     cost: StepCost
+    step_jitter: float = 0.0
+    """Relative standard deviation of each step's time (``presets.jittered``); 0 keeps the cost model exact."""
+    seed: int = 0
+    """Seeds the jitter, so one seed replays the same step times."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,13 @@ class StepOutcome:
         return self.start + self.duration_s
 
 
+@dataclass(frozen=True)
+class PrefixCacheReset:
+    done: bool
+    """False: some blocks were still held, and nothing was forgotten (vLLM logs a warning then)."""
+    preemptions: int
+
+
 @dataclass
 class _Sequence:
     request: EngineRequest
@@ -122,6 +138,7 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the KV cache "
                 f"({config.num_gpu_blocks} blocks x {config.block_size} tokens); lower --max-model-len")
         self.config = config
+        self._rng = random.Random(config.seed)
         self.kv = KVCache(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -163,6 +180,22 @@ class Engine:
     def leak_blocks(self, blocks: int) -> int:
         return self.kv.leak(blocks)
 
+    def reset_prefix_cache(self, preempt_running: bool = False) -> PrefixCacheReset:
+        """vLLM's ``reset_prefix_cache``, between two steps: forget every cached prefix.
+
+        Refused while running sequences hold blocks, unless ``preempt_running``: then every running
+        sequence is preempted first (last admitted first, so the waiting queue keeps their order) and
+        will recompute from scratch, as vLLM's ``reset_running_requests=True`` does.
+        """
+        preempted = 0
+        if preempt_running:
+            while self._running:
+                victim = self._running.pop()
+                self._free(victim)
+                self._requeue(victim)
+                preempted += 1
+        return PrefixCacheReset(done=self.kv.reset_prefix_cache(), preemptions=preempted)
+
     def step(self, now: float) -> StepOutcome:
         log = _StepLog()
         budget = self.config.max_num_batched_tokens
@@ -172,7 +205,9 @@ class Engine:
             self._admit_waiting(scheduled, budget, now, log)
         scheduled_tokens = sum(tokens for _, tokens in scheduled)
         context_tokens = sum(sequence.computed_tokens for sequence, _ in scheduled)
-        duration = self.config.cost.step_seconds(scheduled_tokens, context_tokens)
+        pairs = sum(attention_pairs(sequence.computed_tokens, tokens) for sequence, tokens in scheduled)
+        duration = jittered(self.config.cost.step_seconds(scheduled_tokens, context_tokens, pairs),
+                            self.config.step_jitter, self._rng)
         self._apply(scheduled, now + duration, log)
         return StepOutcome(
             start=now, duration_s=duration, scheduled_tokens=scheduled_tokens,
@@ -196,7 +231,8 @@ class Engine:
                 if victim is sequence and not self._running:
                     self._finish(victim, "error", now, log)
                     break
-                self._requeue(victim, log)
+                self._requeue(victim)
+                log.preemptions += 1
                 if victim is sequence:
                     break
             else:
@@ -232,10 +268,10 @@ class Engine:
             sequence.shared_hashes = list(hit_hashes)
             sequence.private_blocks = needed
             sequence.computed_tokens = computed
-            if self.config.enable_prefix_caching:
-                log.prefix_cache_queries += sequence.total_tokens
-                log.prefix_cache_hits += computed
             if not sequence.scheduled_before:
+                if self.config.enable_prefix_caching:
+                    log.prefix_cache_queries += sequence.total_tokens
+                    log.prefix_cache_hits += computed
                 sequence.scheduled_before = True
                 log.queue_times.append((sequence.request.request_id, now - sequence.arrival_time))
             self._running.append(sequence)
@@ -271,10 +307,10 @@ class Engine:
             sequence.private_blocks -= 1
             sequence.shared_hashes.append(block_hash)
 
-    def _requeue(self, sequence: _Sequence, log: _StepLog) -> None:
+    def _requeue(self, sequence: _Sequence) -> None:
+        """Preemption by recompute: the sequence's KV is gone; it waits at the head of the queue."""
         sequence.computed_tokens = 0
         self._waiting.appendleft(sequence)
-        log.preemptions += 1
 
     def _free(self, sequence: _Sequence) -> None:
         self.kv.release(sequence.private_blocks, sequence.shared_hashes)

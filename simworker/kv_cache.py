@@ -100,6 +100,14 @@ class KVCache:
                 del self._shared_refcounts[block_hash]
                 self._evictable[block_hash] = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's block pool does: refused (False) while any block is held,
+        by a sequence or by a leak, since a held block's hash cannot be dropped under its user."""
+        if self.used_blocks:
+            return False
+        self._evictable.clear()
+        return True
+
     def leak(self, blocks: int) -> int:
         """Lose up to ``blocks`` free blocks for good (fault injection); returns how many were lost."""
         lost = min(blocks, self.free_blocks)

@@ -12,12 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from simworker import tokens
+from simworker import lengths, tokens
 from simworker.engine import FinishReason
 
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
 RequestKind = Literal["chat", "completion"]
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""vLLM's bounds on ``seed``: a 64-bit signed integer (``torch.long``)."""
 
 
 class ApiError(Exception):
@@ -42,6 +44,7 @@ class GenerationRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,14 @@ def parse_completion(body: object) -> GenerationRequest:
     return _generation("completion", fields, prompt_tokens, _optional_int(fields, "max_tokens", 1))
 
 
-def plan_generation(request: GenerationRequest, max_model_len: int) -> GenerationPlan:
-    """Apply vLLM's length rules and decide the output length; too long requests are 400s."""
+def plan_generation(request: GenerationRequest, max_model_len: int, model: str | None = None) -> GenerationPlan:
+    """Apply vLLM's length rules and decide the output length; too long requests are 400s.
+
+    The model stops at its natural length (``lengths``: EOS included, as vLLM counts it) unless the cap
+    comes first: ``max_tokens``, or without it the room left in ``max_model_len``; that cap ends it with
+    "length". ``ignore_eos`` runs to the cap; ``min_tokens`` holds the EOS back until then. ``model`` is
+    the served name (default: the request's ``model`` field), part of the seed.
+    """
     prompt_len = len(request.prompt_tokens)
     field = "messages" if request.kind == "chat" else "prompt"
     if prompt_len >= max_model_len:
@@ -99,9 +108,11 @@ def plan_generation(request: GenerationRequest, max_model_len: int) -> Generatio
                             f"{field}, {request.max_tokens} in the completion). Please reduce the length "
                             f"of the {field} or completion.", "max_tokens")
     limit = request.max_tokens if request.max_tokens is not None else max_model_len - prompt_len
-    seed = tokens.stable_hash("\x1f".join(request.prompt_tokens))
-    natural = max(tokens.natural_output_length(seed), request.min_tokens)
-    if request.ignore_eos or natural >= limit:
+    seed = lengths.request_seed(model if model is not None else request.model or "", request.prompt_tokens,
+                                request.seed)
+    kind = lengths.task_kind(request.kind == "chat", prompt_len)
+    natural = max(lengths.natural_output_length(kind, seed), request.min_tokens)
+    if request.ignore_eos or natural > limit:
         return GenerationPlan(prompt_len, limit, "length", seed)
     return GenerationPlan(prompt_len, natural, "stop", seed)
 
@@ -229,6 +240,10 @@ def _generation(kind: RequestKind, fields: Mapping[str, object], prompt_tokens: 
         value = fields.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise ApiError(400, f"'{name}' must be a number, got {value!r}", name)
+    seed = fields.get("seed")
+    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)
+                                 and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise ApiError(400, f"'seed' must be a 64-bit integer, got {seed!r}", "seed")
     return GenerationRequest(kind=kind, model=model, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                              min_tokens=min_tokens, ignore_eos=_optional_bool(fields, "ignore_eos"),
-                             stream=stream, include_usage=include_usage)
+                             stream=stream, include_usage=include_usage, seed=seed)

@@ -90,6 +90,7 @@ class WorkerApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         if self.adapters is not None and self.config.runtime_lora_updating:
             app.router.add_post("/v1/load_lora_adapter", self.load_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_adapter)
@@ -137,6 +138,24 @@ class WorkerApi:
         self.adapters.release(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /reset_prefix_cache``: 200 with an empty body whether or not the engine refused.
+
+        vLLM serves it only with ``VLLM_SERVER_DEV_MODE=1``; the simulator always does, because benchmarks
+        reset the workers' caches between runs and a simulated cache holds nothing to protect. Like vLLM
+        it takes ``reset_running_requests`` (preempt running requests so the reset cannot be refused) and
+        ``reset_external`` (accepted; there is no external cache here), and it needs no API key (not a
+        ``/v1`` path).
+        """
+        preempt_running = _query_bool(request, "reset_running_requests")
+        _query_bool(request, "reset_external")
+        done = self.driver.reset_prefix_cache(preempt_running)
+        if done:
+            log.info("worker %s reset its prefix cache", self.config.worker_id)
+        else:
+            log.warning("worker %s: prefix cache not reset, some blocks are still held", self.config.worker_id)
+        return web.Response(status=200)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, protocol.parse_completion)
 
@@ -167,7 +186,7 @@ class WorkerApi:
             if self.adapters is None or generation.model not in self.adapters.loaded:
                 raise ApiError(404, f"The model `{generation.model}` does not exist.", "model")
             adapter = served = generation.model
-        plan = protocol.plan_generation(generation, self.config.max_model_len)
+        plan = protocol.plan_generation(generation, self.config.max_model_len, served)
         self.control.note_inference_request()
         self._require_serving()
         faults = self.control.faults
@@ -214,12 +233,12 @@ class WorkerApi:
 
     async def _stream(self, request: web.Request, generation: GenerationRequest, plan: GenerationPlan,
                       request_id: str, stream: TokenStream, model: str) -> web.StreamResponse:
+        """SSE as vLLM sends it: headers at once, then events as tokens come. A chat stream's role chunk
+        (``delta.role``, empty content) goes out with the first token, as vLLM's ``serving_chat`` sends it
+        on the engine's first output, so a client timing the first event measures the time to first token."""
         kind, created = generation.kind, int(time.time())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        if kind == "chat":
-            await response.write(_event(protocol.stream_chunk(kind, request_id, model, created, "", None,
-                                                              first=True)))
         sent = 0
         try:
             while True:
@@ -232,6 +251,9 @@ class WorkerApi:
                     break
                 available = stream.tokens if finished is None else finished.output_tokens
                 chunks = []
+                if kind == "chat" and sent == 0 and available:  # vLLM's role chunk comes with the first output
+                    chunks.append(_event(protocol.stream_chunk(kind, request_id, model, created, "", None,
+                                                               first=True)))
                 for index in range(sent, available):
                     reason = finished.reason if finished is not None and index == available - 1 else None
                     chunks.append(_event(protocol.stream_chunk(
@@ -301,6 +323,20 @@ async def _read_json(request: web.Request) -> object:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+
+
+_TRUE = frozenset({"1", "true", "t", "yes", "y", "on"})
+_FALSE = frozenset({"0", "false", "f", "no", "n", "off"})
+
+
+def _query_bool(request: web.Request, name: str) -> bool:
+    """A boolean query parameter, read as FastAPI reads one for vLLM; anything else is a 400."""
+    raw = request.query.get(name)
+    if raw is None or raw.lower() in _FALSE:
+        return False
+    if raw.lower() in _TRUE:
+        return True
+    raise ApiError(400, f"query parameter '{name}' must be a boolean, got {raw!r}", name)
 
 
 def _adapter_fields(body: object, need_path: bool) -> tuple[str, str]:

@@ -56,8 +56,3 @@ def block_hashes(tokens: Sequence[str], block_size: int) -> tuple[int, ...]:
 def filler_token(seed: int, index: int) -> str:
     """The ``index``-th generated token of a request: a space and a word (one token each)."""
     return " " + FILLER_WORDS[(seed + index * 7) % len(FILLER_WORDS)]
-
-
-def natural_output_length(seed: int, low: int = 16, high: int = 512) -> int:
-    """Where the simulated model would stop by itself (an EOS), uniform in [low, high] per prompt."""
-    return low + seed % (high - low + 1)

@@ -61,7 +61,7 @@ async def wait_for(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0)
 
 
 async def complete(session: aiohttp.ClientSession, port: int, max_tokens: int) -> None:
-    body = {"model": MODEL, "prompt": "route this request please " * 40, "max_tokens": max_tokens}
+    body = {"model": MODEL, "prompt": "route this request please " * 40, "max_tokens": max_tokens, "ignore_eos": True}
     async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
         assert response.status == 200
         await response.read()

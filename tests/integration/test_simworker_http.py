@@ -100,7 +100,7 @@ async def test_completion_without_max_tokens_stops_by_itself(start_worker: Start
         first = await sdk.completions.create(model=MODEL, prompt="Tell me a story about routers.")
         again = await sdk.completions.create(model=MODEL, prompt="Tell me a story about routers.")
     assert first.choices[0].finish_reason == "stop"
-    assert first.usage is not None and 16 <= first.usage.completion_tokens <= 512
+    assert first.usage is not None and 1 <= first.usage.completion_tokens <= 1024
     assert first.choices[0].text == again.choices[0].text  # deterministic per prompt
 
 
@@ -196,7 +196,8 @@ async def test_bad_request_does_not_disturb_a_running_stream(start_worker: Start
     worker = await start_worker(time_scale=5.0)
     async with client(worker) as sdk, aiohttp.ClientSession() as session:
         async def stream_all() -> int:
-            stream = await sdk.completions.create(model=MODEL, prompt="steady", max_tokens=30, stream=True)
+            stream = await sdk.completions.create(model=MODEL, prompt="steady", max_tokens=30, stream=True,
+                                                  extra_body={"ignore_eos": True})
             return len([chunk async for chunk in stream])
 
         streaming = asyncio.create_task(stream_all())
@@ -244,8 +245,8 @@ async def test_health_version_and_metrics_names(start_worker: StartWorker) -> No
 async def test_client_disconnect_aborts_and_frees_kv(start_worker: StartWorker) -> None:
     worker = await start_worker(time_scale=1.0)
     async with aiohttp.ClientSession() as session:
-        async with session.post(base_url(worker) + "/v1/completions",
-                                json={"prompt": "long " * 200, "max_tokens": 1000, "stream": True}) as response:
+        body = {"prompt": "long " * 200, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        async with session.post(base_url(worker) + "/v1/completions", json=body) as response:
             await response.content.readuntil(b"\n\n")
             assert worker.engine.num_running == 1
             assert worker.engine.kv.used_blocks > 0

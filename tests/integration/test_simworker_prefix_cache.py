@@ -1,0 +1,85 @@
+"""Prefix caching of a simulated worker over HTTP: vLLM's counters and ``POST /reset_prefix_cache``."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from tests.integration.test_simworker_http import (
+    MODEL,
+    StartWorker,
+    base_url,
+    client,
+    metric_samples,
+    start_worker,
+)
+
+__all__ = ["start_worker"]  # the fixture, imported for pytest
+
+DOCUMENT = " ".join(f"word{i % 97}" for i in range(300))
+
+
+async def complete(worker_url: str, session: aiohttp.ClientSession, prompt: str, max_tokens: int = 2) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    async with session.post(worker_url + "/v1/completions", json=body) as response:
+        assert response.status == 200
+
+
+async def test_repeated_prompt_hits_the_cache_until_it_is_reset(start_worker: StartWorker) -> None:
+    worker = await start_worker()
+    url = base_url(worker)
+    async with aiohttp.ClientSession() as session:
+        await complete(url, session, DOCUMENT)
+        await complete(url, session, DOCUMENT + " and a question")
+        after_two = await metric_samples(session, worker)
+        async with session.post(url + "/reset_prefix_cache") as response:
+            assert (response.status, await response.read()) == (200, b"")
+        await complete(url, session, DOCUMENT)
+        after_reset = await metric_samples(session, worker)
+    prompt_tokens = 300
+    assert after_two["vllm:prefix_cache_queries_total"] == 2 * prompt_tokens + 3  # " and a question"
+    assert after_two["vllm:prefix_cache_hits_total"] == (prompt_tokens // 16) * 16  # whole blocks only
+    assert after_reset["vllm:prefix_cache_queries_total"] == after_two["vllm:prefix_cache_queries_total"] + 300
+    assert after_reset["vllm:prefix_cache_hits_total"] == after_two["vllm:prefix_cache_hits_total"]
+
+
+async def test_turned_off_nothing_is_cached_or_counted(start_worker: StartWorker) -> None:
+    worker = await start_worker(enable_prefix_caching=False)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            await complete(base_url(worker), session, DOCUMENT)
+        samples = await metric_samples(session, worker)
+        async with session.get(base_url(worker) + "/metrics") as response:
+            assert 'enable_prefix_caching="False"' in await response.text()
+    assert samples["vllm:prefix_cache_queries_total"] == 0
+    assert samples["vllm:prompt_tokens_total"] == 600
+
+
+async def test_reset_running_requests_preempts_a_stream_which_still_completes(start_worker: StartWorker) -> None:
+    worker = await start_worker(time_scale=2.0)
+    url = base_url(worker)
+    async with client(worker) as sdk, aiohttp.ClientSession() as session:
+        stream = await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": DOCUMENT}], max_tokens=40,
+            extra_body={"ignore_eos": True}, stream=True)
+        chunks = stream.__aiter__()
+        await chunks.__anext__()  # the first token is out: the request holds blocks
+        async with session.post(url + "/reset_prefix_cache") as refused:
+            assert refused.status == 200  # vLLM answers 200 even when the engine refused
+        async with session.post(url + "/reset_prefix_cache?reset_running_requests=true") as forced:
+            assert forced.status == 200
+        rest = [chunk async for chunk in chunks]
+        samples = await metric_samples(session, worker)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in rest if chunk.choices)
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert len(text.split()) >= 39
+    assert samples["vllm:num_preemptions_total"] == 1
+    assert samples["vllm:generation_tokens_total"] == 40
+
+
+async def test_a_bad_reset_flag_is_a_400(start_worker: StartWorker) -> None:
+    worker = await start_worker()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(base_url(worker) + "/reset_prefix_cache?reset_running_requests=maybe") as response:
+            assert response.status == 400
+            body = await response.json()
+    assert body["error"]["param"] == "reset_running_requests"
