@@ -117,7 +117,8 @@ class Agent:
     """One node's agent. ``tick`` does one round; ``run_agent`` calls it on the configured period.
 
     GPU ids per worker: ``gpu_ids`` and the config's ``workers[].gpus`` first; else, with ``pod_gpus``, the
-    GPUs the worker's pod holds (pod name = worker id in ``kubernetes.namespace``), re-read with the fleet.
+    GPUs the worker's pod holds (pod name = worker id in ``kubernetes.namespace``), re-read with the fleet;
+    else the GPUs a dcgm-exporter reading labels with that pod (``agent.gpu_sources.reading``).
     """
 
     def __init__(
