@@ -331,6 +331,9 @@ class AutoscaleSettings(_Frozen):
     """Scale up when requests waiting (engine queues + extproc queue) per worker stay above this …"""
     up_kv_usage: float = Field(0.85, gt=0, le=1)
     """… or the pool's mean KV usage stays above this …"""
+    up_ttft_s: float = Field(0.0, ge=0)
+    """… or the pool's observed time to first token (mean of its ready workers' TTFT EWMA, while requests
+    are in flight) stays above this many seconds (0 = off; a worker leaves only at half of it or less) …"""
     up_sustain_s: float = Field(3.0, ge=0)
     """… for this long."""
     up_step: int = Field(1, ge=1)
