@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint clean setup
 
-setup: $(STAMP) redis
+setup: $(STAMP) redis prometheus
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3.x (>= 3.11)"; exit 1; }
@@ -21,7 +21,14 @@ redis:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }
 
-.PHONY: redis
+# The GPU-source tests run a real Prometheus (no recommends: its exporters are not needed).
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  echo "prometheus is missing: installing it with apt-get (Debian package prometheus)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends prometheus; }
+
+.PHONY: redis prometheus
 
 run: setup
 	$(BIN)/poolgate up --config deploy/local.yaml --demo

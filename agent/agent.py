@@ -26,7 +26,9 @@ from typing import Any, Protocol
 import aiohttp
 from redis.exceptions import RedisError
 
-from agent.gpus import GpuReader, GpuSample, open_gpus, summarize
+from agent.gpu_sources.choose import open_gpu_source
+from agent.gpu_sources.reading import NO_GPUS, GpuReading, GpuSource
+from agent.gpus import GpuReader, open_gpus
 from agent.live import live_fields, notable_change
 from agent.podresources import POD_RESOURCES_SOCKET, PodKey, PodResourcesClient, PodResourcesError
 from agent.rates import RateState, advance
@@ -59,12 +61,6 @@ class HttpMetricsSource:
             if response.status != 200:
                 raise ScrapeError(f"/metrics answered HTTP {response.status}")
             return await response.text()
-
-
-class GpuSource(Protocol):
-    """This node's GPUs by index (``GpuReader`` over NVML in production)."""
-
-    def read(self) -> Mapping[int, GpuSample]: ...
 
 
 class PodGpuSource(Protocol):
@@ -121,7 +117,8 @@ class Agent:
     """One node's agent. ``tick`` does one round; ``run_agent`` calls it on the configured period.
 
     GPU ids per worker: ``gpu_ids`` and the config's ``workers[].gpus`` first; else, with ``pod_gpus``, the
-    GPUs the worker's pod holds (pod name = worker id in ``kubernetes.namespace``), re-read with the fleet.
+    GPUs the worker's pod holds (pod name = worker id in ``kubernetes.namespace``), re-read with the fleet;
+    else the GPUs a dcgm-exporter reading labels with that pod (``agent.gpu_sources.reading``).
     """
 
     def __init__(
@@ -165,11 +162,9 @@ class Agent:
         self.stats.ticks += 1
         if not self._tracked:
             return
-        # NVML answers in microseconds per call; a thread hop would cost more than it saves.
-        gpu_samples = self._gpus.read() if self._gpus is not None else {}
         tracked = list(self._tracked.values())
-        scrapes = await asyncio.gather(*(self._scrape(t) for t in tracked))
-        await asyncio.gather(*(self._write(t, metrics, at, gpu_samples)
+        gpu_reading, scrapes = await asyncio.gather(self._read_gpus(), asyncio.gather(*map(self._scrape, tracked)))
+        await asyncio.gather(*(self._write(t, metrics, at, gpu_reading)
                                for t, (metrics, at) in zip(tracked, scrapes, strict=True) if metrics is not None))
 
     async def _refresh_fleet(self, now: float) -> None:
@@ -220,6 +215,9 @@ class Agent:
         self._pod_gpus = {name: tuple(gpus) for (pod_namespace, name), gpus in by_pod.items()
                           if pod_namespace == namespace}
 
+    async def _read_gpus(self) -> GpuReading:
+        return NO_GPUS if self._gpus is None else await self._gpus.read()
+
     def _gpu_ids_of(self, worker_id: str) -> tuple[int | str, ...]:
         return self._gpu_ids.get(worker_id) or self._pod_gpus.get(worker_id, ())
 
@@ -241,10 +239,11 @@ class Agent:
         return metrics, self._clock()
 
     async def _write(self, tracked: _Tracked, metrics: EngineMetrics, scraped_at: float,
-                     gpu_samples: Mapping[int, GpuSample]) -> None:
+                     gpu_reading: GpuReading) -> None:
         worker_id = tracked.record.id
         tracked.rates = advance(tracked.rates, metrics, scraped_at)
-        gpus = summarize(gpu_samples, self._gpu_ids_of(worker_id))
+        gpus = gpu_reading.summary_for(self._gpu_ids_of(worker_id), node=tracked.record.node,
+                                       pod=(self._config.kubernetes.namespace, worker_id))
         fields = live_fields(metrics, tracked.rates, gpus)
         announce = notable_change(tracked.announced, fields)
         try:
@@ -292,8 +291,8 @@ async def run_agent(
     client; the client is not closed here.
     """
     interval = config.agent.scrape_interval_s
-    # All may block (driver load, host name lookup, file system): keep them off the event loop.
-    gpus = await asyncio.to_thread(open_nvml, config.agent.nvml)
+    gpus = await open_gpu_source(config.agent, open_nvml)
+    # All may block (host name lookup, file system): keep them off the event loop.
     local_names = await asyncio.to_thread(local_host_names)
     pod_gpus: PodResourcesClient | None = None
     if node:
@@ -326,5 +325,5 @@ async def run_agent(
         if pod_gpus is not None:
             await pod_gpus.close()
         if gpus is not None:
-            gpus.close()
+            await gpus.close()
     return agent.stats

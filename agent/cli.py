@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             scope = "workers on this host"
         print(f"poolgate agent ready: scraping {scope} every {config.agent.scrape_interval_s:g} s "
-              f"(redis {redact_url(redis_url)})", flush=True)
+              f"(GPUs: {config.agent.gpu_source}; redis {redact_url(redis_url)})", flush=True)
 
     async def run() -> None:
         redis = aioredis.from_url(redis_url)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -146,6 +146,11 @@ def summarize(samples: Mapping[int, GpuSample], devices: Iterable[int | str]) ->
         if sample is None:
             return None
         chosen.append(sample)
+    return combine(chosen)
+
+
+def combine(chosen: Sequence[GpuSample]) -> GpuSummary | None:
+    """Several GPUs of one worker as one: memory summed, utilisation averaged; None for none."""
     if not chosen:
         return None
     return GpuSummary(

@@ -1,12 +1,16 @@
 """Autoscaling decisions: a pure function from a pool's recent metrics to a target worker count.
 
 Scale up when pressure is sustained for ``up_sustain_s`` — requests waiting (engine queues plus extproc's
-queue) per worker above ``up_waiting_per_worker``, or mean KV usage above ``up_kv_usage`` — and no worker
-is still starting (a start takes seconds; deciding again before it serves would overshoot). The step is at
+queue) per worker above ``up_waiting_per_worker``, mean KV usage above ``up_kv_usage``, or, with
+``up_ttft_s`` set, the pool's observed time to first token above it while requests are in flight — and no
+worker is still starting (a start takes seconds; deciding again before it serves would overshoot). The step is at
 least ``up_step`` and grows with the backlog, so a 3× load step is met in one or two moves.
-Scale down by one worker after ``down_cooldown_s`` of idleness (nothing waiting, and the running requests
-would fit on one worker fewer) and as long since the last scale event; the removal goes through a drain.
-Bounds (min/max) always win. Each decision carries its reason, for the log line and the metric.
+Scale down by one worker after ``down_cooldown_s`` of idleness (nothing waiting, the running requests
+would fit on one worker fewer, and TTFT at most ``TTFT_DOWN_SHARE`` of its target) and as long since the
+last scale event; the removal goes through a drain. The gap between the up and the down conditions is the
+hysteresis that keeps a steady load near a threshold from flapping the count. An empty pool (``min_workers:
+0``) with any request waiting for it gets one worker at once: there nothing can serve while pressure is
+being confirmed. Bounds (min/max) always win. Each decision carries its reason, for the log line and the metric.
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ class PoolSample:
     running: int
     kv_usage: float
     """Mean over ready workers, 0..1."""
+    ttft_s: float = -1.0
+    """Observed time to first token: mean of the ready workers' TTFT EWMA (agent); -1 = unknown."""
+
+
+TTFT_DOWN_SHARE = 0.5
+"""A worker leaves only while the pool's TTFT is at most this share of ``up_ttft_s`` (hysteresis)."""
 
 
 class Action(StrEnum):
@@ -59,7 +69,15 @@ def _pressure(sample: PoolSample, settings: AutoscaleSettings) -> str | None:
         return f"{per_worker:.1f} waiting per worker > {settings.up_waiting_per_worker:g}"
     if sample.kv_usage > settings.up_kv_usage:
         return f"KV usage {sample.kv_usage:.0%} > {settings.up_kv_usage:.0%}"
+    ttft = _live_ttft(sample)
+    if settings.up_ttft_s and ttft > settings.up_ttft_s:
+        return f"TTFT {ttft:.2f} s > {settings.up_ttft_s:g} s"
     return None
+
+
+def _live_ttft(sample: PoolSample) -> float:
+    """The TTFT while requests are in flight; -1 when idle (an EWMA no new request updated is stale)."""
+    return sample.ttft_s if sample.running or sample.waiting else -1.0
 
 
 def decide(history: Sequence[PoolSample], bounds: PoolScaling, settings: AutoscaleSettings, now: float,
@@ -72,6 +90,9 @@ def decide(history: Sequence[PoolSample], bounds: PoolScaling, settings: Autosca
         return Decision(Action.UP, bounds.min_workers, f"below min_workers {bounds.min_workers}")
     if current.workers > bounds.max_workers:
         return Decision(Action.DOWN, bounds.max_workers, f"above max_workers {bounds.max_workers}")
+    if current.workers == 0 and current.waiting > 0:
+        return Decision(Action.UP, min(bounds.max_workers, settings.up_step),
+                        f"{current.waiting} request(s) waiting for an empty pool")
     recent = _window(history, now, settings.up_sustain_s)
     if recent is not None and all(_pressure(s, settings) for s in recent):
         reason = f"{_pressure(current, settings)} for {settings.up_sustain_s:g} s"
@@ -93,8 +114,9 @@ def decide(history: Sequence[PoolSample], bounds: PoolScaling, settings: Autosca
     if quiet is None:
         return Decision(Action.HOLD, current.workers, "steady")
     fewer = current.workers - 1
+    ttft_bound = TTFT_DOWN_SHARE * settings.up_ttft_s if settings.up_ttft_s else math.inf
     idle = all(s.waiting == 0 and s.running <= settings.down_running_per_worker * fewer
-               and s.kv_usage <= settings.up_kv_usage for s in quiet)
+               and s.kv_usage <= settings.up_kv_usage and _live_ttft(s) <= ttft_bound for s in quiet)
     if idle:
         return Decision(Action.DOWN, fewer,
                         f"idle for {settings.down_cooldown_s:g} s: nothing waiting, at most "

@@ -51,9 +51,11 @@ class Autoscaler:
         queued = await read_queued(self._redis, self._keys, pool)
         kv = sum(r.kv_usage for r in serving) / len(serving) if serving else 0.0
         ready = len([r for r in serving if r.id in active])
+        ttfts = [r.ttft_ewma_s for r in serving if r.ttft_ewma_s >= 0]
         return PoolSample(at=now, workers=len(active), ready=ready,
                           waiting=sum(r.waiting for r in serving) + queued,
-                          running=sum(r.running for r in serving), kv_usage=kv)
+                          running=sum(r.running for r in serving), kv_usage=kv,
+                          ttft_s=sum(ttfts) / len(ttfts) if ttfts else -1.0)
 
     async def step(self) -> None:
         """One sample and decision per pool; acts when the decision changes the size."""

@@ -8,6 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from agent.agent import Agent, ScrapeError, run_agent
+from agent.gpu_sources.reading import LOCAL_NODE, GpuReading
 from agent.gpus import GpuSample
 from poolgate.kernel.config import Config, parse_config
 from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, read_fleet, register_worker
@@ -56,11 +57,16 @@ class ScriptedSource:
 
 
 class StaticGpus:
-    def __init__(self, *samples: GpuSample) -> None:
-        self.samples = {sample.index: sample for sample in samples}
+    """Stands in for NVML on a node with GPUs (none here)."""
 
-    def read(self) -> dict[int, GpuSample]:
-        return self.samples
+    def __init__(self, *samples: GpuSample) -> None:
+        self.reading = GpuReading(nodes={LOCAL_NODE: {sample.index: sample for sample in samples}})
+
+    async def read(self) -> GpuReading:
+        return self.reading
+
+    async def close(self) -> None:
+        pass
 
 
 async def register(redis_client: aioredis.Redis, worker_id: str, port: int, host: str = "127.0.0.1",

@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from agent.agent import Agent, run_agent
+from agent.gpu_sources.nvml import NvmlSource
 from agent.gpus import GpuReader, GpuSample
 from agent.kubelet.podresources_pb2 import (
     ContainerDevices,
@@ -103,6 +104,8 @@ class Pages:
 
 
 class StaticGpus:
+    """Stands in for NVML on a node with GPUs (none here)."""
+
     def read(self) -> dict[int, GpuSample]:
         return {GPU_A.index: GPU_A, GPU_B.index: GPU_B}
 
@@ -146,7 +149,8 @@ async def test_agent_on_a_node_attributes_each_pods_gpus(redis_client: aioredis.
                     gpu_pod("pg-chat-1", "GPU-aaaa", namespace="elsewhere")]  # same name, not ours
     pages, clock = Pages(), ManualClock(1000.0)
     client = PodResourcesClient(kubelet.socket_path, timeout_s=0.5)
-    agent = Agent(CONFIG, redis_client, KEYS, pages, StaticGpus(), node="gpu-a", pod_gpus=client, clock=clock,
+    gpus = NvmlSource(StaticGpus())  # type: ignore[arg-type]
+    agent = Agent(CONFIG, redis_client, KEYS, pages, gpus, node="gpu-a", pod_gpus=client, clock=clock,
                   fleet_refresh_s=2.0)
     try:
         await agent.tick()
