@@ -28,7 +28,8 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Protocol
 
-from extproc.request import CHAT_PATH, RequestFacts
+from extproc.endpoints import ENDPOINTS
+from extproc.request import RequestFacts
 from extproc.scheduling.plugins import PickRequest
 from poolgate.kernel.config import ConfigError, SchedulingSettings, TaskClass, TaskClassRules
 
@@ -132,7 +133,8 @@ class RequestProfiler:
 
     def profile(self, facts: RequestFacts) -> PickRequest:
         prompt = self._count(facts)
-        if facts.path == CHAT_PATH:
+        endpoint = ENDPOINTS.get(facts.path)
+        if endpoint is not None and endpoint.chat_template:
             prompt += facts.message_count * MESSAGE_OVERHEAD_TOKENS + REPLY_PRIMING_TOKENS
         output = facts.max_tokens or self._settings.default_output_tokens
         return PickRequest(
