@@ -295,7 +295,7 @@ async def test_drain_with_active_streams_completes_them_and_takes_no_new_request
         victim = max(running, key=lambda w: running[w])
         assert running[victim] > 0, running
         drained = asyncio.create_task(asyncio.to_thread(stack.cli, "drain", victim, "--wait"))
-        await asyncio.to_thread(wait_for, lambda: stack.state(victim) in ("Draining", None), 5)
+        await asyncio.to_thread(wait_for, lambda: stack.state(victim) in ("Draining", None), 30)
         drain_started = time.monotonic()
         await asyncio.sleep(0.3)  # extproc's snapshot refresh
         during = [await one_request(http, stack.base_url, chat_body(4)) for _ in range(20)]
