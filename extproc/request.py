@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from extproc.endpoints.cost import EndpointCost
 from extproc.errors import ApiError, invalid_request
 from poolgate.kernel.routing import ROUTING_HEADERS
 
@@ -40,6 +41,8 @@ class RequestHead:
     authorization: str = ""
     tenant_claim: str = ""
     """The trusted tenant header's value (empty when no ingress is trusted or it is absent)."""
+    content_type: str = ""
+    """``content-type`` as sent (multipart bodies need its boundary)."""
 
     @property
     def is_api(self) -> bool:
@@ -77,12 +80,14 @@ class RequestFacts:
     """``x-session-id`` header, else the body's ``user`` field; empty when neither is given."""
     include_usage: bool = False
     """The client asked for the usage chunk of a stream (``stream_options.include_usage``)."""
+    cost: EndpointCost | None = None
+    """How the endpoint's tokens are counted, when it is not chat or completions (``endpoints.cost``)."""
 
 
 def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = None,
                trust_tenant_header: bool = False) -> RequestHead:
     """``tenant_header``: the header an ingress may set; read when trusted, else stripped like a routing one."""
-    method = path = request_id = session_id = authorization = claim = ""
+    method = path = request_id = session_id = authorization = claim = content_type = ""
     content_length: int | None = None
     routing: list[str] = []
     for raw_key, value in headers:
@@ -99,6 +104,8 @@ def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = N
             session_id = value
         elif key == "authorization":
             authorization = value
+        elif key == "content-type":
+            content_type = value
         elif key in _ROUTING_HEADERS:
             routing.append(key)
         elif key == tenant_header:
@@ -107,7 +114,7 @@ def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = N
             else:
                 routing.append(key)
     return RequestHead(method, path, content_length, tuple(dict.fromkeys(routing)), request_id, session_id,
-                       authorization, claim)
+                       authorization, claim, content_type)
 
 
 def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:

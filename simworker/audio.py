@@ -3,16 +3,13 @@
 ``response_format`` (``json`` or ``text``), ``stream``; the answer ``{"text", "usage": {"type": "duration",
 "seconds"}}``, or with ``stream=true`` ``transcription.chunk`` / ``translation.chunk`` events and ``[DONE]``.
 
-The cost follows Whisper's shape: audio is cut in 30 s chunks, each an engine request whose prompt is the
-encoder's 1500 positions plus 4 task tokens and whose output is about 3 tokens per second of speech (capped at
-448, Whisper's decoder length). A WAV file's duration comes from its header; any other format is assumed to
-be 128 kbit/s (16,000 bytes per second).
+The cost follows Whisper's shape (``poolgate.kernel.audio_clip``): one engine request per 30 s chunk, its
+prompt the encoder's positions, its output about 3 tokens per second of speech.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,44 +17,14 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import BodyPartReader, web
 
+from poolgate.kernel.audio_clip import audio_duration_s, chunk_costs
 from simworker import protocol, tokens
 from simworker.model_endpoints import admit, check_model, run_to_completion
 from simworker.protocol import ApiError
 from simworker.server import WorkerApi, _json
 
-CHUNK_S = 30.0
-ENCODER_POSITIONS_PER_CHUNK = 1500
-TASK_TOKENS = 4
-OUTPUT_TOKENS_PER_S = 3.0
-MAX_OUTPUT_PER_CHUNK = 448
-COMPRESSED_BYTES_PER_S = 16_000
 MAX_FILE_BYTES = 25 * 1024 * 1024
 """vLLM's ``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB`` default."""
-
-
-def audio_duration_s(data: bytes) -> float:
-    """Seconds of audio: from a RIFF/WAVE header's byte rate and data size, else by the compressed rate."""
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WAVE":
-        offset, byte_rate = 12, 0
-        while offset + 8 <= len(data):
-            chunk_id, size = data[offset:offset + 4], struct.unpack_from("<I", data, offset + 4)[0]
-            if chunk_id == b"fmt " and size >= 16:
-                byte_rate = struct.unpack_from("<I", data, offset + 16)[0]
-            elif chunk_id == b"data" and byte_rate:
-                return min(size, len(data) - offset - 8) / byte_rate
-            offset += 8 + size + (size & 1)
-    return len(data) / COMPRESSED_BYTES_PER_S
-
-
-def chunk_jobs(duration_s: float) -> list[tuple[int, int]]:
-    """(prompt tokens, output tokens) of each 30 s chunk."""
-    chunks = max(1, math.ceil(duration_s / CHUNK_S))
-    jobs = []
-    for index in range(chunks):
-        seconds = min(CHUNK_S, duration_s - index * CHUNK_S)
-        output = max(1, min(MAX_OUTPUT_PER_CHUNK, math.ceil(seconds * OUTPUT_TOKENS_PER_S)))
-        jobs.append((ENCODER_POSITIONS_PER_CHUNK + TASK_TOKENS, output))
-    return jobs
 
 
 async def read_form(request: web.Request) -> tuple[bytes, dict[str, str]]:
@@ -93,7 +60,7 @@ def _endpoint(api: WorkerApi, task: str) -> Callable[[web.Request], Awaitable[we
             raise ApiError(400, "Currently only support response_format `text` or `json`", "response_format")
         duration = audio_duration_s(audio)
         await admit(api)
-        outputs = await run_to_completion(api, prefix, chunk_jobs(duration))
+        outputs = await run_to_completion(api, prefix, chunk_costs(duration))
         seed = tokens.stable_hash(f"{len(audio)}:{audio[:64].hex()}")
         text = protocol.generated_text(seed, 0, sum(outputs)).strip()
         seconds = math.ceil(duration)

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simworker import audio, model_tasks
+from poolgate.kernel import audio_clip
+from simworker import model_tasks
 from simworker import pooling_protocol as wire
 from simworker.cli import add_arguments, worker_specs
 from simworker.protocol import ApiError
@@ -110,10 +111,10 @@ def _wav(seconds: float, rate: int, channels: int = 1) -> bytes:
     (_wav(2.5, 16_000), 2.5), (_wav(1.0, 44_100, 2), 1.0), (b"ID3" + b"\0" * 31_997, 2.0),
 ])
 def test_audio_duration_from_header_or_rate(data: bytes, seconds: float) -> None:
-    assert audio.audio_duration_s(data) == pytest.approx(seconds)
+    assert audio_clip.audio_duration_s(data) == pytest.approx(seconds)
 
 
 def test_audio_is_cut_in_whisper_chunks() -> None:
-    jobs = audio.chunk_jobs(65.0)
+    jobs = audio_clip.chunk_costs(65.0)
     assert [prompt for prompt, _ in jobs] == [1504, 1504, 1504]
     assert [output for _, output in jobs] == [90, 90, 15]
