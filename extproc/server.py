@@ -21,13 +21,15 @@ from prometheus_client import start_http_server
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from extproc.assembly import build_service
 from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
+from extproc.endpoint_picker import GIE_MODE
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
+from extproc.pipeline import CapacitySignal
 from extproc.quota import QuotaKeys, QuotaStore
 from extproc.scheduling import build_profiler, build_scheduler
-from extproc.service import CapacitySignal, ExtProcService
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
 from poolgate.kernel.config import Config
@@ -89,12 +91,12 @@ async def serve(
     quotas = (QuotaStore(client, QuotaKeys(config.key_prefix), config.tenancy.lease_s)
               if any(t.has_quota for t in config.tenants) else None)
     catalogue = CatalogueSource(Catalogue(config.catalogue))
-    service = ExtProcService(build_scheduler(config.scheduling), watcher, inflight, config.extproc.max_request_bytes,
-                             metrics, settings=config.scheduling, profiler=profiler, capacity_changed=capacity_changed,
-                             tenants=tenants, quotas=quotas, catalogue=catalogue,
-                             endpoint_picker_mode=config.extproc.endpoint_picker_mode,
-                             observability=config.observability)
-    watcher.publish_queue(service.queue.held_by_domain)
+    service = build_service(build_scheduler(config.scheduling), watcher, inflight, metrics,
+                            max_request_bytes=config.extproc.max_request_bytes, scheduling=config.scheduling,
+                            profiler=profiler, tenants=tenants, quotas=quotas, catalogue=catalogue,
+                            capacity_changed=capacity_changed, genai_metrics=config.observability.genai_metrics,
+                            header_pin=config.extproc.endpoint_picker_mode == GIE_MODE)
+    watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
     server = grpc.aio.server(options=grpc_options(config.extproc.max_request_bytes))
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health = health_aio.HealthServicer()
