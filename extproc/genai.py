@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import re
 
+from extproc.endpoints import paths
 from extproc.metrics import Metrics
 from extproc.request import CHAT_PATH, COMPLETIONS_PATH
 
 PROVIDER_NAME = "openai"
 """``gen_ai.provider.name``: workers speak OpenAI's API, and the conventions use this attribute to name the
 flavour of the telemetry (the API), not who runs the engine; the model attributes say what served it."""
-OPERATIONS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "text_completion"}
-"""``gen_ai.operation.name`` by request path (the conventions' well-known values)."""
+OPERATIONS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "text_completion", paths.RESPONSES_PATH: "chat",
+              paths.EMBEDDINGS_PATH: "embeddings"}
+"""``gen_ai.operation.name`` by request path (the conventions' well-known values; the Responses API is a chat;
+the other endpoints have none and are recorded under an empty one)."""
 INCOMPLETE = "incomplete"
 STREAM_ERROR = "stream_error"
 """``error_type`` of a stream that failed after its 200: vLLM then sends its error as an SSE event of its own
@@ -46,8 +49,11 @@ _ERROR_EVENT = b'data: {"error"'
 _DONE_EVENT = b"data: [DONE]"
 """The end of an OpenAI stream. A client may close as soon as it reads it (the openai SDK does), before the
 response's last byte reaches Envoy: the answer was whole all the same."""
-_OUTPUT = re.compile(rb'"(?:content|text|reasoning_content|reasoning)": ?"[^"]|"tool_calls": ?\[\{')
-"""A non-empty generated value in an SSE event (``"content":""`` of a role-only event does not match)."""
+_RESPONSE_DONE = b"event: response.completed"
+"""The end of a Responses API stream (it has no ``[DONE]``)."""
+_OUTPUT = re.compile(rb'"(?:content|text|reasoning_content|reasoning|delta)": ?"[^"]|"tool_calls": ?\[\{')
+"""A non-empty generated value in an SSE event (``"content":""`` of a role-only event does not match; a
+Responses API stream's first ``response.output_text.delta`` does, its earlier events hold no text)."""
 
 
 class GenAiCall:
@@ -94,7 +100,7 @@ class GenAiCall:
                 self.first_output_at = now
             if self.stream and self.error_type is None and _ERROR_EVENT in chunk:
                 self.error_type = STREAM_ERROR
-            if self.stream and _DONE_EVENT in chunk:
+            if self.stream and (_DONE_EVENT in chunk or _RESPONSE_DONE in chunk):
                 self.ended_at = now
         if end_of_stream:
             self.ended_at = now

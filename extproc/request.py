@@ -2,7 +2,7 @@
 
 Pure functions only: the servicer hands in header pairs and body bytes, gets back a ``RequestHead``, a
 ``RequestFacts`` or an ``ApiError`` (a client mistake is a value, not an exception). Only the OpenAI
-inference endpoints are routed; any other path passes through untouched.
+model-addressed endpoints are routed (``endpoints``); any other path passes through untouched.
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from typing import Any
 import orjson
 
 from extproc.endpoints.cost import EndpointCost
+from extproc.endpoints.paths import CHAT_PATH, ROUTED_PATHS
+from extproc.endpoints.paths import COMPLETIONS_PATH as COMPLETIONS_PATH
 from extproc.errors import ApiError, invalid_request
 from poolgate.kernel.routing import ROUTING_HEADERS
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
 SESSION_HEADER = "x-session-id"
-INFERENCE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+INFERENCE_PATHS = ROUTED_PATHS
+"""Every path routed by model (``endpoints.table`` holds their parsers)."""
 _ROUTING_HEADERS = frozenset(ROUTING_HEADERS)
 
 
@@ -46,8 +47,9 @@ class RequestHead:
 
     @property
     def is_api(self) -> bool:
-        """Paths that need an identity when API keys are required."""
-        return self.path.startswith("/v1/")
+        """Paths that need an identity when API keys are required (``/tokenize`` and the other routed paths
+        outside ``/v1/`` too)."""
+        return self.path.startswith("/v1/") or self.path in ROUTED_PATHS
 
     @property
     def is_inference(self) -> bool:

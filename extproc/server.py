@@ -95,7 +95,8 @@ async def serve(
                             max_request_bytes=config.extproc.max_request_bytes, scheduling=config.scheduling,
                             profiler=profiler, tenants=tenants, quotas=quotas, catalogue=catalogue,
                             capacity_changed=capacity_changed, genai_metrics=config.observability.genai_metrics,
-                            header_pin=config.extproc.endpoint_picker_mode == GIE_MODE)
+                            header_pin=config.extproc.endpoint_picker_mode == GIE_MODE,
+                            model_tasks={pool.model: pool.task for pool in config.pools})
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
     server = grpc.aio.server(options=grpc_options(config.extproc.max_request_bytes))
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)

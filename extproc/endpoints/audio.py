@@ -11,16 +11,13 @@ from __future__ import annotations
 
 from extproc.endpoints.cost import EndpointCost
 from extproc.endpoints.fields import facts, model_of
-from extproc.endpoints.multipart import FormPart, parse_form
+from extproc.endpoints.multipart import FormPart
 from extproc.errors import ApiError, invalid_request
 from extproc.request import RequestFacts, RequestHead
 from poolgate.kernel.audio_clip import TASK_TOKENS, audio_duration_s, chunk_costs
 
 
-def parse_audio(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
-    parts = parse_form(body, head.content_type)
-    if isinstance(parts, ApiError):
-        return parts
+def parse_audio(head: RequestHead, parts: tuple[FormPart, ...]) -> RequestFacts | ApiError:
     fields = {part.name: part for part in parts}
     model = model_of(fields["model"].text().strip() if "model" in fields else None)
     if isinstance(model, ApiError):

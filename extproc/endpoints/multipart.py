@@ -25,6 +25,8 @@ class FormPart:
     filename: str | None
     content_type: str
     data: bytes
+    headers: bytes = b""
+    """The part's header block as sent (kept so a rewritten form keeps every part as it was)."""
 
     def text(self) -> str:
         return self.data.decode("utf-8", "replace")
@@ -127,8 +129,23 @@ def _part(raw: bytes) -> FormPart | ApiError:
     kind, params = header_parameters(disposition)
     if kind != "form-data" or "name" not in params:
         return _malformed('a part lacks Content-Disposition: form-data; name="…"')
-    return FormPart(params["name"], params.get("filename"), content_type, data)
+    return FormPart(params["name"], params.get("filename"), content_type, data, header_block)
 
 
 def _malformed(why: str) -> ApiError:
     return invalid_request(f"The multipart body is malformed: {why}.", code="invalid_multipart")
+
+
+def with_field(parts: tuple[FormPart, ...], content_type: str, name: str, value: str) -> bytes | ApiError:
+    """The form again, with field ``name``'s value replaced (the catalogue renames ``model`` this way)."""
+    boundary = boundary_of(content_type)
+    if isinstance(boundary, ApiError):
+        return boundary
+    delimiter = b"--" + boundary.encode("latin-1", "replace")
+    chunks = []
+    for part in parts:
+        data = value.encode() if part.name == name else part.data
+        head = part.headers + _CRLF if part.headers else b""
+        chunks.append(delimiter + _CRLF + head + _CRLF + data + _CRLF)
+    chunks.append(delimiter + b"--" + _CRLF)
+    return b"".join(chunks)

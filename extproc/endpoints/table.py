@@ -12,21 +12,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
+from extproc.endpoints import paths
 from extproc.endpoints.audio import parse_audio
+from extproc.endpoints.multipart import FormPart, parse_form
 from extproc.endpoints.pooling import parse_embeddings, parse_rerank, parse_score
 from extproc.endpoints.responses import parse_responses
 from extproc.endpoints.tokenizer import parse_detokenize, parse_tokenize
 from extproc.errors import ApiError
-from extproc.request import CHAT_PATH, COMPLETIONS_PATH, MODELS_PATH, RequestFacts, RequestHead, facts_from_data
+from extproc.request import MODELS_PATH, RequestFacts, RequestHead, facts_from_data
 from extproc.request import load_body as load_json
 from poolgate.kernel.config import PoolTask
 
 JsonParser: TypeAlias = Callable[[RequestHead, dict[str, Any]], "RequestFacts | ApiError"]
-FormParser: TypeAlias = Callable[[RequestHead, bytes], "RequestFacts | ApiError"]
-Body = Literal["json", "multipart"]
+FormParser: TypeAlias = Callable[[RequestHead, tuple[FormPart, ...]], "RequestFacts | ApiError"]
 GENERATE: frozenset[PoolTask] = frozenset({"generate"})
 SCORING: frozenset[PoolTask] = frozenset({"embed", "score"})
 ANY_POOL: frozenset[PoolTask] = frozenset({"generate", "embed", "score", "transcription"})
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    facts: RequestFacts
+    data: dict[str, Any] | None = None
+    """The JSON body as an object (the catalogue rewrites it), for JSON endpoints."""
+    form: tuple[FormPart, ...] | None = None
+    """The form's parts, for multipart endpoints."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,21 +48,19 @@ class Endpoint:
     parse_json: JsonParser | None = None
     parse_form: FormParser | None = None
 
-    @property
-    def body(self) -> Body:
-        return "json" if self.parse_json is not None else "multipart"
-
-    def parse(self, head: RequestHead, body: bytes) -> tuple[RequestFacts, dict[str, Any] | None] | ApiError:
-        """The request's facts, and its JSON object for endpoints with a JSON body (the catalogue rewrites it)."""
+    def parse(self, head: RequestHead, body: bytes) -> Parsed | ApiError:
         if self.parse_form is not None:
-            parsed = self.parse_form(head, body)
-            return parsed if isinstance(parsed, ApiError) else (parsed, None)
+            form = parse_form(body, head.content_type)
+            if isinstance(form, ApiError):
+                return form
+            parsed = self.parse_form(head, form)
+            return parsed if isinstance(parsed, ApiError) else Parsed(parsed, form=form)
         assert self.parse_json is not None
         data = load_json(body)
         if isinstance(data, ApiError):
             return data
         facts = self.parse_json(head, data)
-        return facts if isinstance(facts, ApiError) else (facts, data)
+        return facts if isinstance(facts, ApiError) else Parsed(facts, data)
 
 
 CHAT = Endpoint("chat", GENERATE, facts_from_data)
@@ -67,10 +75,10 @@ TRANSCRIPTIONS = Endpoint("transcriptions", frozenset({"transcription"}), parse_
 TRANSLATIONS = Endpoint("translations", frozenset({"transcription"}), parse_form=parse_audio)
 
 ROUTED: dict[str, Endpoint] = {
-    CHAT_PATH: CHAT, COMPLETIONS_PATH: COMPLETIONS, "/v1/responses": RESPONSES, "/v1/embeddings": EMBEDDINGS,
-    "/score": SCORE, "/v1/score": SCORE, "/rerank": RERANK, "/v1/rerank": RERANK, "/v2/rerank": RERANK,
-    "/tokenize": TOKENIZE, "/detokenize": DETOKENIZE, "/v1/audio/transcriptions": TRANSCRIPTIONS,
-    "/v1/audio/translations": TRANSLATIONS,
+    paths.CHAT_PATH: CHAT, paths.COMPLETIONS_PATH: COMPLETIONS, paths.RESPONSES_PATH: RESPONSES,
+    paths.EMBEDDINGS_PATH: EMBEDDINGS, **dict.fromkeys(paths.SCORE_PATHS, SCORE),
+    **dict.fromkeys(paths.RERANK_PATHS, RERANK), paths.TOKENIZE_PATH: TOKENIZE, paths.DETOKENIZE_PATH: DETOKENIZE,
+    paths.TRANSCRIPTIONS_PATH: TRANSCRIPTIONS, paths.TRANSLATIONS_PATH: TRANSLATIONS,
 }
 """Path → endpoint; every one takes POST."""
 
@@ -89,8 +97,3 @@ def classify_path(method: str, path: str) -> PathKind:
     if path.startswith("/v1/") or path == "/v1" or path in ROUTED:
         return "unknown"
     return "passthrough"
-
-
-def unknown_path(method: str, path: str) -> ApiError:
-    """OpenAI's answer to a path or method it does not serve."""
-    return ApiError(404, f"Invalid URL ({method} {path})", "invalid_request_error", "unknown_url")

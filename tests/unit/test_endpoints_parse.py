@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.endpoints import table
-from extproc.errors import ApiError
+from extproc.errors import ApiError, unknown_path
 from extproc.request import RequestFacts, RequestHead
 from extproc.scheduling.estimate import RequestProfiler
 from poolgate.kernel.config import SchedulingSettings
@@ -29,7 +29,7 @@ def parse(path: str, body: dict[str, Any] | bytes, content_type: str = "applicat
     assert endpoint is not None
     raw = body if isinstance(body, bytes) else orjson.dumps(body)
     parsed = endpoint.parse(head(path, content_type=content_type), raw)
-    return parsed if isinstance(parsed, ApiError) else parsed[0]
+    return parsed if isinstance(parsed, ApiError) else parsed.facts
 
 
 def routed(path: str, body: dict[str, Any] | bytes, content_type: str = "application/json") -> RequestFacts:
@@ -51,7 +51,7 @@ def test_every_path_has_one_fate(method: str, path: str, kind: str) -> None:
 
 
 def test_unknown_paths_get_openai_404() -> None:
-    error = table.unknown_path("POST", "/v1/assistants")
+    error = unknown_path("POST", "/v1/assistants")
     assert (error.status, error.type, error.code) == (404, "invalid_request_error", "unknown_url")
     assert orjson.loads(error.body())["error"]["message"] == "Invalid URL (POST /v1/assistants)"
 
