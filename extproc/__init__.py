@@ -2,7 +2,8 @@
 
 It never does I/O inside the pick: decisions are pure functions over an in-memory fleet snapshot.
 
-Modules: ``request`` (parse) · ``errors`` (the one error type) · ``tenancy`` (API key or trusted header →
+Modules: ``request`` (parse) · ``endpoints`` (each model-addressed endpoint's parser and cost, the table of routed
+paths) · ``errors`` (the one error type) · ``tenancy`` (API key or trusted header →
 tenant) · ``quota`` (per-tenant concurrency / RPM / TPM in Redis, one script call each way) · ``flow_queue``
 (the priority queue's pure discipline) · ``usage`` (token usage read from response bodies) · ``genai`` (one
 request's OpenTelemetry GenAI timings and attributes) · ``scheduling`` (estimates and the pure pick: filters and
