@@ -29,17 +29,14 @@ from __future__ import annotations
 
 import re
 
-from extproc.endpoints import paths
+from extproc.endpoints import ENDPOINTS
 from extproc.metrics import Metrics
-from extproc.request import CHAT_PATH, COMPLETIONS_PATH
 
 PROVIDER_NAME = "openai"
 """``gen_ai.provider.name``: workers speak OpenAI's API, and the conventions use this attribute to name the
 flavour of the telemetry (the API), not who runs the engine; the model attributes say what served it."""
-OPERATIONS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "text_completion", paths.RESPONSES_PATH: "chat",
-              paths.EMBEDDINGS_PATH: "embeddings"}
-"""``gen_ai.operation.name`` by request path (the conventions' well-known values; the Responses API is a chat;
-the other endpoints have none and are recorded under an empty one)."""
+OPERATIONS = {path: endpoint.operation for path, endpoint in ENDPOINTS.items()}
+"""``gen_ai.operation.name`` by request path (the conventions' well-known values; empty where none applies)."""
 INCOMPLETE = "incomplete"
 STREAM_ERROR = "stream_error"
 """``error_type`` of a stream that failed after its 200: vLLM then sends its error as an SSE event of its own

@@ -11,6 +11,7 @@ Each part needs ``Content-Disposition: form-data; name="…"`` (``filename`` for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from extproc.errors import ApiError, invalid_request
 
@@ -149,3 +150,19 @@ def with_field(parts: tuple[FormPart, ...], content_type: str, name: str, value:
         chunks.append(delimiter + _CRLF + head + _CRLF + data + _CRLF)
     chunks.append(delimiter + b"--" + _CRLF)
     return b"".join(chunks)
+
+
+def form_data(parts: tuple[FormPart, ...]) -> dict[str, Any]:
+    """A form as a request's data: each file part's bytes, each text field's value (``stream`` as the boolean
+    the form spells ``true``/``false``), the first part of a name winning."""
+    data: dict[str, Any] = {}
+    for part in parts:
+        if part.name in data:
+            continue
+        if part.filename is not None:
+            data[part.name] = part.data
+        elif part.name == "stream":
+            data[part.name] = part.text().strip().lower() == "true"
+        else:
+            data[part.name] = part.text().strip()
+    return data

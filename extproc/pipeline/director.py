@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from extproc.endpoints.table import classify_path
+from extproc.endpoints import path_fate
 from extproc.errors import internal_error, invalid_request, no_capacity, unknown_path
 from extproc.metrics import Metrics
 from extproc.pipeline.admit import Admit
@@ -76,7 +76,7 @@ class Director:
                 return self.refuse(context, identified)
             tenant = identified
         catalogue = self.resolve.current
-        if classify_path(head.method, head.path) == "unknown":  # never to a random worker
+        if path_fate(head.method, head.path) == "unknown":  # never to a random worker
             context.arrival = Arrival(head, tenant, catalogue, subset)
             return self.refuse(context, Refused(unknown_path(head.method, head.path)))
         if head.is_model_list:

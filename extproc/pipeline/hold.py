@@ -26,28 +26,17 @@ HOLD_POLL_S = 0.1
 
 
 class CapacitySignal:
-    """Says capacity may have changed: wakes current waiters and calls the listeners (the release pass)."""
+    """Says capacity may have changed: calls the listeners (the release pass)."""
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
         for listener in self._listeners:
             listener()
-
-    async def wait(self, timeout_s: float) -> None:
-        event = self._event
-        try:
-            async with asyncio.timeout(timeout_s):
-                await event.wait()
-        except TimeoutError:
-            pass
 
 
 class Dispatch(Protocol):

@@ -14,23 +14,26 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Mapping
 from dataclasses import replace
+from typing import Any
 
 import orjson
 
 from extproc.catalogue import Catalogue, ModelCard, Route
 from extproc.catalogue_source import CatalogueSource
-from extproc.endpoints.multipart import with_field
-from extproc.endpoints.table import Endpoint, Parsed, endpoint_for
+from extproc.endpoints import ENDPOINTS, Endpoint
+from extproc.endpoints.multipart import FormPart, form_data, parse_form, with_field
 from extproc.errors import ApiError, endpoint_not_served, model_not_allowed
 from extproc.parameters import apply_parameters
 from extproc.pipeline.context import Arrival, Resolved
 from extproc.pipeline.outcomes import ModelList, Refused
 from extproc.pipeline.respond import ResponseFeed
-from extproc.request import RequestFacts, RequestHead
+from extproc.request import RequestFacts, RequestHead, facts_from_data, load_body
 from extproc.scheduling import PickRequest, RequestProfiler
 from extproc.tenancy import Tenant
 from poolgate.kernel.config import PoolTask
 
+Form = tuple[FormPart, ...] | None
+"""A multipart body's parts (None for JSON)."""
 _Rewrite = tuple[RequestFacts, bytes | None, Route | None]
 """Facts as scheduled, the body to send (None: unchanged), the route whose name responses must restore."""
 
@@ -60,12 +63,14 @@ class Resolve:
                 fleet_models: Collection[str]) -> Resolved | Refused:
         head, tenant = arrival.head, arrival.tenant
         assert tenant is not None  # inference paths are identified at the headers phase
-        endpoint = endpoint_for(head.method, head.path)
-        assert endpoint is not None  # only routed paths are resolved
-        parsed = endpoint.parse(head, raw)
-        if isinstance(parsed, ApiError):
-            return Refused(parsed)
-        facts = parsed.facts
+        endpoint = ENDPOINTS[head.path]  # only routed paths are resolved
+        loaded = _load(endpoint, head, raw)
+        if isinstance(loaded, ApiError):
+            return Refused(loaded)
+        data, form = loaded
+        facts = facts_from_data(head, data)
+        if isinstance(facts, ApiError):
+            return Refused(facts)
         feed.resolved(facts, facts.model in fleet_models)
         if not tenant.may_use(facts.model):
             return Refused(model_not_allowed(facts.model), "model_not_allowed")
@@ -75,7 +80,7 @@ class Resolve:
         body: bytes | None = None
         renamed: Route | None = None
         if route is not None and route.touches_body:
-            rewritten = _rewrite(endpoint, head, parsed, route)
+            rewritten = _rewrite(head, data, form, facts, route)
             if isinstance(rewritten, ApiError):
                 return Refused(rewritten)
             facts, body, renamed = rewritten
@@ -85,16 +90,25 @@ class Resolve:
         return Resolved(facts, _narrowed(self._profiler.profile(facts), tenant, route), body, renamed)
 
 
-def _rewrite(endpoint: Endpoint, head: RequestHead, parsed: Parsed, route: Route) -> _Rewrite | ApiError:
-    """Rewrite the body for the chosen version: parameter defaults and caps, then the served name."""
-    facts, data = parsed.facts, parsed.data
+def _load(endpoint: Endpoint, head: RequestHead, raw: bytes) -> tuple[dict[str, Any], Form] | ApiError:
+    """The body as data: a JSON object, or a multipart form's fields (and the form, to rewrite it)."""
+    if not endpoint.form:
+        data = load_body(raw)
+        return data if isinstance(data, ApiError) else (data, None)
+    parts = parse_form(raw, head.content_type)
+    return parts if isinstance(parts, ApiError) else (form_data(parts), parts)
+
+
+def _rewrite(head: RequestHead, data: dict[str, Any], form: Form, facts: RequestFacts,
+             route: Route) -> _Rewrite | ApiError:
+    """Rewrite the body for the chosen version: parameter defaults and caps, then the served name (a form: only
+    its ``model`` field)."""
     renamed = route if route.renames and route.adapter is None else None  # an adapter's responses name it
-    if data is None:  # a form: only its model field is rewritten
-        assert parsed.form is not None
+    if form is not None:
         if not (route.renames or route.adapter):
             return facts, None, None
-        form = with_field(parsed.form, head.content_type, "model", route.body_model)
-        return form if isinstance(form, ApiError) else (replace(facts, model=route.served_name), form, renamed)
+        body = with_field(form, head.content_type, "model", route.body_model)
+        return body if isinstance(body, ApiError) else (replace(facts, model=route.served_name), body, renamed)
     changed = apply_parameters(data, route)
     if isinstance(changed, ApiError):
         return changed
@@ -103,8 +117,7 @@ def _rewrite(endpoint: Endpoint, head: RequestHead, parsed: Parsed, route: Route
     data["model"] = route.body_model
     body = orjson.dumps(data)
     if changed:  # a default may have set max_tokens: the estimates must see it
-        assert endpoint.parse_json is not None
-        reparsed = endpoint.parse_json(head, data)
+        reparsed = facts_from_data(head, data)
         if isinstance(reparsed, ApiError):
             return reparsed
         facts = reparsed

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from controller.xds.bootstrap import render_bootstrap
-from extproc.endpoints.paths import ROUTED_PATHS
+from extproc.endpoints import ENDPOINTS
 from poolgate.kernel.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ ROUTE_SETS = {
 
 
 @pytest.mark.parametrize("where", sorted(ROUTE_SETS))
-@pytest.mark.parametrize("path", sorted(ROUTED_PATHS))
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
 def test_every_routed_path_takes_every_poolgate_route(where: str, path: str) -> None:
     routes = ROUTE_SETS[where]()
     assert routes and all(_matches(route["match"], path) for route in routes)
@@ -77,5 +77,5 @@ def test_the_istio_virtual_service_serves_them_when_extproc_is_away() -> None:
     documents = list(yaml.safe_load_all(ROOT.joinpath("deploy", "istio", "gateway.yaml").read_text()))
     [service] = [d for d in documents if d["kind"] == "VirtualService"]
     uris = [m["uri"] for m in service["spec"]["http"][0]["match"]]
-    for path in ROUTED_PATHS:
+    for path in ENDPOINTS:
         assert any(path.startswith(u["prefix"]) if "prefix" in u else re.fullmatch(u["regex"], path) for u in uris)

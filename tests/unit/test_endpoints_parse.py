@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.endpoints import table
+from extproc.endpoints import ENDPOINTS, OUTSIDE_V1, path_fate
+from extproc.endpoints.multipart import form_data, parse_form
 from extproc.errors import ApiError, unknown_path
-from extproc.request import RequestFacts, RequestHead
+from extproc.request import RequestFacts, RequestHead, facts_from_data, load_body
 from extproc.scheduling.estimate import RequestProfiler
 from poolgate.kernel.config import SchedulingSettings
 
@@ -25,11 +26,14 @@ def head(path: str, method: str = "POST", content_type: str = "application/json"
 
 
 def parse(path: str, body: dict[str, Any] | bytes, content_type: str = "application/json") -> RequestFacts | ApiError:
-    endpoint = table.endpoint_for("POST", path)
-    assert endpoint is not None
+    """As the resolve stage reads a body: JSON, or a form's fields."""
     raw = body if isinstance(body, bytes) else orjson.dumps(body)
-    parsed = endpoint.parse(head(path, content_type=content_type), raw)
-    return parsed if isinstance(parsed, ApiError) else parsed.facts
+    if ENDPOINTS[path].form:
+        parts = parse_form(raw, content_type)
+        data = parts if isinstance(parts, ApiError) else form_data(parts)
+    else:
+        data = load_body(raw)
+    return data if isinstance(data, ApiError) else facts_from_data(head(path, content_type=content_type), data)
 
 
 def routed(path: str, body: dict[str, Any] | bytes, content_type: str = "application/json") -> RequestFacts:
@@ -47,7 +51,7 @@ def routed(path: str, body: dict[str, Any] | bytes, content_type: str = "applica
     ("GET", "/health", "passthrough"), ("GET", "/metrics", "passthrough"), ("POST", "/v1x", "passthrough"),
 ])
 def test_every_path_has_one_fate(method: str, path: str, kind: str) -> None:
-    assert table.classify_path(method, path) == kind
+    assert path_fate(method, path) == kind
 
 
 def test_unknown_paths_get_openai_404() -> None:
@@ -110,8 +114,9 @@ def test_responses_items_count_like_chat_messages() -> None:
 
 
 def test_responses_stream_carries_its_usage_and_session_hint() -> None:
-    facts = routed("/v1/responses", {"model": "m", "input": "x", "stream": True, "prompt_cache_key": "conv-7"})
+    facts = routed("/v1/responses", {"model": "m", "input": "x", "stream": True, "user": "conv-7"})
     assert facts.stream and facts.include_usage and facts.session_id == "conv-7"
+    assert not routed("/v1/responses", {"model": "m", "input": "x"}).include_usage
 
 
 def test_embeddings_are_prefill_only_and_fit_by_their_longest_input() -> None:
@@ -185,4 +190,5 @@ def test_bad_audio_forms_are_400(fields: dict[str, str], audio: bytes | None, co
 def test_chat_and_completions_keep_their_parser() -> None:
     chat = routed("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert chat.cost is None and chat.message_count == 1
-    assert table.endpoint_for("POST", "/v1/embeddings").pool_tasks == {"embed"}  # type: ignore[union-attr]
+    assert ENDPOINTS["/v1/embeddings"].pool_tasks == {"embed"}
+    assert OUTSIDE_V1 == ("/detokenize", "/rerank", "/score", "/tokenize", "/v2/rerank")
