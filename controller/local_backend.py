@@ -69,6 +69,21 @@ def lora_launch(config: Config, served_name: str, extra_args: tuple[str, ...]) -
     return args, {RUNTIME_LORA_ENV: "True"}
 
 
+POOL_TASK_ARGS = {"embed": ("--runner", "pooling", "--convert", "embed"),
+                  "score": ("--runner", "pooling", "--convert", "classify")}
+"""vLLM's flags for a pool's model kind (``--task`` is gone since 0.10); speech-to-text models vLLM recognises
+by their architecture, the simulated worker by ``--transcription``."""
+
+
+def task_launch(task: str, backend: str, extra_args: tuple[str, ...]) -> list[str]:
+    """Flags that start a worker as its pool's kind of model, unless ``extra_args`` chooses one itself."""
+    if any(_has_flag(extra_args, flag) for flag in ("--runner", "--convert", "--task", "--transcription")):
+        return []
+    if task == "transcription":
+        return ["--transcription"] if backend == "sim" else []
+    return list(POOL_TASK_ARGS.get(task, ()))
+
+
 def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[str, ...], max_model_len: int,
                  gpu_memory_utilization: float, gpus: tuple[int, ...],
                  extra_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
@@ -94,7 +109,7 @@ def worker_command(config: Config, spec: WorkerSpec, port: int) -> tuple[list[st
     key = config.worker_api_key()
     lora_args, lora_env = lora_launch(config, pool.model, spec.extra_args)
     extra_env = {**lora_env, **({WORKER_KEY_ENV: key} if key else {})}
-    extra_args = (*lora_args, *spec.extra_args)
+    extra_args = (*task_launch(pool.task, spec.backend, spec.extra_args), *lora_args, *spec.extra_args)
     if spec.backend == "sim":
         cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--host", spec.host, "--port", str(port),
                "--model", pool.model, "--worker-id", spec.id, "--preset", spec.preset,

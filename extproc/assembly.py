@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from extproc.catalogue import EMPTY_CATALOGUE
 from extproc.catalogue_source import CatalogueSource
@@ -30,7 +30,7 @@ from extproc.quota import QuotaStore
 from extproc.scheduling import RequestProfiler, Scheduler
 from extproc.service import ExtProcService
 from extproc.tenancy import TenantDirectory
-from poolgate.kernel.config import SchedulingSettings, TenancySettings
+from poolgate.kernel.config import PoolTask, SchedulingSettings, TenancySettings
 
 
 def build_service(
@@ -51,9 +51,11 @@ def build_service(
     clock: Callable[[], float] = time.time,
     timer: Callable[[], float] = time.perf_counter,
     rng: random.Random | None = None,
+    model_tasks: Mapping[str, PoolTask] | None = None,
 ) -> ExtProcService:
     """``clock`` is the wall clock worker records are stamped with; ``timer`` the monotonic one for durations
-    and queue deadlines; ``rng`` draws catalogue traffic splits."""
+    and queue deadlines; ``rng`` draws catalogue traffic splits; ``model_tasks`` says what each served model
+    does (from the pools), so an endpoint its kind does not serve is refused before routing."""
     scheduling = scheduling or SchedulingSettings()
     tenants = tenants or TenantDirectory(TenancySettings(), ())
     tenancy = tenants.settings
@@ -62,7 +64,7 @@ def build_service(
     director = Director(
         identify=Identify(tenants, max_request_bytes),
         resolve=Resolve(catalogue or CatalogueSource(EMPTY_CATALOGUE), profiler or RequestProfiler(scheduling),
-                        rng or random.Random()),
+                        rng or random.Random(), model_tasks),
         admit=Admit(quotas, tenancy, metrics),
         hold=Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed),
         place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer),

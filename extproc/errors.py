@@ -53,6 +53,17 @@ def model_not_found(model: str) -> ApiError:
                     "model_not_found", "model")
 
 
+def endpoint_not_served(model: str, task: str, path: str) -> ApiError:
+    """The model's kind does not serve this endpoint (embeddings of a chat model): vLLM's refusal, before routing."""
+    return ApiError(400, f"The model {model!r} is a {task!r} model and does not serve {path}.",
+                    "invalid_request_error", "unsupported_endpoint", "model")
+
+
+def unknown_path(method: str, path: str) -> ApiError:
+    """OpenAI's answer to a path or method it does not serve."""
+    return ApiError(404, f"Invalid URL ({method} {path})", "invalid_request_error", "unknown_url")
+
+
 def body_too_large(size: int, limit: int) -> ApiError:
     return ApiError(413, f"Request body of {size} bytes exceeds the limit of {limit} bytes.",
                     "invalid_request_error", "request_too_large")

@@ -36,7 +36,7 @@ PROVIDER_NAME = "openai"
 """``gen_ai.provider.name``: workers speak OpenAI's API, and the conventions use this attribute to name the
 flavour of the telemetry (the API), not who runs the engine; the model attributes say what served it."""
 OPERATIONS = {path: endpoint.operation for path, endpoint in ENDPOINTS.items()}
-"""``gen_ai.operation.name`` by request path (the conventions' well-known values)."""
+"""``gen_ai.operation.name`` by request path (the conventions' well-known values; empty where none applies)."""
 INCOMPLETE = "incomplete"
 STREAM_ERROR = "stream_error"
 """``error_type`` of a stream that failed after its 200: vLLM then sends its error as an SSE event of its own
@@ -46,8 +46,11 @@ _ERROR_EVENT = b'data: {"error"'
 _DONE_EVENT = b"data: [DONE]"
 """The end of an OpenAI stream. A client may close as soon as it reads it (the openai SDK does), before the
 response's last byte reaches Envoy: the answer was whole all the same."""
-_OUTPUT = re.compile(rb'"(?:content|text|reasoning_content|reasoning)": ?"[^"]|"tool_calls": ?\[\{')
-"""A non-empty generated value in an SSE event (``"content":""`` of a role-only event does not match)."""
+_RESPONSE_DONE = b"event: response.completed"
+"""The end of a Responses API stream (it has no ``[DONE]``)."""
+_OUTPUT = re.compile(rb'"(?:content|text|reasoning_content|reasoning|delta)": ?"[^"]|"tool_calls": ?\[\{')
+"""A non-empty generated value in an SSE event (``"content":""`` of a role-only event does not match; a
+Responses API stream's first ``response.output_text.delta`` does, its earlier events hold no text)."""
 
 
 class GenAiCall:
@@ -94,7 +97,7 @@ class GenAiCall:
                 self.first_output_at = now
             if self.stream and self.error_type is None and _ERROR_EVENT in chunk:
                 self.error_type = STREAM_ERROR
-            if self.stream and _DONE_EVENT in chunk:
+            if self.stream and (_DONE_EVENT in chunk or _RESPONSE_DONE in chunk):
                 self.ended_at = now
         if end_of_stream:
             self.ended_at = now

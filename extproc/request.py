@@ -13,12 +13,12 @@ from typing import Any
 
 import orjson
 
-from extproc.endpoints import ENDPOINTS
+from extproc.endpoints import ENDPOINTS, MODELS_PATH
 from extproc.endpoints.base import is_int
+from extproc.endpoints.cost import EndpointCost
 from extproc.errors import ApiError, invalid_request
 from poolgate.kernel.routing import ROUTING_HEADERS
 
-MODELS_PATH = "/v1/models"
 SESSION_HEADER = "x-session-id"
 _ROUTING_HEADERS = frozenset(ROUTING_HEADERS)
 
@@ -39,11 +39,14 @@ class RequestHead:
     authorization: str = ""
     tenant_claim: str = ""
     """The trusted tenant header's value (empty when no ingress is trusted or it is absent)."""
+    content_type: str = ""
+    """``content-type`` as sent (a multipart body needs its boundary)."""
 
     @property
     def is_api(self) -> bool:
-        """Paths that need an identity when API keys are required."""
-        return self.path.startswith("/v1/")
+        """Paths that need an identity when API keys are required (``/tokenize`` and the other routed paths
+        outside ``/v1/`` too)."""
+        return self.path.startswith("/v1/") or self.path in ENDPOINTS
 
     @property
     def is_inference(self) -> bool:
@@ -75,13 +78,16 @@ class RequestFacts:
     session_id: str = ""
     """``x-session-id`` header, else the body's ``user`` field; empty when neither is given."""
     include_usage: bool = False
-    """The client asked for the usage chunk of a stream (``stream_options.include_usage``)."""
+    """The stream will carry its usage: the client asked for its usage chunk (``stream_options.include_usage``),
+    or the endpoint always sends it (the Responses API's ``response.completed``)."""
+    cost: EndpointCost | None = None
+    """How the endpoint's tokens are counted, where chat's rule does not fit (``endpoints.cost``)."""
 
 
 def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = None,
                trust_tenant_header: bool = False) -> RequestHead:
     """``tenant_header``: the header an ingress may set; read when trusted, else stripped like a routing one."""
-    method = path = request_id = session_id = authorization = claim = ""
+    method = path = request_id = session_id = authorization = claim = content_type = ""
     content_length: int | None = None
     routing: list[str] = []
     for raw_key, value in headers:
@@ -98,6 +104,8 @@ def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = N
             session_id = value
         elif key == "authorization":
             authorization = value
+        elif key == "content-type":
+            content_type = value
         elif key in _ROUTING_HEADERS:
             routing.append(key)
         elif key == tenant_header:
@@ -106,7 +114,7 @@ def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = N
             else:
                 routing.append(key)
     return RequestHead(method, path, content_length, tuple(dict.fromkeys(routing)), request_id, session_id,
-                       authorization, claim)
+                       authorization, claim, content_type)
 
 
 def load_body(body: bytes) -> dict[str, Any] | ApiError:
@@ -133,25 +141,27 @@ def facts_from_data(head: RequestHead, data: dict[str, Any]) -> RequestFacts | A
     stream = data.get("stream")
     if stream is not None and not isinstance(stream, bool):
         return invalid_request("'stream' must be a boolean.", "stream", "invalid_type")
+    endpoint = ENDPOINTS[head.path]
     max_tokens: int | None = None
-    for name in ("max_completion_tokens", "max_tokens"):
+    for name in endpoint.max_tokens_fields:
         value = data.get(name)
         if value is None:
             continue
         if not is_int(value) or value < 1:
             return invalid_request(f"'{name}' must be a positive integer.", name, "invalid_type")
         max_tokens = value if max_tokens is None else max_tokens
-    prompt = ENDPOINTS[head.path].measure(data)
+    prompt = endpoint.measure(data)
     if isinstance(prompt, ApiError):
         return prompt
-    chars, token_ids, messages, parts = prompt
+    chars, token_ids, messages, parts, cost = prompt
     options = data.get("stream_options")
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    include_usage = (isinstance(options, dict) and options.get("include_usage") is True) or (
+        endpoint.usage_in_stream and bool(stream))
     user = data.get("user")
     session_id = head.session_id or (user if isinstance(user, str) else "")
     return RequestFacts(
         path=head.path, method=head.method, model=model, stream=bool(stream), max_tokens=max_tokens,
         prompt_chars=chars, prompt_token_ids=token_ids, message_count=messages,
         client_routing_headers=head.client_routing_headers, request_id=head.request_id,
-        prompt_parts=parts, session_id=session_id, include_usage=include_usage,
+        prompt_parts=parts, session_id=session_id, include_usage=include_usage, cost=cost,
     )

@@ -125,7 +125,8 @@ def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics,
                             profiler=profiler, tenants=TenantDirectory(config.tenancy, config.tenants),
                             quotas=quotas, catalogue=catalogue, capacity_changed=capacity_changed,
                             genai_metrics=config.observability.genai_metrics,
-                            header_pin=config.extproc.endpoint_picker_mode == GIE_MODE)
+                            header_pin=config.extproc.endpoint_picker_mode == GIE_MODE,
+                            model_tasks={pool.model: pool.task for pool in config.pools})
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
     return service, watcher, catalogue
 

@@ -8,6 +8,11 @@ stream looks exactly as they asked. Envoy sends the response body in chunks (``S
 be split across chunks, so complete events are passed on and a partial one is kept for the next chunk.
 Chunks are only searched for bytes, never JSON-parsed, unless they hold a usage object (``"usage":{``): a
 stream's usage is parsed once, at its last chunk.
+
+Each endpoint's shape: chat, completions, embeddings and scores report ``prompt_tokens`` / ``completion_tokens``
+/ ``total_tokens``; rerank only ``total_tokens``; the Responses API ``input_tokens`` / ``output_tokens``, in
+its body or, streamed, in the ``response.completed`` event (``event:`` line, then ``data:`` with the response
+and its usage); audio reports seconds, not tokens (the admission estimate stands).
 """
 
 from __future__ import annotations
@@ -108,13 +113,15 @@ class UsageWatch:
     def _event_usage(self, event: bytes) -> dict[str, Any] | None:
         """The event's JSON when it reports usage (and note the usage), else None."""
         text = event.strip()
+        if text.startswith(b"event:"):  # a named event (the Responses API's): its data line follows
+            text = text[text.find(b"\ndata:") + 1:]
         if not text.startswith(b"data:") or b'"usage"' not in text:
             return None
         try:
             data = orjson.loads(text[5:])
         except orjson.JSONDecodeError:
             return None
-        if isinstance(data, dict) and self._note(data.get("usage")):
+        if isinstance(data, dict) and self._note(_usage_of(data)):
             return data
         return None
 
@@ -124,12 +131,13 @@ class UsageWatch:
         except orjson.JSONDecodeError:
             return
         if isinstance(data, dict):
-            self._note(data.get("usage"))
+            self._note(_usage_of(data))
 
     def _note(self, usage: Any) -> bool:
         if not isinstance(usage, dict):
             return False
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
         if isinstance(prompt, int) and isinstance(completion, int):
             self.input_tokens, self.output_tokens = prompt, completion
         total = usage.get("total_tokens")
@@ -140,6 +148,14 @@ class UsageWatch:
         else:
             return False
         return True
+
+
+def _usage_of(data: dict[str, Any]) -> Any:
+    """The usage object of a body or event: top level, or in a Responses API event's ``response``."""
+    usage = data.get("usage")
+    if usage is None and isinstance(data.get("response"), dict):
+        usage = data["response"].get("usage")
+    return usage
 
 
 def _may_report_usage(chunk: bytes) -> bool:

@@ -65,7 +65,8 @@ GENAI_SERIES = (
      "streamed requests that succeeded with ≥ 2 output tokens"),
 )
 GENAI_ATTRIBUTES = (
-    ("gen_ai.operation.name", "`chat` (`/v1/chat/completions`) or `text_completion` (`/v1/completions`)"),
+    ("gen_ai.operation.name", "`chat` (`/v1/chat/completions`, `/v1/responses`), `text_completion` "
+                              "(`/v1/completions`), `embeddings` (`/v1/embeddings`), empty for the other endpoints"),
     ("gen_ai.provider.name", "`openai`: the API the workers speak (the attribute was `gen_ai.system` up to "
                              "conventions v1.36)"),
     ("gen_ai.request.model", "the model the client asked for; empty for a name neither the catalogue nor the "

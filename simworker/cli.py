@@ -15,6 +15,7 @@ import os
 import sys
 
 from poolgate.kernel.shutdown import on_stop_signal
+from simworker import model_tasks
 from simworker.engine import Engine
 from simworker.faults import FaultSettings
 from simworker.presets import DEFAULT_PRESET, PRESETS, STEP_JITTER
@@ -63,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s; 0 for exact modelled times)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help=f"require this key on /v1 paths, as vLLM does (default: ${API_KEY_ENV})")
+    model_tasks.add_arguments(parser)
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve LoRA adapters; the load/unload endpoints also need "
@@ -100,6 +102,7 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         log.warning("%s is set: adapters can be loaded at run time (meant for trusted use)", RUNTIME_LORA_ENV)
     if args.worker_id is not None and len(ports) != 1:
         raise ValueError("--worker-id is for a single worker; use --worker-ids with --ports")
+    tasks = model_tasks.from_args(args)
     ids = args.worker_ids or ([args.worker_id] if args.worker_id else [f"sim-{port}" for port in ports])
     faults = FaultSettings(
         error_rate=args.error_rate, added_latency_s=args.added_latency_s, hang=args.hang,
@@ -116,6 +119,7 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             enable_fault_api=args.enable_fault_api, enable_lora=args.enable_lora, max_loras=args.max_loras,
             lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
             seed=args.seed, step_jitter=args.step_jitter,
+            tasks=tasks,
         )
         for port, worker_id in zip(ports, ids, strict=True)
     ]

@@ -22,6 +22,8 @@ from simworker.engine import Engine, EngineConfig
 from simworker.faults import FaultSettings
 from simworker.lora import AdapterTable
 from simworker.metrics import WorkerMetrics
+from simworker.model_endpoints import install as install_model_endpoints
+from simworker.model_tasks import ModelTasks
 from simworker.presets import STEP_JITTER, GpuPreset, ModelShape, default_num_gpu_blocks, step_cost
 from simworker.server import Health, ServingConfig, WorkerApi
 
@@ -59,6 +61,8 @@ class WorkerSpec:
     """``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` was set: serve the adapter load/unload endpoints."""
     api_key: str | None = None
     """Required on ``/v1`` paths, as vLLM's ``--api-key``."""
+    tasks: ModelTasks = field(default_factory=ModelTasks)
+    """Generative, embedding, cross-encoder or speech-to-text model: which endpoints it serves."""
     seed: int = 0
     """Seeds the worker's own randomness (step-time jitter, the error-rate fault) with its id; never the
     answers' lengths, which depend on the request alone."""
@@ -143,7 +147,9 @@ class SimWorker:
         )
         adapters = AdapterTable(spec.max_loras, metrics.registry) if spec.enable_lora else None
         api = WorkerApi(serving, driver, metrics, self, random.Random(spec.random_seed + 1), adapters)
-        runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,
+        app = api.build_app()
+        install_model_endpoints(app, api, spec.tasks)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         try:

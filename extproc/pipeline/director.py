@@ -1,6 +1,6 @@
 """The director: one request's way through the stages, as the servicer reports what Envoy sent.
 
-    headers → identify (tenant, size) → model list | passthrough | body follows
+    headers → identify (tenant, size) → model list | unknown /v1 path (404) | passthrough | body follows
     body    → resolve (catalogue, parameters, profile) → admit (quota) → place now, or hold (queue) → place
     response headers / body → respond (usage, model name, GenAI observers)
     stream end → finish: give back the queue place, in-flight count, reservation and quota slot
@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from extproc.errors import internal_error, invalid_request, no_capacity
+from extproc.endpoints import path_fate
+from extproc.errors import internal_error, invalid_request, no_capacity, unknown_path
 from extproc.metrics import Metrics
 from extproc.pipeline.admit import Admit
 from extproc.pipeline.context import Arrival, RequestContext
@@ -75,6 +76,9 @@ class Director:
                 return self.refuse(context, identified)
             tenant = identified
         catalogue = self.resolve.current
+        if path_fate(head.method, head.path) == "unknown":  # never to a random worker
+            context.arrival = Arrival(head, tenant, catalogue, subset)
+            return self.refuse(context, Refused(unknown_path(head.method, head.path)))
         if head.is_model_list:
             context.arrival = Arrival(head, tenant, catalogue, subset)
             self._metrics.requests.labels("model_list").inc()

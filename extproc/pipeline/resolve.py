@@ -1,15 +1,18 @@
 """The resolve stage: the inference body → what exactly is asked, by whom, at what expected cost.
 
-Parse the body, check the tenant may use the model (403), resolve it through the catalogue (version, traffic
-split, LoRA adapter), apply the version's parameter defaults and caps (400 above a cap), rewrite the body
-for the served name, then profile it (token estimates, task class, affinity keys) and narrow it to the
-pools the tenant and the version allow. Pure apart from the injected random source of traffic splits.
+Parse the body with its endpoint's parser (``endpoints.table``: chat, Responses API, embeddings, audio forms …),
+check the tenant may use the model (403), resolve it through the catalogue (version, traffic split, LoRA
+adapter), apply the version's parameter defaults and caps (400 above a cap; JSON bodies only), rewrite the body
+for the served name (a multipart form's ``model`` field too), refuse an endpoint the model's kind does not serve
+(400, as vLLM would: embeddings of a chat model), then profile it (token estimates, task class, affinity keys)
+and narrow it to the pools the tenant and the version allow. Pure apart from the injected random source of
+traffic splits.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -17,7 +20,9 @@ import orjson
 
 from extproc.catalogue import Catalogue, ModelCard, Route
 from extproc.catalogue_source import CatalogueSource
-from extproc.errors import ApiError, model_not_allowed
+from extproc.endpoints import ENDPOINTS, Endpoint
+from extproc.endpoints.multipart import FormPart, form_data, parse_form, with_field
+from extproc.errors import ApiError, endpoint_not_served, model_not_allowed
 from extproc.parameters import apply_parameters
 from extproc.pipeline.context import Arrival, Resolved
 from extproc.pipeline.outcomes import ModelList, Refused
@@ -25,17 +30,24 @@ from extproc.pipeline.respond import ResponseFeed
 from extproc.request import RequestFacts, RequestHead, facts_from_data, load_body
 from extproc.scheduling import PickRequest, RequestProfiler
 from extproc.tenancy import Tenant
+from poolgate.kernel.config import PoolTask
 
+Form = tuple[FormPart, ...] | None
+"""A multipart body's parts (None for JSON)."""
 _Rewrite = tuple[RequestFacts, bytes | None, Route | None]
 """Facts as scheduled, the body to send (None: unchanged), the route whose name responses must restore."""
 
 
 class Resolve:
-    def __init__(self, catalogue: CatalogueSource, profiler: RequestProfiler, rng: random.Random) -> None:
+    def __init__(self, catalogue: CatalogueSource, profiler: RequestProfiler, rng: random.Random,
+                 model_tasks: Mapping[str, PoolTask] | None = None) -> None:
         self.catalogue = catalogue
         self._profiler = profiler
         self._rng = rng
         """Draws catalogue traffic splits."""
+        self._model_tasks = model_tasks or {}
+        """Served model → what its pools' model does (``PoolSpec.task``); a model not listed may take any
+        endpoint (its worker answers for itself)."""
 
     @property
     def current(self) -> Catalogue:
@@ -51,9 +63,11 @@ class Resolve:
                 fleet_models: Collection[str]) -> Resolved | Refused:
         head, tenant = arrival.head, arrival.tenant
         assert tenant is not None  # inference paths are identified at the headers phase
-        data = load_body(raw)
-        if isinstance(data, ApiError):
-            return Refused(data)
+        endpoint = ENDPOINTS[head.path]  # only routed paths are resolved
+        loaded = _load(endpoint, head, raw)
+        if isinstance(loaded, ApiError):
+            return Refused(loaded)
+        data, form = loaded
         facts = facts_from_data(head, data)
         if isinstance(facts, ApiError):
             return Refused(facts)
@@ -66,15 +80,35 @@ class Resolve:
         body: bytes | None = None
         renamed: Route | None = None
         if route is not None and route.touches_body:
-            rewritten = _rewrite(head, data, facts, route)
+            rewritten = _rewrite(head, data, form, facts, route)
             if isinstance(rewritten, ApiError):
                 return Refused(rewritten)
             facts, body, renamed = rewritten
+        task = self._model_tasks.get(facts.model)
+        if task is not None and task not in endpoint.pool_tasks:
+            return Refused(endpoint_not_served(facts.model, task, head.path), "endpoint_not_served")
         return Resolved(facts, _narrowed(self._profiler.profile(facts), tenant, route), body, renamed)
 
 
-def _rewrite(head: RequestHead, data: dict[str, Any], facts: RequestFacts, route: Route) -> _Rewrite | ApiError:
-    """Rewrite the body for the chosen version: parameter defaults and caps, then the served name."""
+def _load(endpoint: Endpoint, head: RequestHead, raw: bytes) -> tuple[dict[str, Any], Form] | ApiError:
+    """The body as data: a JSON object, or a multipart form's fields (and the form, to rewrite it)."""
+    if not endpoint.form:
+        data = load_body(raw)
+        return data if isinstance(data, ApiError) else (data, None)
+    parts = parse_form(raw, head.content_type)
+    return parts if isinstance(parts, ApiError) else (form_data(parts), parts)
+
+
+def _rewrite(head: RequestHead, data: dict[str, Any], form: Form, facts: RequestFacts,
+             route: Route) -> _Rewrite | ApiError:
+    """Rewrite the body for the chosen version: parameter defaults and caps, then the served name (a form: only
+    its ``model`` field)."""
+    renamed = route if route.renames and route.adapter is None else None  # an adapter's responses name it
+    if form is not None:
+        if not (route.renames or route.adapter):
+            return facts, None, None
+        body = with_field(form, head.content_type, "model", route.body_model)
+        return body if isinstance(body, ApiError) else (replace(facts, model=route.served_name), body, renamed)
     changed = apply_parameters(data, route)
     if isinstance(changed, ApiError):
         return changed
@@ -82,7 +116,6 @@ def _rewrite(head: RequestHead, data: dict[str, Any], facts: RequestFacts, route
         return facts, None, None
     data["model"] = route.body_model
     body = orjson.dumps(data)
-    renamed = route if route.renames and route.adapter is None else None  # an adapter's responses name it
     if changed:  # a default may have set max_tokens: the estimates must see it
         reparsed = facts_from_data(head, data)
         if isinstance(reparsed, ApiError):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from extproc.endpoints import ENDPOINTS
+from extproc.endpoints.cost import apply_cost
 from extproc.request import RequestFacts
 from extproc.scheduling.plugins import PickRequest
 from poolgate.kernel.config import ConfigError, SchedulingSettings, TaskClass, TaskClassRules
@@ -137,8 +138,11 @@ class RequestProfiler:
         if endpoint is not None and endpoint.chat_template:
             prompt += facts.message_count * MESSAGE_OVERHEAD_TOKENS + REPLY_PRIMING_TOKENS
         output = facts.max_tokens or self._settings.default_output_tokens
+        minimum = prompt_tokens_lower_bound(facts)
+        if facts.cost is not None:  # endpoints beyond chat's rule (``endpoints.cost``)
+            prompt, minimum, output = apply_cost(facts.cost, prompt, output, MAX_CHARS_PER_TOKEN)
         return PickRequest(
-            facts=facts, prompt_tokens=prompt, min_prompt_tokens=prompt_tokens_lower_bound(facts),
+            facts=facts, prompt_tokens=prompt, min_prompt_tokens=minimum,
             output_tokens=output, task_class=classify(prompt, output, facts, self._settings.task_classes),
             affinity_keys=self._keys(facts),
         )

@@ -367,6 +367,12 @@ class KubernetesSettings(_Frozen):
     deployment_prefix: str = "poolgate-worker-"
 
 
+PoolTask = Literal["generate", "embed", "score", "transcription"]
+"""What a pool's model does, and so which endpoints it serves: ``generate`` (chat, completions, Responses API),
+``embed`` (embeddings; score and rerank by cosine similarity), ``score`` (a cross-encoder: score and rerank),
+``transcription`` (speech to text: the audio endpoints). Every kind serves tokenize and detokenize."""
+
+
 class PoolSpec(_Frozen):
     """A pool is a set of interchangeable workers serving one model; it becomes one Envoy cluster."""
 
@@ -377,6 +383,11 @@ class PoolSpec(_Frozen):
     task_classes: tuple[TaskClass, ...] = ()
     """Task classes this pool takes (empty = all), e.g. ``[streaming]`` for a streaming-only pool. When no
     pool of a model takes a request's class, every pool of the model may serve it."""
+    task: PoolTask = "generate"
+    """What the model does: ``generate``, ``embed`` (an embedding model), ``score`` (a cross-encoder) or
+    ``transcription`` (speech to text). Local workers start as that kind: ``vllm serve`` gets ``--runner
+    pooling --convert embed`` or ``--convert classify`` (vLLM finds speech-to-text models by their architecture
+    itself), a simulated worker the same flags (``--transcription`` for speech to text)."""
 
 
 class WorkerSpec(_Frozen):
@@ -673,6 +684,17 @@ class Config(_Frozen):
         for name in self.placement.model_memory_mib:
             if name not in pool_names:
                 raise ValueError(f"placement.model_memory_mib.{name}: unknown pool; known: {', '.join(pool_names)}")
+        return self
+
+    @model_validator(mode="after")
+    def _pool_tasks(self) -> Config:
+        """A model is one kind of model: its pools cannot disagree on what it does."""
+        kinds: dict[str, tuple[str, str]] = {}
+        for index, pool in enumerate(self.pools):
+            first = kinds.setdefault(pool.model, (pool.name, pool.task))
+            if first[1] != pool.task:
+                raise ValueError(f"pools.{index}.task: {pool.task!r}, but pool {first[0]!r} serves {pool.model!r} "
+                                 f"as {first[1]!r}; every pool of a model must give it the same task")
         return self
 
     @model_validator(mode="after")

@@ -32,7 +32,9 @@ def test_head_reads_pseudo_headers_and_client_routing_headers() -> None:
     ("POST", "/v1/completions", True, False),
     ("GET", "/v1/chat/completions", False, False),
     ("GET", "/v1/models", False, True),
-    ("POST", "/v1/embeddings", False, False),
+    ("POST", "/v1/embeddings", True, False),
+    ("POST", "/tokenize", True, False),
+    ("POST", "/v1/assistants", False, False),
     ("GET", "/health", False, False),
 ])
 def test_which_paths_are_routed(method: str, path: str, inference: bool, models: bool) -> None:

@@ -131,7 +131,7 @@ def test_passthrough_paths_only_lose_routing_headers() -> None:
     service, tracker, _ = make_service(ready("w1", 9001))
     [get] = exchange(service, headers("GET", "/health", end=True, extra={ROUTING_HEADERS[-1]: "x"}))
     assert list(get.request_headers.response.header_mutation.remove_headers) == [ROUTING_HEADERS[-1]]
-    _, post = exchange(service, headers("POST", "/v1/embeddings"), body({"model": "llama", "input": "x"}))
+    _, post = exchange(service, headers("POST", "/custom/hook"), body({"model": "llama", "input": "x"}))
     assert post.WhichOneof("response") == "request_body"
     assert not post.request_body.response.clear_route_cache and not post.HasField("dynamic_metadata")
     assert tracker.counts == {}

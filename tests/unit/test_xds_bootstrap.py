@@ -130,7 +130,7 @@ def test_routes_follow_the_cluster_header_then_fail_open() -> None:
     assert fail_open.route.cluster == FALLBACK_CLUSTER
     retry = fail_open.route.retry_policy
     assert isinstance(retry, route_components_pb2.RetryPolicy)
-    assert "retriable-status-codes" in retry.retry_on and list(retry.retriable_status_codes) == [404]
+    assert "retriable-status-codes" in retry.retry_on and list(retry.retriable_status_codes) == [400, 404]
     assert [p.name for p in retry.retry_host_predicate] == ["envoy.retry_host_predicates.previous_hosts"]
     assert retry.num_retries.value >= 2
 
