@@ -14,25 +14,24 @@ from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
-from redis.exceptions import RedisError
 
 from controller.autoscale import Action, Decision, PoolSample, decide
 from controller.backend import PlacementRefused
 from controller.instances import InstanceController
-from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerState, read_fleet, read_queued
+from poolgate.kernel.config import AutoscaleSettings
+from poolgate.kernel.fleet import WorkerState
+from poolgate.kernel.outage import REDIS_ERRORS
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.autoscale")
 
 
 class Autoscaler:
-    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, instances: InstanceController,
+    def __init__(self, store: FleetStore, settings: AutoscaleSettings, instances: InstanceController,
                  registry: CollectorRegistry, *, is_leader: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._config = config
-        self._settings = config.autoscale
-        self._redis = redis
-        self._keys = keys
+        self._settings = settings
+        self._store = store
         self._instances = instances
         self._is_leader = is_leader
         self._clock = clock
@@ -45,10 +44,10 @@ class Autoscaler:
         self.last: dict[str, Decision] = {}
 
     async def sample(self, pool: str, now: float) -> PoolSample:
-        records = [r for r in await read_fleet(self._redis, self._keys) if r.pool == pool]
+        records = [r for r in await self._store.read_fleet() if r.pool == pool]
         serving = [r for r in records if r.state in (WorkerState.READY, WorkerState.BUSY)]
         active = await self._instances.active_workers(pool)
-        queued = await read_queued(self._redis, self._keys, pool)
+        queued = await self._store.read_queued(pool)
         kv = sum(r.kv_usage for r in serving) / len(serving) if serving else 0.0
         ready = len([r for r in serving if r.id in active])
         return PoolSample(at=now, workers=len(active), ready=ready,
@@ -86,7 +85,7 @@ async def run_autoscaler(autoscaler: Autoscaler, interval_s: float, stop: asynci
     while not stop.is_set():
         try:
             await autoscaler.step()
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             log.warning("autoscaler skipped a round: %s", exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)

@@ -23,7 +23,8 @@ from typing import Any
 from kubernetes import client as k8s
 
 from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, heartbeat_worker, register_worker
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.kubernetes")
 
@@ -53,14 +54,12 @@ def _ready(pod: Any) -> bool:
 class KubernetesBackend:
     name = "kubernetes"
 
-    def __init__(self, config: Config, api: k8s.ApiClient, redis: RedisLike | None = None,
-                 keys: FleetKeys | None = None) -> None:
+    def __init__(self, config: Config, api: k8s.ApiClient, store: FleetStore | None = None) -> None:
         self._config = config
         self._settings = config.kubernetes
         self._apps = k8s.AppsV1Api(api)
         self._core = k8s.CoreV1Api(api)
-        self._redis = redis
-        self._keys = keys
+        self._store = store
         self._pods: dict[str, str] = {}
         """Pod name → pool, from the last listing."""
 
@@ -110,7 +109,7 @@ class KubernetesBackend:
 
     async def sync_registry(self) -> int:
         """Register or refresh every Ready pod of every pool; returns how many are registered."""
-        assert self._redis is not None and self._keys is not None
+        assert self._store is not None
         ttl = self._config.controller.heartbeat_ttl_s
         count = 0
         for pool_spec in self._config.pools:
@@ -121,11 +120,11 @@ class KubernetesBackend:
                 annotations = pod.metadata.annotations or {}
                 node = (pod.spec.node_name if pod.spec else None) or ""
                 # The node goes with every heartbeat too, so records written before it was kept get it.
-                if not await heartbeat_worker(self._redis, self._keys, name, ttl, node=node):
+                if not await self._store.heartbeat(name, ttl, node=node):
                     record = WorkerRecord(id=name, pool=pool_spec.name, model=pool_spec.model, host=pod.status.pod_ip,
                                           port=int(annotations.get(PORT_ANNOTATION, DEFAULT_WORKER_PORT)),
                                           max_model_len=pool_spec.max_model_len, backend="kubernetes", node=node,
                                           state=WorkerState.READY)
-                    await register_worker(self._redis, self._keys, record, ttl)
+                    await self._store.register(record, ttl)
                 count += 1
         return count

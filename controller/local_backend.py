@@ -33,15 +33,8 @@ import aiohttp
 from controller.backend import PlacementRefused
 from controller.placement import GpuFree, Placement, place
 from poolgate.kernel.config import Config, WorkerSpec
-from poolgate.kernel.fleet import (
-    FleetKeys,
-    RedisLike,
-    WorkerRecord,
-    WorkerState,
-    deregister_worker,
-    heartbeat_worker,
-    register_worker,
-)
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import free_port
 
 log = logging.getLogger("poolgate.controller.local")
@@ -129,11 +122,10 @@ class LocalProcessBackend:
 
     name = "local"
 
-    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, log_dir: Path,
+    def __init__(self, config: Config, store: FleetStore, log_dir: Path,
                  max_backoff_s: float = 30.0, gpu_facts: GpuFacts | None = None) -> None:
         self._config = config
-        self._redis = redis
-        self._keys = keys
+        self._store = store
         self._log_dir = log_dir
         self._max_backoff_s = max_backoff_s
         self._gpu_facts = gpu_facts
@@ -226,7 +218,7 @@ class LocalProcessBackend:
         await self._terminate(worker, grace_s)
         if worker.registered:
             with contextlib.suppress(Exception):
-                await deregister_worker(self._redis, self._keys, worker_id)
+                await self._store.deregister(worker_id)
         self._workers.pop(worker_id, None)
         log.info("stopped worker %s", worker_id)
 
@@ -249,7 +241,7 @@ class LocalProcessBackend:
         for worker in self._workers.values():
             if worker.registered:
                 with contextlib.suppress(Exception):
-                    await deregister_worker(self._redis, self._keys, worker.spec.id)
+                    await self._store.deregister(worker.spec.id)
         if self._http:
             await self._http.close()
 
@@ -310,7 +302,7 @@ class LocalProcessBackend:
                 if not exit_wait.done():
                     exit_wait.cancel()
             if worker.registered:
-                await deregister_worker(self._redis, self._keys, worker.spec.id)
+                await self._store.deregister(worker.spec.id)
                 worker.registered = False
             worker.restarts += 1
             if worker.restart_now:
@@ -330,10 +322,10 @@ class LocalProcessBackend:
         ttl = self._config.controller.heartbeat_ttl_s
         if not worker.registered:
             if await self._probe(worker):
-                await register_worker(self._redis, self._keys, self._record(worker), ttl)
+                await self._store.register(self._record(worker), ttl)
                 worker.registered = True
                 log.info("worker %s is ready at %s:%s", worker.spec.id, worker.spec.host, worker.port)
             return
-        alive = await heartbeat_worker(self._redis, self._keys, worker.spec.id, ttl)
+        alive = await self._store.heartbeat(worker.spec.id, ttl)
         if not alive:  # the registration expired (Redis restarted, long pause): register again
-            await register_worker(self._redis, self._keys, self._record(worker), ttl)
+            await self._store.register(self._record(worker), ttl)

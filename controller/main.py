@@ -1,10 +1,9 @@
-"""``poolgate controller``: wires the registry API, the fleet watcher, the xDS server, local workers, the
-health monitor, the drainer, the autoscaler and the leader lease.
+"""``poolgate controller``: wires the registry API, the Redis → xDS bridge, the xDS server, the workers'
+backend, the in-process agent, the health monitor, the drainer, the adapter loader, the autoscaler and the
+leader lease, each over the one ``FleetStore`` and the config section it reads.
 
-The fleet watcher is the only bridge from Redis to Envoy: it reads the registry on every change
-notification and at least every ``poll_s``, and hands the workers to the xDS server, which pushes new
-endpoints only when their content changed. Expired workers vanish from the registry and so from Envoy.
-Every controller serves xDS; only the lease holder probes, drains, replaces and scales.
+Every controller serves xDS (``controller.xds_bridge``); only the lease holder probes, drains, replaces
+and scales.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import secrets
 import socket
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,10 +41,12 @@ from controller.placement import GpuFree
 from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
+from controller.xds_bridge import bridge_fleet_to_xds
 from poolgate.kernel.config import Config, ConfigError, load_process_config
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
+from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
+from poolgate.kernel.store import FleetStore
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -55,46 +55,6 @@ log = logging.getLogger("poolgate.controller")
 
 STOP_DEADLINE_S = 20.0
 """Workers get 5 s to exit before they are killed; the rest (leases, xDS, Redis) takes well under a second."""
-
-
-async def watch_fleet(redis: aioredis.Redis, keys: FleetKeys, xds: XdsServer, poll_s: float = 0.25,
-                      empty_grace_s: float = 3.0) -> None:
-    """Push the registry to the xDS server on every change notification and every ``poll_s``."""
-    pubsub = redis.pubsub()
-    subscribed = False
-    redis_down = False
-    distrust_empty_until = float("-inf")
-    last_pushed: list[WorkerRecord] = []
-    while True:
-        try:
-            if not subscribed:
-                await pubsub.subscribe(keys.events)
-                subscribed = True
-            workers = await read_fleet(redis, keys)
-            if redis_down:
-                log.info("redis is back; registry watch resumed")
-                redis_down = False
-                distrust_empty_until = time.monotonic() + empty_grace_s
-            if time.monotonic() < distrust_empty_until:
-                # Right after an outage a Redis that lost its data lists only the workers that already
-                # re-registered: keep Envoy's other endpoints until their next heartbeats bring them back.
-                listed = {w.id for w in workers}
-                workers = [*workers, *(w for w in last_pushed if w.id not in listed)]
-            xds.update(workers)
-            last_pushed = workers
-            # Wait for a change notification, or at most poll_s (expiries publish nothing).
-            await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
-            while await pubsub.get_message(ignore_subscribe_messages=True, timeout=0):
-                pass
-        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
-            if not redis_down:
-                log.warning("redis unreachable (%s); Envoy keeps the last endpoints", exc)
-                redis_down = True
-            subscribed = False
-            with contextlib.suppress(Exception):
-                await pubsub.reset()
-            pubsub = redis.pubsub()
-            await asyncio.sleep(poll_s)
 
 
 def node_gpus(config: Config) -> GpuFacts | None:
@@ -120,17 +80,17 @@ async def sync_pods(kube: KubernetesBackend, interval_s: float, stop: asyncio.Ev
             await asyncio.wait_for(stop.wait(), interval_s)
 
 
-async def _publish_api(redis: aioredis.Redis, keys: FleetKeys, api_url: str) -> None:
-    with contextlib.suppress(aioredis.RedisError, OSError):
-        await redis.set(keys.controller, api_url)
+async def _publish_api(store: FleetStore, api_url: str) -> None:
+    with contextlib.suppress(*REDIS_ERRORS):
+        await store.announce_controller(api_url)
 
 
 async def run_controller(config: Config, redis_url: str, *, host: str, xds_port: int, http_port: int,
                          token: str, log_dir: Path, start_workers: bool = True) -> None:
     redis = aioredis.from_url(redis_url)
-    keys = FleetKeys(config.key_prefix)
+    store = FleetStore(redis, config.key_prefix)
     stop = asyncio.Event()
-    lease = LeaderLease(redis, keys, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+    lease = LeaderLease(store, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                         config.autoscale.lease_ttl_s)
     xds = XdsServer(config.pools)
     bound_xds = await xds.start(host, xds_port)
@@ -139,16 +99,17 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     if config.kubernetes.enabled:
         from controller.kube_backend import KubernetesBackend, api_client_from_environment
 
-        kube = KubernetesBackend(config, await asyncio.to_thread(api_client_from_environment), redis, keys)
+        kube = KubernetesBackend(config, await asyncio.to_thread(api_client_from_environment), store)
         backend = kube
         local = None
     else:
-        local = LocalProcessBackend(config, redis, keys, log_dir, gpu_facts=await asyncio.to_thread(node_gpus, config))
+        local = LocalProcessBackend(config, store, log_dir, gpu_facts=await asyncio.to_thread(node_gpus, config))
         backend = local
-    drainer = Drainer(redis, keys, config.drain)
-    instances = InstanceController(config, redis, keys, backend, drainer, is_leader=lease.is_leader)
+    drainer = Drainer(store, config.drain)
+    instances = InstanceController(store, backend, drainer, is_leader=lease.is_leader)
     metrics = CollectorRegistry()
-    api = web.AppRunner(RegistryApi(config, redis, keys, token, instances, metrics).app(), access_log=None)
+    registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics)
+    api = web.AppRunner(registry.app(), access_log=None)
     await api.setup()
     site = web.TCPSite(api, host, http_port)
     await site.start()
@@ -164,7 +125,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
 
     def announce_api() -> None:
         # Operator commands (`poolgate drain`, `poolgate scale`) find the leader here.
-        task: asyncio.Task[object] = asyncio.create_task(_publish_api(redis, keys, api_url))
+        task: asyncio.Task[object] = asyncio.create_task(_publish_api(store, api_url))
         announcements.add(task)
         task.add_done_callback(announcements.discard)
 
@@ -175,20 +136,21 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     # Model listings and adapter loads sit under /v1, which a worker started with --api-key guards.
     probe_session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None)
     prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
-    monitor = HealthMonitor(config, redis, keys, prober, instances, is_leader=lease.is_leader)
+    monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances,
+                            is_leader=lease.is_leader)
     tasks = [
-        asyncio.create_task(watch_fleet(redis, keys, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
+        asyncio.create_task(bridge_fleet_to_xds(store, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
         # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
-        asyncio.create_task(run_agent(config, redis, keys)),
+        asyncio.create_task(run_agent(config, store)),
         asyncio.create_task(lease.run(stop, on_gain=announce_api)),
         asyncio.create_task(run_monitor(monitor, health.probe_interval_s, stop)),
     ]
-    adapters = AdapterLoader(config.catalogue.adapters, redis, keys, probe_session, is_leader=lease.is_leader)
+    adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=lease.is_leader)
     tasks.append(asyncio.create_task(run_adapter_loader(adapters, config.catalogue.adapter_sync_s, stop)))
     if kube is not None:
         tasks.append(asyncio.create_task(sync_pods(kube, config.controller.heartbeat_interval_s, stop)))
     if config.autoscale.enabled and config.autoscale.pools:
-        autoscaler = Autoscaler(config, redis, keys, instances, metrics, is_leader=lease.is_leader)
+        autoscaler = Autoscaler(store, config.autoscale, instances, metrics, is_leader=lease.is_leader)
         tasks.append(asyncio.create_task(run_autoscaler(autoscaler, config.autoscale.interval_s, stop)))
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     try:

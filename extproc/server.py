@@ -25,14 +25,15 @@ from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
-from extproc.quota import QuotaKeys, QuotaStore
+from extproc.quota import QuotaStore
 from extproc.scheduling import build_profiler, build_scheduler
 from extproc.service import CapacitySignal, ExtProcService
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
 from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import FleetKeys
+from poolgate.kernel.keys import QuotaKeys
 from poolgate.kernel.reload import ConfigFileWatch
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ async def serve(
     client = redis_client(redis_url)
     inflight = InflightTracker()
     capacity_changed = CapacitySignal()
-    watcher = FleetWatcher(client, FleetKeys(config.key_prefix), config.pools, config.extproc, inflight, metrics,
+    watcher = FleetWatcher(FleetStore(client, config.key_prefix), config.pools, config.extproc, inflight, metrics,
                            on_refresh=capacity_changed.notify)
     tenants = TenantDirectory(config.tenancy, config.tenants)
     quotas = (QuotaStore(client, QuotaKeys(config.key_prefix), config.tenancy.lease_s)
