@@ -30,7 +30,7 @@ from agent.live import live_fields, notable_change
 from agent.podresources import POD_RESOURCES_SOCKET, PodKey, PodResourcesClient, PodResourcesError
 from agent.rates import RateState, advance
 from agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
-from poolgate.kernel.config import Config
+from poolgate.kernel.config import Config, KubernetesSettings, WorkerSpec
 from poolgate.kernel.errors import PoolgateError
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog
@@ -119,31 +119,38 @@ def is_local(host: str, local_names: Collection[str]) -> bool:
         return False
 
 
+def configured_gpu_ids(workers: Sequence[WorkerSpec],
+                       extra: Mapping[str, Sequence[int | str]] | None = None) -> dict[str, tuple[int | str, ...]]:
+    """GPU ids per worker: the config's ``workers[].gpus``, with ``extra`` added or overriding."""
+    ids: dict[str, tuple[int | str, ...]] = {spec.id: spec.gpus for spec in workers if spec.gpus}
+    ids.update({worker_id: tuple(gpus) for worker_id, gpus in (extra or {}).items()})
+    return ids
+
+
 class Agent:
     """One node's agent. ``tick`` does one round; ``run_agent`` calls it on the configured period.
 
-    GPU ids per worker: ``gpu_ids`` and the config's ``workers[].gpus`` first; else, with ``pod_gpus``, the
-    GPUs the worker's pod holds (pod name = worker id in ``kubernetes.namespace``), re-read with the fleet.
+    GPU ids per worker: ``gpu_ids`` first; else, with ``pod_gpus``, the GPUs the worker's pod holds (pod
+    name = worker id in ``pod_namespace``, the Kubernetes backend's namespace), re-read with the fleet.
     """
 
     def __init__(
-        self, config: Config, store: FleetStore, source: MetricsSource,
+        self, store: FleetStore, source: MetricsSource,
         gpus: GpuSource | None = None, *, worker_ids: Collection[str] | None = None, node: str | None = None,
         local_names: Collection[str] = frozenset(), gpu_ids: Mapping[str, Sequence[int | str]] | None = None,
-        pod_gpus: PodGpuSource | None = None,
+        pod_gpus: PodGpuSource | None = None, pod_namespace: str = KubernetesSettings().namespace,
         clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
         fleet_refresh_s: float = FLEET_REFRESH_S,
     ) -> None:
-        self._config = config
         self._store = store
         self._source = source
         self._gpus = gpus
         self._worker_ids = None if worker_ids is None else frozenset(worker_ids)
         self._node = node or None
         self._local_names = frozenset(local_names)
-        self._gpu_ids: dict[str, tuple[int | str, ...]] = {spec.id: spec.gpus for spec in config.workers}
-        self._gpu_ids.update({k: tuple(v) for k, v in (gpu_ids or {}).items()})
+        self._gpu_ids = {worker_id: tuple(ids) for worker_id, ids in (gpu_ids or {}).items()}
         self._pod_gpu_source = pod_gpus
+        self._pod_namespace = pod_namespace
         self._pod_gpus: dict[str, tuple[str, ...]] = {}
         """Worker id → GPU ids of its pod, from the last good read."""
         self._pod_resources = OutageLog(
@@ -215,9 +222,8 @@ class Agent:
             self._pod_resources.down(exc)
             return
         self._pod_resources.up()
-        namespace = self._config.kubernetes.namespace
-        self._pod_gpus = {name: tuple(gpus) for (pod_namespace, name), gpus in by_pod.items()
-                          if pod_namespace == namespace}
+        self._pod_gpus = {name: tuple(gpus) for (namespace, name), gpus in by_pod.items()
+                          if namespace == self._pod_namespace}
 
     def _gpu_ids_of(self, worker_id: str) -> tuple[int | str, ...]:
         return self._gpu_ids.get(worker_id) or self._pod_gpus.get(worker_id, ())
@@ -297,8 +303,9 @@ async def run_agent(
         session = aiohttp.ClientSession()
         # A scrape may outlast one tick a little (busy Python server), never by seconds.
         source = HttpMetricsSource(session, timeout_s=max(0.2, min(2 * interval, 2.0)))
-    agent = Agent(config, store, source, gpus, worker_ids=worker_ids, node=node, local_names=local_names,
-                  gpu_ids=gpu_ids, pod_gpus=pod_gpus, clock=clock)
+    agent = Agent(store, source, gpus, worker_ids=worker_ids, node=node, local_names=local_names,
+                  gpu_ids=configured_gpu_ids(config.workers, gpu_ids), pod_gpus=pod_gpus,
+                  pod_namespace=config.kubernetes.namespace, clock=clock)
     stop = stop or asyncio.Event()
     if ready is not None:
         ready(agent)

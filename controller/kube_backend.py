@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from kubernetes import client as k8s
 
-from poolgate.kernel.config import Config
+from poolgate.kernel.config import ControllerSettings, KubernetesSettings, PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.store import FleetStore
 
@@ -52,11 +53,16 @@ def _ready(pod: Any) -> bool:
 
 
 class KubernetesBackend:
+    """The pools' Deployments; with a ``store``, also the registrant of their Ready pods (``ttl_s`` is the
+    registration's life without a refresh, ``controller.heartbeat_ttl_s``)."""
+
     name = "kubernetes"
 
-    def __init__(self, config: Config, api: k8s.ApiClient, store: FleetStore | None = None) -> None:
-        self._config = config
-        self._settings = config.kubernetes
+    def __init__(self, settings: KubernetesSettings, pools: Sequence[PoolSpec], api: k8s.ApiClient,
+                 store: FleetStore | None = None, ttl_s: float = ControllerSettings().heartbeat_ttl_s) -> None:
+        self._settings = settings
+        self._pools = tuple(pools)
+        self._ttl_s = ttl_s
         self._apps = k8s.AppsV1Api(api)
         self._core = k8s.CoreV1Api(api)
         self._store = store
@@ -110,9 +116,9 @@ class KubernetesBackend:
     async def sync_registry(self) -> int:
         """Register or refresh every Ready pod of every pool; returns how many are registered."""
         assert self._store is not None
-        ttl = self._config.controller.heartbeat_ttl_s
+        ttl = self._ttl_s
         count = 0
-        for pool_spec in self._config.pools:
+        for pool_spec in self._pools:
             for pod in await self._pods_of(pool_spec.name):
                 if not _ready(pod) or not pod.status.pod_ip:
                     continue

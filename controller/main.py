@@ -17,7 +17,7 @@ import secrets
 import socket
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,9 +57,9 @@ STOP_DEADLINE_S = 20.0
 """Workers get 5 s to exit before they are killed; the rest (leases, xDS, Redis) takes well under a second."""
 
 
-def node_gpus(config: Config) -> GpuFacts | None:
-    """This node's GPUs through NVML for placement, or None without a driver."""
-    reader = open_gpus(config.agent.nvml)
+def node_gpus(nvml: str) -> GpuFacts | None:
+    """This node's GPUs through NVML for placement (``agent.nvml``), or None without a driver."""
+    reader = open_gpus(nvml)
     if reader is None:
         return None
 
@@ -85,6 +85,57 @@ async def _publish_api(store: FleetStore, api_url: str) -> None:
         await store.announce_controller(api_url)
 
 
+async def _instance_backend(config: Config, store: FleetStore, log_dir: Path) -> InstanceBackend:
+    """Kubernetes Deployments when ``kubernetes.enabled``, else local processes on this machine."""
+    if config.kubernetes.enabled:
+        from controller.kube_backend import KubernetesBackend, api_client_from_environment
+
+        api = await asyncio.to_thread(api_client_from_environment)
+        return KubernetesBackend(config.kubernetes, config.pools, api, store, config.controller.heartbeat_ttl_s)
+    gpus = await asyncio.to_thread(node_gpus, config.agent.nvml)
+    return LocalProcessBackend(config, store, log_dir, gpu_facts=gpus)
+
+
+async def _serve_api(registry: RegistryApi, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """The registry API listening; returns its runner and base URL (with the bound port)."""
+    api = web.AppRunner(registry.app(), access_log=None)
+    await api.setup()
+    await web.TCPSite(api, host, port).start()
+    return api, f"http://{host}:{api.addresses[0][1]}"
+
+
+def _probe_session(config: Config) -> aiohttp.ClientSession:
+    """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards."""
+    worker_key = config.worker_api_key()
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None)
+
+
+def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceController, probe_session: aiohttp.ClientSession,
+                 metrics: CollectorRegistry, is_leader: Callable[[], bool],
+                 stop: asyncio.Event) -> list[asyncio.Task[object]]:
+    """The loops that keep the fleet: the in-process agent, and (acting on the leader only) the health
+    monitor, the adapter loader, the pod sync and the autoscaler."""
+    health = config.health
+    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
+    monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
+    adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader)
+    loops: list[Coroutine[object, object, object]] = [
+        # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
+        run_agent(config, store),
+        run_monitor(monitor, health.probe_interval_s, stop),
+        run_adapter_loader(adapters, config.catalogue.adapter_sync_s, stop),
+    ]
+    if config.kubernetes.enabled:
+        from controller.kube_backend import KubernetesBackend
+
+        assert isinstance(instances.backend, KubernetesBackend)
+        loops.append(sync_pods(instances.backend, config.controller.heartbeat_interval_s, stop))
+    if config.autoscale.enabled and config.autoscale.pools:
+        autoscaler = Autoscaler(store, config.autoscale, instances, metrics, is_leader=is_leader)
+        loops.append(run_autoscaler(autoscaler, config.autoscale.interval_s, stop))
+    return [asyncio.create_task(loop) for loop in loops]
+
+
 async def run_controller(config: Config, redis_url: str, *, host: str, xds_port: int, http_port: int,
                          token: str, log_dir: Path, start_workers: bool = True) -> None:
     redis = aioredis.from_url(redis_url)
@@ -94,33 +145,18 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
                         config.autoscale.lease_ttl_s)
     xds = XdsServer(config.pools)
     bound_xds = await xds.start(host, xds_port)
-    backend: InstanceBackend
-    kube: KubernetesBackend | None = None
-    if config.kubernetes.enabled:
-        from controller.kube_backend import KubernetesBackend, api_client_from_environment
-
-        kube = KubernetesBackend(config, await asyncio.to_thread(api_client_from_environment), store)
-        backend = kube
-        local = None
-    else:
-        local = LocalProcessBackend(config, store, log_dir, gpu_facts=await asyncio.to_thread(node_gpus, config))
-        backend = local
+    backend = await _instance_backend(config, store, log_dir)
+    local = backend if isinstance(backend, LocalProcessBackend) else None
     drainer = Drainer(store, config.drain)
     instances = InstanceController(store, backend, drainer, is_leader=lease.is_leader)
     metrics = CollectorRegistry()
     registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics)
-    api = web.AppRunner(registry.app(), access_log=None)
-    await api.setup()
-    site = web.TCPSite(api, host, http_port)
-    await site.start()
-    http_port = api.addresses[0][1]
-    api_url = f"http://{host}:{http_port}"
+    api, api_url = await _serve_api(registry, host, http_port)
     if local is not None:
         await local.start_all(configured=start_workers)
     print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
           f"workers {len(config.workers) if start_workers and local else 0}", flush=True)
     await lease.renew()
-
     announcements: set[asyncio.Task[object]] = set()
 
     def announce_api() -> None:
@@ -131,27 +167,12 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
 
     if lease.is_leader():
         announce_api()
-    health = config.health
-    worker_key = config.worker_api_key()
-    # Model listings and adapter loads sit under /v1, which a worker started with --api-key guards.
-    probe_session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None)
-    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
-    monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances,
-                            is_leader=lease.is_leader)
+    probe_session = _probe_session(config)
     tasks = [
         asyncio.create_task(bridge_fleet_to_xds(store, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
-        # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
-        asyncio.create_task(run_agent(config, store)),
         asyncio.create_task(lease.run(stop, on_gain=announce_api)),
-        asyncio.create_task(run_monitor(monitor, health.probe_interval_s, stop)),
+        *_fleet_tasks(config, store, instances, probe_session, metrics, lease.is_leader, stop),
     ]
-    adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=lease.is_leader)
-    tasks.append(asyncio.create_task(run_adapter_loader(adapters, config.catalogue.adapter_sync_s, stop)))
-    if kube is not None:
-        tasks.append(asyncio.create_task(sync_pods(kube, config.controller.heartbeat_interval_s, stop)))
-    if config.autoscale.enabled and config.autoscale.pools:
-        autoscaler = Autoscaler(store, config.autoscale, instances, metrics, is_leader=lease.is_leader)
-        tasks.append(asyncio.create_task(run_autoscaler(autoscaler, config.autoscale.interval_s, stop)))
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     try:
         await stop.wait()

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from agent.agent import Agent, ScrapeError, run_agent
+from agent.agent import Agent, ScrapeError, configured_gpu_ids, run_agent
 from agent.gpus import GpuSample
 from poolgate.kernel.config import Config, parse_config
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -78,8 +78,8 @@ async def fleet(redis_client: aioredis.Redis) -> dict[str, WorkerRecord]:
 
 def make_agent(redis_client: aioredis.Redis, source: ScriptedSource, clock: ManualClock, config: Config = CONFIG,
                **kwargs: object) -> Agent:
-    return Agent(config, FleetStore(redis_client, KEYS.prefix), source, clock=clock,
-                 wall_clock=lambda: clock.now + 5e8, **kwargs)  # type: ignore[arg-type]
+    return Agent(FleetStore(redis_client, KEYS.prefix), source, gpu_ids=configured_gpu_ids(config.workers),
+                 clock=clock, wall_clock=lambda: clock.now + 5e8, **kwargs)  # type: ignore[arg-type]
 
 
 async def test_writes_live_facts_of_local_workers_only(redis_client: aioredis.Redis) -> None:

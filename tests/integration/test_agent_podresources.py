@@ -148,8 +148,8 @@ async def test_agent_on_a_node_attributes_each_pods_gpus(redis_client: aioredis.
                     gpu_pod("pg-chat-1", "GPU-aaaa", namespace="elsewhere")]  # same name, not ours
     pages, clock = Pages(), ManualClock(1000.0)
     client = PodResourcesClient(kubelet.socket_path, timeout_s=0.5)
-    agent = Agent(CONFIG, FleetStore(redis_client, KEYS.prefix), pages, StaticGpus(), node="gpu-a", pod_gpus=client,
-                  clock=clock, fleet_refresh_s=2.0)
+    agent = Agent(FleetStore(redis_client, KEYS.prefix), pages, StaticGpus(), node="gpu-a", pod_gpus=client,
+                  pod_namespace=CONFIG.kubernetes.namespace, clock=clock, fleet_refresh_s=2.0)
     try:
         await agent.tick()
         assert sorted(pages.fetched) == ["10.42.0.7", "10.42.0.8"]

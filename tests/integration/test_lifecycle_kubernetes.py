@@ -85,7 +85,7 @@ async def fake() -> AsyncIterator[tuple[FakeApi, k8s.ApiClient]]:
 
 async def test_scale_up_stop_a_chosen_pod_and_restart(fake: tuple[FakeApi, k8s.ApiClient]) -> None:
     api, client = fake
-    backend = KubernetesBackend(CONFIG, client)
+    backend = KubernetesBackend(CONFIG.kubernetes, CONFIG.pools, client)
     assert await backend.pool_workers("chat") == ["pg-chat-a1", "pg-chat-b2"]
     assert backend.owns("pg-chat-a1") and not backend.owns("local-1")
     assert await backend.launch("chat", 2) == [] and api.replicas == 4
@@ -107,7 +107,7 @@ async def test_ready_pods_are_registered_as_workers(fake: tuple[FakeApi, k8s.Api
     api, client = fake
     redis = aioredis.from_url(redis_url)
     store = FleetStore(redis, "k8s")
-    backend = KubernetesBackend(CONFIG, client, store)
+    backend = KubernetesBackend(CONFIG.kubernetes, CONFIG.pools, client, store)
     assert await backend.sync_registry() == 1
     [worker] = await store.read_fleet()
     assert (worker.id, worker.host, worker.port, worker.pool, worker.model, worker.node) == (
@@ -128,7 +128,7 @@ async def test_a_record_written_without_a_node_gets_it_with_the_next_heartbeat(
     await store.register(old, ttl_s=30.0)
     await redis.hdel(store.keys.worker("pg-chat-a1"), "node")
     assert [w.node for w in await store.read_fleet()] == [""]
-    assert await KubernetesBackend(CONFIG, client, store).sync_registry() == 1
+    assert await KubernetesBackend(CONFIG.kubernetes, CONFIG.pools, client, store).sync_registry() == 1
     assert [w.node for w in await store.read_fleet()] == ["gpu-node-1"]
     await redis.aclose()
 
@@ -150,11 +150,11 @@ async def test_each_nodes_agent_serves_the_pods_on_its_node(fake: tuple[FakeApi,
     api.pods["pg-chat-b2"]["status"]["conditions"][0]["status"] = "True"
     redis = aioredis.from_url(redis_url)
     store = FleetStore(redis, "k8s")
-    assert await KubernetesBackend(CONFIG, client, store).sync_registry() == 2
+    assert await KubernetesBackend(CONFIG.kubernetes, CONFIG.pools, client, store).sync_registry() == 2
     scraped: dict[str, list[str]] = {}
     for node in ("gpu-node-1", "gpu-node-2", "cpu-node"):
         pages = PagesByAddress()
-        await Agent(CONFIG, store, pages, node=node, local_names={"cpu-node", "10.0.0.1"}).tick()
+        await Agent(store, pages, node=node, local_names={"cpu-node", "10.0.0.1"}).tick()
         scraped[node] = pages.fetched
     assert scraped == {"gpu-node-1": ["10.1.0.7:8000"], "gpu-node-2": ["10.1.0.8:8000"], "cpu-node": []}
     assert [w.running for w in await store.read_fleet()] == [2, 2]
