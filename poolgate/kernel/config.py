@@ -13,10 +13,11 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from poolgate.kernel.errors import PoolgateError
 from poolgate.kernel.routing import ROUTING_HEADERS
 
 
-class ConfigError(Exception):
+class ConfigError(PoolgateError):
     """The configuration cannot be used; the message lists every problem with its field path."""
 
 
