@@ -34,10 +34,6 @@ class OutageLog:
         self._reachable: bool | None = None
         """None until the first report."""
 
-    @property
-    def is_down(self) -> bool:
-        return self._reachable is False
-
     def down(self, exc: BaseException) -> None:
         if self._reachable is False:
             return
