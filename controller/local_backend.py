@@ -34,8 +34,8 @@ from controller.backend import PlacementRefused
 from controller.placement import GpuFree, Placement, place
 from poolgate.kernel.config import Config, WorkerSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.net import free_port
 from poolgate.kernel.store import FleetStore
-from poolgate.procs import free_port
 
 log = logging.getLogger("poolgate.controller.local")
 
