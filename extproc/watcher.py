@@ -50,6 +50,8 @@ def held_per_pool(held: Mapping[Hashable, int], pools: Sequence[PoolSpec]) -> di
 
 
 class FleetWatcher:
+    """extproc's view of the fleet: ``snapshot`` for picks, kept current from the store by ``run``."""
+
     def __init__(
         self,
         store: FleetStore,

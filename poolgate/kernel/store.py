@@ -7,8 +7,11 @@ Registration and deregistration announce themselves on the events channel, heart
 when asked (a change that moves picks), so a busy fleet does not flood it; expiries announce nothing, so
 readers also re-read on a period.
 
-Room to grow: a change message names its worker (``FleetChange``), so a reader could re-read only what
-changed instead of the whole fleet; today every reader re-reads the whole fleet on any change.
+Room to grow (large fleets): today every reader re-reads the whole fleet on any change. The seams for
+incremental reads are here: a change message already names its worker (``FleetChange``), the schema
+already tells live facts from identity (``LIVE_FIELDS``), and no caller knows how a record is laid out in
+Redis. A version per change, live facts in a hash of their own and a ``read_workers(ids)`` would let a
+reader keep its own map and re-read only the workers named since its last read.
 """
 
 from __future__ import annotations
