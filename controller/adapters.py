@@ -17,15 +17,14 @@ without it (its load is refused) and a request sent there gets the worker's 404;
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
 import aiohttp
 
+from controller.periodic import every
 from poolgate.kernel.config import LoraAdapter
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
-from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger(__name__)
@@ -101,10 +100,4 @@ class AdapterLoader:
 
 async def run_adapter_loader(loader: AdapterLoader, interval_s: float, stop: asyncio.Event) -> None:
     """Reconcile every ``interval_s`` until ``stop``; Redis or a worker away only delays the next pass."""
-    while not stop.is_set():
-        try:
-            await loader.sync_once()
-        except REDIS_ERRORS as exc:
-            log.warning("adapter sync skipped: %s", exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+    await every(interval_s, stop, loader.sync_once, lambda exc: log.warning("adapter sync skipped: %s", exc))

@@ -7,7 +7,6 @@ extproc's per-pool queue counts; the history kept per pool is just long enough f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -18,9 +17,9 @@ from prometheus_client import CollectorRegistry, Counter
 from controller.autoscale import Action, Decision, PoolSample, decide
 from controller.backend import PlacementRefused
 from controller.instances import InstanceController
+from controller.periodic import every
 from poolgate.kernel.config import AutoscaleSettings
 from poolgate.kernel.fleet import WorkerState
-from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.autoscale")
@@ -82,10 +81,4 @@ class Autoscaler:
 
 
 async def run_autoscaler(autoscaler: Autoscaler, interval_s: float, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        try:
-            await autoscaler.step()
-        except REDIS_ERRORS as exc:
-            log.warning("autoscaler skipped a round: %s", exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+    await every(interval_s, stop, autoscaler.step, lambda exc: log.warning("autoscaler skipped a round: %s", exc))

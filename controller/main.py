@@ -37,6 +37,7 @@ from controller.instances import InstanceController
 from controller.lease import LeaderLease
 from controller.local_backend import GpuFacts, LocalProcessBackend
 from controller.monitor import HealthMonitor, run_monitor
+from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
@@ -71,13 +72,9 @@ def node_gpus(nvml: str) -> GpuFacts | None:
 
 async def sync_pods(kube: KubernetesBackend, interval_s: float, stop: asyncio.Event) -> None:
     """Keep the pool Deployments' Ready pods registered (they do not register themselves)."""
-    while not stop.is_set():
-        try:
-            await kube.sync_registry()
-        except Exception as exc:  # the API server or Redis away: keep trying, Envoy keeps its endpoints
-            log.warning("kubernetes pod sync failed: %s", exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+    # The API server or Redis away: keep trying; Envoy keeps its endpoints meanwhile.
+    await every(interval_s, stop, kube.sync_registry, lambda exc: log.warning("kubernetes pod sync failed: %s", exc),
+                errors=(Exception,))
 
 
 async def _publish_api(store: FleetStore, api_url: str) -> None:

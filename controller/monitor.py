@@ -9,7 +9,6 @@ instance controller. Only the leader acts; a follower keeps quiet.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -17,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from controller.health import HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
+from controller.periodic import every
 from poolgate.kernel.config import HealthSettings
 from poolgate.kernel.fleet import WorkerRecord
-from poolgate.kernel.outage import REDIS_ERRORS, OutageLog
+from poolgate.kernel.outage import OutageLog
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.health")
@@ -121,15 +121,11 @@ class HealthMonitor:
 
 async def run_monitor(monitor: HealthMonitor, interval_s: float, stop: asyncio.Event | None = None) -> None:
     """Rounds every ``interval_s`` (a round that overruns is followed at once by the next)."""
-    stop = stop or asyncio.Event()
     redis = OutageLog(log, "redis unreachable (%s); worker states are not updated",
                       "redis reachable again; health monitor resumed")
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            await monitor.round()
-            redis.up()
-        except REDIS_ERRORS as exc:
-            redis.down(exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.monotonic() - started)))
+
+    async def step() -> None:
+        await monitor.round()
+        redis.up()
+
+    await every(interval_s, stop or asyncio.Event(), step, redis.down, count_step=True)

@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from poolgate.kernel.fleet import WorkerRecord
 
-REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError)
 """What a Redis call raises when Redis is away or slow (``TimeoutError`` is an ``OSError``)."""
 
 
