@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -35,7 +36,7 @@ from controller.backend import InstanceBackend
 from controller.drain import Drainer
 from controller.instances import InstanceController
 from controller.lease import LeaderLease
-from controller.local_backend import GpuFacts, LocalProcessBackend
+from controller.local_backend import GpuFacts, LocalProcessBackend, worker_command
 from controller.monitor import HealthMonitor, run_monitor
 from controller.periodic import every
 from controller.placement import GpuFree
@@ -90,7 +91,9 @@ async def _instance_backend(config: Config, store: FleetStore, log_dir: Path) ->
         api = await asyncio.to_thread(api_client_from_environment)
         return KubernetesBackend(config.kubernetes, config.pools, api, store, config.controller.heartbeat_ttl_s)
     gpus = await asyncio.to_thread(node_gpus, config.agent.nvml)
-    return LocalProcessBackend(config, store, log_dir, gpu_facts=gpus)
+    return LocalProcessBackend(store, log_dir, functools.partial(worker_command, config), pools=config.pools,
+                               workers=config.workers, settings=config.controller, placement=config.placement,
+                               scaling=config.autoscale.pools, gpu_facts=gpus)
 
 
 async def _serve_api(registry: RegistryApi, host: str, port: int) -> tuple[web.AppRunner, str]:
