@@ -91,8 +91,6 @@ class WorkerRecord:
         return replace(self, **live)
 
 
-
-
 AGENT_FACTS = ("kv_capacity_tokens", "kv_usage", "running", "waiting", "preemptions_total", "ttft_ewma_s",
                "prefill_tokens_per_s", "gpu_memory_total_mib", "gpu_memory_free_mib", "gpu_utilization")
 """The agent's observations that lose their meaning with age: readers reset them to ``UNKNOWN_AGENT_FACTS``
@@ -110,6 +108,7 @@ def encode_fields(values: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _decode(annotation: object, text: str) -> Any:
+    """A field's Redis string as its declared type (annotations are strings here: postponed evaluation)."""
     if annotation == "WorkerState":
         return WorkerState(text)
     if annotation == "int":
