@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
-from redis.exceptions import RedisError
 
 from agent.gpu_sources.choose import open_gpu_source
 from agent.gpu_sources.reading import NO_GPUS, GpuReading, GpuSource
@@ -33,8 +32,11 @@ from agent.live import live_fields, notable_change
 from agent.podresources import POD_RESOURCES_SOCKET, PodKey, PodResourcesClient, PodResourcesError
 from agent.rates import RateState, advance
 from agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
-from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerRecord, read_fleet, update_live_facts
+from poolgate.kernel.config import Config, KubernetesSettings, WorkerSpec
+from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.outage import REDIS_ERRORS, OutageLog
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.agent")
 
@@ -70,7 +72,7 @@ class PodGpuSource(Protocol):
     async def pod_gpus(self) -> Mapping[PodKey, Sequence[str]]: ...
 
 
-class ScrapeError(Exception):
+class ScrapeError(PoolgateError):
     """A worker's metrics could not be read or understood."""
 
 
@@ -113,42 +115,51 @@ def is_local(host: str, local_names: Collection[str]) -> bool:
         return False
 
 
+def configured_gpu_ids(workers: Sequence[WorkerSpec],
+                       extra: Mapping[str, Sequence[int | str]] | None = None) -> dict[str, tuple[int | str, ...]]:
+    """GPU ids per worker: the config's ``workers[].gpus``, with ``extra`` added or overriding."""
+    ids: dict[str, tuple[int | str, ...]] = {spec.id: spec.gpus for spec in workers if spec.gpus}
+    ids.update({worker_id: tuple(gpus) for worker_id, gpus in (extra or {}).items()})
+    return ids
+
+
 class Agent:
     """One node's agent. ``tick`` does one round; ``run_agent`` calls it on the configured period.
 
-    GPU ids per worker: ``gpu_ids`` and the config's ``workers[].gpus`` first; else, with ``pod_gpus``, the
-    GPUs the worker's pod holds (pod name = worker id in ``kubernetes.namespace``), re-read with the fleet;
+    GPU ids per worker: ``gpu_ids`` first; else, with ``pod_gpus``, the GPUs the worker's pod holds (pod
+    name = worker id in ``pod_namespace``, the Kubernetes backend's namespace), re-read with the fleet;
     else the GPUs a dcgm-exporter reading labels with that pod (``agent.gpu_sources.reading``).
     """
 
     def __init__(
-        self, config: Config, redis: RedisLike, keys: FleetKeys, source: MetricsSource,
+        self, store: FleetStore, source: MetricsSource,
         gpus: GpuSource | None = None, *, worker_ids: Collection[str] | None = None, node: str | None = None,
         local_names: Collection[str] = frozenset(), gpu_ids: Mapping[str, Sequence[int | str]] | None = None,
-        pod_gpus: PodGpuSource | None = None,
+        pod_gpus: PodGpuSource | None = None, pod_namespace: str = KubernetesSettings().namespace,
         clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
         fleet_refresh_s: float = FLEET_REFRESH_S,
     ) -> None:
-        self._config = config
-        self._redis = redis
-        self._keys = keys
+        self._store = store
         self._source = source
         self._gpus = gpus
         self._worker_ids = None if worker_ids is None else frozenset(worker_ids)
         self._node = node or None
         self._local_names = frozenset(local_names)
-        self._gpu_ids: dict[str, tuple[int | str, ...]] = {spec.id: spec.gpus for spec in config.workers}
-        self._gpu_ids.update({k: tuple(v) for k, v in (gpu_ids or {}).items()})
+        self._gpu_ids = {worker_id: tuple(ids) for worker_id, ids in (gpu_ids or {}).items()}
         self._pod_gpu_source = pod_gpus
+        self._pod_namespace = pod_namespace
         self._pod_gpus: dict[str, tuple[str, ...]] = {}
         """Worker id → GPU ids of its pod, from the last good read."""
-        self._pod_gpus_down = False
+        self._pod_resources = OutageLog(
+            log, "cannot read which GPUs this node's pods hold (%s); GPU facts of worker pods are not refreshed "
+            "until it answers", "pod GPU assignments readable again")
         self._clock = clock
         self._wall_clock = wall_clock
         self._fleet_refresh_s = fleet_refresh_s
         self._fleet_read_at: float | None = None
         self._tracked: dict[str, _Tracked] = {}
-        self._redis_down = False
+        self._redis = OutageLog(log, "Redis unreachable (%s); live facts are not written until it is back",
+                                "Redis reachable again; writing live facts")
         self.stats = AgentStats()
 
     @property
@@ -169,14 +180,14 @@ class Agent:
 
     async def _refresh_fleet(self, now: float) -> None:
         try:
-            records = await read_fleet(self._redis, self._keys)
-        except (RedisError, OSError) as exc:
+            records = await self._store.read_fleet()
+        except REDIS_ERRORS as exc:
             self.stats.fleet_read_failures += 1
-            self._redis_trouble(exc)
+            self._redis.down(exc)
             # With workers known, keep scraping them and retry later; with none, retry next tick.
             self._fleet_read_at = now if self._tracked else None
             return
-        self._redis_ok()
+        self._redis.up()
         self._fleet_read_at = now
         wanted = {r.id: r for r in records if self._wanted(r)}
         for worker_id in set(self._tracked) - set(wanted):
@@ -203,17 +214,11 @@ class Agent:
             by_pod = await self._pod_gpu_source.pod_gpus()
         except PodResourcesError as exc:
             self.stats.pod_gpu_read_failures += 1
-            if not self._pod_gpus_down:
-                log.warning("cannot read which GPUs this node's pods hold (%s); GPU facts of worker pods are "
-                            "not refreshed until it answers", exc)
-                self._pod_gpus_down = True
+            self._pod_resources.down(exc)
             return
-        if self._pod_gpus_down:
-            log.info("pod GPU assignments readable again")
-            self._pod_gpus_down = False
-        namespace = self._config.kubernetes.namespace
-        self._pod_gpus = {name: tuple(gpus) for (pod_namespace, name), gpus in by_pod.items()
-                          if pod_namespace == namespace}
+        self._pod_resources.up()
+        self._pod_gpus = {name: tuple(gpus) for (namespace, name), gpus in by_pod.items()
+                          if namespace == self._pod_namespace}
 
     async def _read_gpus(self) -> GpuReading:
         return NO_GPUS if self._gpus is None else await self._gpus.read()
@@ -243,17 +248,17 @@ class Agent:
         worker_id = tracked.record.id
         tracked.rates = advance(tracked.rates, metrics, scraped_at)
         gpus = gpu_reading.summary_for(self._gpu_ids_of(worker_id), node=tracked.record.node,
-                                       pod=(self._config.kubernetes.namespace, worker_id))
+                                       pod=(self._pod_namespace, worker_id))
         fields = live_fields(metrics, tracked.rates, gpus)
         announce = notable_change(tracked.announced, fields)
         try:
-            alive = await update_live_facts(self._redis, self._keys, worker_id, announce=announce,
-                                            metrics_at=self._wall_clock(), **fields)
-        except (RedisError, OSError) as exc:
+            alive = await self._store.update_live(worker_id, announce=announce, metrics_at=self._wall_clock(),
+                                                  **fields)
+        except REDIS_ERRORS as exc:
             self.stats.write_failures += 1
-            self._redis_trouble(exc)
+            self._redis.down(exc)
             return
-        self._redis_ok()
+        self._redis.up()
         if not alive:  # the registration expired; the controller re-registers and a fleet read finds it
             self._tracked.pop(worker_id, None)
             self._fleet_read_at = None
@@ -263,19 +268,9 @@ class Agent:
             self.stats.announcements += 1
             tracked.announced = fields
 
-    def _redis_trouble(self, exc: Exception) -> None:
-        if not self._redis_down:
-            log.warning("Redis unreachable (%s); live facts are not written until it is back", exc)
-            self._redis_down = True
-
-    def _redis_ok(self) -> None:
-        if self._redis_down:
-            log.info("Redis reachable again; writing live facts")
-            self._redis_down = False
-
 
 async def run_agent(
-    config: Config, redis: RedisLike, keys: FleetKeys, stop: asyncio.Event | None = None, *,
+    config: Config, store: FleetStore, stop: asyncio.Event | None = None, *,
     worker_ids: Collection[str] | None = None, node: str | None = None,
     gpu_ids: Mapping[str, Sequence[int | str]] | None = None, pod_resources_socket: str = POD_RESOURCES_SOCKET,
     source: MetricsSource | None = None, open_nvml: Callable[[str], GpuReader | None] = open_gpus,
@@ -287,8 +282,8 @@ async def run_agent(
     ``node`` (any address) and those registered without a node at an address of this machine. GPU ids per
     worker come from the config's ``workers[].gpus``; ``gpu_ids`` adds or overrides (e.g. parsed
     ``CUDA_VISIBLE_DEVICES``); with a node and the kubelet's PodResources socket present, the GPUs each worker
-    pod holds fill in the rest. ``poolgate up`` and the controller can run it in-process with their own Redis
-    client; the client is not closed here.
+    pod holds fill in the rest. The controller runs it in-process over its own store; the store's Redis client
+    is not closed here.
     """
     interval = config.agent.scrape_interval_s
     gpus = await open_gpu_source(config.agent, open_nvml)
@@ -307,8 +302,9 @@ async def run_agent(
         session = aiohttp.ClientSession()
         # A scrape may outlast one tick a little (busy Python server), never by seconds.
         source = HttpMetricsSource(session, timeout_s=max(0.2, min(2 * interval, 2.0)))
-    agent = Agent(config, redis, keys, source, gpus, worker_ids=worker_ids, node=node, local_names=local_names,
-                  gpu_ids=gpu_ids, pod_gpus=pod_gpus, clock=clock)
+    agent = Agent(store, source, gpus, worker_ids=worker_ids, node=node, local_names=local_names,
+                  gpu_ids=configured_gpu_ids(config.workers, gpu_ids), pod_gpus=pod_gpus,
+                  pod_namespace=config.kubernetes.namespace, clock=clock)
     stop = stop or asyncio.Event()
     if ready is not None:
         ready(agent)

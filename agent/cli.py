@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     import uvloop
 
     from agent.agent import Agent, run_agent
-    from poolgate.kernel.fleet import FleetKeys
+    from poolgate.kernel.store import FleetStore
 
     def ready(agent: Agent) -> None:
         if args.workers:
@@ -66,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
         on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
         try:
             await redis.ping()  # fail fast: a wrong URL should not look like an idle agent
-            await run_agent(config, redis, FleetKeys(config.key_prefix), stop, worker_ids=args.workers,
+            await run_agent(config, FleetStore(redis, config.key_prefix), stop, worker_ids=args.workers,
                             node=args.node, pod_resources_socket=args.pod_resources_socket, ready=ready)
         finally:
             await redis.aclose()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import grpc
 
 from agent.kubelet.podresources_pb2 import ListPodResourcesRequest, ListPodResourcesResponse
+from poolgate.kernel.errors import PoolgateError
 
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 """Where the kubelet serves the API (``--pod-resources-socket`` changes it)."""
@@ -29,7 +30,7 @@ PodKey = tuple[str, str]
 """(namespace, pod name)"""
 
 
-class PodResourcesError(Exception):
+class PodResourcesError(PoolgateError):
     """The kubelet's PodResources API did not answer."""
 
 

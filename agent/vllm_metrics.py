@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from poolgate.kernel.errors import PoolgateError
+
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -40,7 +42,7 @@ _AVERAGED = (KV_USAGE, KV_USAGE_LEGACY, SIM_GPU_UTILIZATION)
 _WANTED = frozenset((*_SUMMED, *_AVERAGED, CACHE_CONFIG, LORA_INFO))
 
 
-class MetricsFormatError(ValueError):
+class MetricsFormatError(PoolgateError, ValueError):
     """The page is not Prometheus text exposition."""
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import ProcessGroup, cpu_seconds
 from bench.report import write_report
-from controller.xds.bootstrap import render_bootstrap
+from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
 from poolgate.procs import envoy_binary, free_port, wait_port
 

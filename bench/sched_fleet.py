@@ -28,7 +28,7 @@ from bench.harness import ProcessGroup, scrape
 from bench.loadgen import Target
 from bench.workload import ModelRole, RequestSpec
 from poolgate.kernel.config import load_config
-from poolgate.kernel.fleet import FleetKeys, read_fleet
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import envoy_binary, free_port, wait_port
 from poolgate.up import Stack, StackPorts
 
@@ -136,11 +136,11 @@ class BenchFleet:
         """Until every worker's Redis record carries live KV data (the agent is scraping); False on timeout."""
         assert self.stack.redis_url is not None
         redis = aioredis.from_url(self.stack.redis_url)
-        keys = FleetKeys(self.config.key_prefix)
+        store = FleetStore(redis, self.config.key_prefix)
         deadline = time.monotonic() + timeout_s
         try:
             while True:
-                records = await read_fleet(redis, keys)
+                records = await store.read_fleet()
                 ids = {r.id for r in records if r.kv_capacity_tokens > 0}
                 if ids >= {w.id for w in self.workers}:
                     return True

@@ -1,4 +1,16 @@
-"""controller: keeps the worker fleet (registry, health, xDS to Envoy, worker processes).
+"""controller: keeps the worker fleet, never in a request's path.
 
-It is never in a request's path: Envoy and extproc keep serving on their last state while it is away.
+``main`` (``poolgate controller``) wires the parts over one ``FleetStore``, each with its config section:
+
+- the registry API (``registry_api``: register, heartbeat, deregister, drain, scale; shared token);
+- the Redis → Envoy path: ``xds_bridge`` reads the registry, ``xds`` builds, caches and serves it (ADS);
+- health: ``monitor`` probes every worker (``probe``) and judges it (``health``, pure);
+- instances: ``instances`` turns remedies, operator commands and scale targets into calls on a backend
+  (``backend``: ``local_backend`` processes with GPU ``placement``, or ``kube_backend`` Deployments),
+  every departure through ``drain``; ``adapters`` keeps LoRA adapters loaded;
+- scaling: ``autoscaler`` samples and acts on ``autoscale``'s pure decision, on the ``lease`` holder only.
+
+It must not import ``extproc`` nor decide anything per request: Envoy and extproc keep serving on their
+last state while it is away. It runs the node ``agent`` in-process for its own workers. Import the
+modules themselves; this file imports nothing.
 """

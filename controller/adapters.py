@@ -17,15 +17,15 @@ without it (its load is refused) and a request sent there gets the worker's 404;
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
 import aiohttp
-import redis.asyncio as aioredis
 
+from controller.periodic import every
 from poolgate.kernel.config import LoraAdapter
-from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, read_fleet
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +35,10 @@ REQUEST_TIMEOUT_S = 30.0
 
 
 class AdapterLoader:
-    def __init__(self, adapters: Sequence[LoraAdapter], redis: RedisLike, keys: FleetKeys,
+    def __init__(self, adapters: Sequence[LoraAdapter], store: FleetStore,
                  session: aiohttp.ClientSession, is_leader: Callable[[], bool]) -> None:
         self.adapters = tuple(a for a in adapters if a.path)
-        self._redis = redis
-        self._keys = keys
+        self._store = store
         self._session = session
         self._is_leader = is_leader
         self._no_runtime_loading: set[str] = set()
@@ -49,7 +48,7 @@ class AdapterLoader:
         """Load what is missing; returns the (worker id, adapter) pairs loaded by this pass."""
         if not self.adapters or not self._is_leader():
             return []
-        workers = [w for w in await read_fleet(self._redis, self._keys) if w.state in SERVING]
+        workers = [w for w in await self._store.read_fleet() if w.state in SERVING]
         loaded: list[tuple[str, str]] = []
         for worker in workers:
             wanted = [a for a in self.adapters if a.base in worker.names]
@@ -101,10 +100,4 @@ class AdapterLoader:
 
 async def run_adapter_loader(loader: AdapterLoader, interval_s: float, stop: asyncio.Event) -> None:
     """Reconcile every ``interval_s`` until ``stop``; Redis or a worker away only delays the next pass."""
-    while not stop.is_set():
-        try:
-            await loader.sync_once()
-        except (aioredis.RedisError, OSError) as exc:
-            log.warning("adapter sync skipped: %s", exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+    await every(interval_s, stop, loader.sync_once, lambda exc: log.warning("adapter sync skipped: %s", exc))

@@ -7,32 +7,30 @@ extproc's per-pool queue counts; the history kept per pool is just long enough f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
-from redis.exceptions import RedisError
 
 from controller.autoscale import Action, Decision, PoolSample, decide
 from controller.backend import PlacementRefused
 from controller.instances import InstanceController
-from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerState, read_fleet, read_queued
+from controller.periodic import every
+from poolgate.kernel.config import AutoscaleSettings
+from poolgate.kernel.fleet import WorkerState
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.autoscale")
 
 
 class Autoscaler:
-    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, instances: InstanceController,
+    def __init__(self, store: FleetStore, settings: AutoscaleSettings, instances: InstanceController,
                  registry: CollectorRegistry, *, is_leader: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._config = config
-        self._settings = config.autoscale
-        self._redis = redis
-        self._keys = keys
+        self._settings = settings
+        self._store = store
         self._instances = instances
         self._is_leader = is_leader
         self._clock = clock
@@ -45,10 +43,10 @@ class Autoscaler:
         self.last: dict[str, Decision] = {}
 
     async def sample(self, pool: str, now: float) -> PoolSample:
-        records = [r for r in await read_fleet(self._redis, self._keys) if r.pool == pool]
+        records = [r for r in await self._store.read_fleet() if r.pool == pool]
         serving = [r for r in records if r.state in (WorkerState.READY, WorkerState.BUSY)]
         active = await self._instances.active_workers(pool)
-        queued = await read_queued(self._redis, self._keys, pool)
+        queued = await self._store.read_queued(pool)
         kv = sum(r.kv_usage for r in serving) / len(serving) if serving else 0.0
         ready = len([r for r in serving if r.id in active])
         ttfts = [r.ttft_ewma_s for r in serving if r.ttft_ewma_s >= 0]
@@ -85,10 +83,4 @@ class Autoscaler:
 
 
 async def run_autoscaler(autoscaler: Autoscaler, interval_s: float, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        try:
-            await autoscaler.step()
-        except (RedisError, OSError) as exc:
-            log.warning("autoscaler skipped a round: %s", exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+    await every(interval_s, stop, autoscaler.step, lambda exc: log.warning("autoscaler skipped a round: %s", exc))

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from poolgate.kernel.errors import PoolgateError
 
-class PlacementRefused(Exception):
+
+class PlacementRefused(PoolgateError):
     """No capacity fits the worker (e.g. no GPU with enough free memory); the message says why."""
 
 

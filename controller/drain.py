@@ -15,15 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from poolgate.kernel.config import DrainSettings
-from poolgate.kernel.fleet import (
-    FleetKeys,
-    RedisLike,
-    WorkerRecord,
-    WorkerState,
-    read_fleet,
-    read_inflight,
-    set_worker_state,
-)
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.drain")
 
@@ -63,10 +56,9 @@ class DrainStatus:
 class Drainer:
     """Runs drains as tasks, one per worker; ``then`` stops or replaces the worker when its drain ends."""
 
-    def __init__(self, redis: RedisLike, keys: FleetKeys, settings: DrainSettings,
+    def __init__(self, store: FleetStore, settings: DrainSettings,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._redis = redis
-        self._keys = keys
+        self._store = store
         self._settings = settings
         self._clock = clock
         self._tasks: dict[str, asyncio.Task[str]] = {}
@@ -80,7 +72,7 @@ class Drainer:
         """Mark the worker Draining and finish the drain in the background; False if it is not registered."""
         if self.draining(worker_id):
             return True
-        if not await set_worker_state(self._redis, self._keys, worker_id, WorkerState.DRAINING):
+        if not await self._store.set_state(worker_id, WorkerState.DRAINING):
             return False
         status = DrainStatus(worker_id, self._clock())
         self.history[worker_id] = status
@@ -93,9 +85,9 @@ class Drainer:
         return await task if task is not None else None
 
     async def _view(self, status: DrainStatus) -> DrainView:
-        records = {r.id: r for r in await read_fleet(self._redis, self._keys)}
+        records = {r.id: r for r in await self._store.read_fleet()}
         record: WorkerRecord | None = records.get(status.worker_id)
-        inflight = (await read_inflight(self._redis, self._keys, [status.worker_id])).get(status.worker_id, 0)
+        inflight = (await self._store.read_inflight([status.worker_id])).get(status.worker_id, 0)
         elapsed = self._clock() - status.started_at
         if record is None:
             return DrainView(elapsed, False, inflight, 0, 0)

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from controller.backend import InstanceBackend
 from controller.drain import Drainer
 from controller.health import Remedy
-from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import FleetKeys, RedisLike, read_fleet, read_inflight
+from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.instances")
 
 
-class NotLeader(Exception):
+class NotLeader(PoolgateError):
     """Another controller holds the lease; it alone acts."""
 
 
@@ -33,11 +33,9 @@ class ScaleResult:
 
 
 class InstanceController:
-    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, backend: InstanceBackend,
-                 drainer: Drainer, is_leader: Callable[[], bool] = lambda: True) -> None:
-        self._config = config
-        self._redis = redis
-        self._keys = keys
+    def __init__(self, store: FleetStore, backend: InstanceBackend, drainer: Drainer,
+                 is_leader: Callable[[], bool] = lambda: True) -> None:
+        self._store = store
         self.backend = backend
         self.drainer = drainer
         self._is_leader = is_leader
@@ -94,8 +92,8 @@ class InstanceController:
 
     async def _victims(self, active: list[str], count: int) -> list[str]:
         """Fewest requests in flight first (the quickest drains); unregistered (still starting) before all."""
-        registered = {r.id: r for r in await read_fleet(self._redis, self._keys)}
-        inflight = await read_inflight(self._redis, self._keys, active)
+        registered = {r.id: r for r in await self._store.read_fleet()}
+        inflight = await self._store.read_inflight(active)
 
         def load(worker_id: str) -> tuple[int, int, str]:
             record = registered.get(worker_id)

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from kubernetes import client as k8s
 
-from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import FleetKeys, RedisLike, WorkerRecord, WorkerState, heartbeat_worker, register_worker
+from poolgate.kernel.config import ControllerSettings, KubernetesSettings, PoolSpec
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.kubernetes")
 
@@ -51,16 +53,19 @@ def _ready(pod: Any) -> bool:
 
 
 class KubernetesBackend:
+    """The pools' Deployments; with a ``store``, also the registrant of their Ready pods (``ttl_s`` is the
+    registration's life without a refresh, ``controller.heartbeat_ttl_s``)."""
+
     name = "kubernetes"
 
-    def __init__(self, config: Config, api: k8s.ApiClient, redis: RedisLike | None = None,
-                 keys: FleetKeys | None = None) -> None:
-        self._config = config
-        self._settings = config.kubernetes
+    def __init__(self, settings: KubernetesSettings, pools: Sequence[PoolSpec], api: k8s.ApiClient,
+                 store: FleetStore | None = None, ttl_s: float = ControllerSettings().heartbeat_ttl_s) -> None:
+        self._settings = settings
+        self._pools = tuple(pools)
+        self._ttl_s = ttl_s
         self._apps = k8s.AppsV1Api(api)
         self._core = k8s.CoreV1Api(api)
-        self._redis = redis
-        self._keys = keys
+        self._store = store
         self._pods: dict[str, str] = {}
         """Pod name → pool, from the last listing."""
 
@@ -110,10 +115,10 @@ class KubernetesBackend:
 
     async def sync_registry(self) -> int:
         """Register or refresh every Ready pod of every pool; returns how many are registered."""
-        assert self._redis is not None and self._keys is not None
-        ttl = self._config.controller.heartbeat_ttl_s
+        assert self._store is not None
+        ttl = self._ttl_s
         count = 0
-        for pool_spec in self._config.pools:
+        for pool_spec in self._pools:
             for pod in await self._pods_of(pool_spec.name):
                 if not _ready(pod) or not pod.status.pod_ip:
                     continue
@@ -121,11 +126,11 @@ class KubernetesBackend:
                 annotations = pod.metadata.annotations or {}
                 node = (pod.spec.node_name if pod.spec else None) or ""
                 # The node goes with every heartbeat too, so records written before it was kept get it.
-                if not await heartbeat_worker(self._redis, self._keys, name, ttl, node=node):
+                if not await self._store.heartbeat(name, ttl, node=node):
                     record = WorkerRecord(id=name, pool=pool_spec.name, model=pool_spec.model, host=pod.status.pod_ip,
                                           port=int(annotations.get(PORT_ANNOTATION, DEFAULT_WORKER_PORT)),
                                           max_model_len=pool_spec.max_model_len, backend="kubernetes", node=node,
                                           state=WorkerState.READY)
-                    await register_worker(self._redis, self._keys, record, ttl)
+                    await self._store.register(record, ttl)
                 count += 1
         return count

@@ -1,6 +1,7 @@
 """Leader lease in Redis: of several controllers, only the holder launches, drains, replaces and scales.
 
-``SET key me NX PX ttl`` takes a free lease; the holder renews it with a compare-and-extend script. The
+``SET key me NX PX ttl`` takes a free lease; the holder renews it with a compare-and-extend script (both
+in ``FleetStore.take_lease``). The
 holder counts itself leader only until a local deadline shorter than the TTL (measured from before the
 renewal was sent), so two controllers never both believe they lead, even across a slow Redis answer.
 """
@@ -13,41 +14,20 @@ import logging
 import time
 from collections.abc import Callable
 
-from redis.exceptions import RedisError
-
-from poolgate.kernel.fleet import FleetKeys, RedisLike
+from poolgate.kernel.outage import REDIS_ERRORS
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.lease")
-
-_ACQUIRE_OR_RENEW = """
-local holder = redis.call('get', KEYS[1])
-if holder == ARGV[1] then
-  redis.call('pexpire', KEYS[1], ARGV[2])
-  return 1
-end
-if not holder then
-  redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"""
-
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
 
 SAFETY = 0.8
 """Share of the TTL during which the holder trusts its lease after a successful renewal."""
 
 
 class LeaderLease:
-    def __init__(self, redis: RedisLike, keys: FleetKeys, holder: str, ttl_s: float,
+    def __init__(self, store: FleetStore, holder: str, ttl_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._redis = redis
-        self._key = keys.leader
+        self._store = store
         self.holder = holder
-        self._ttl_ms = max(1, int(ttl_s * 1000))
         self._ttl_s = ttl_s
         self._clock = clock
         self._valid_until = 0.0
@@ -60,8 +40,8 @@ class LeaderLease:
         sent_at = self._clock()
         was_leader = self.is_leader()
         try:
-            held = bool(await self._redis.eval(_ACQUIRE_OR_RENEW, 1, self._key, self.holder, str(self._ttl_ms)))
-        except (RedisError, OSError) as exc:
+            held = await self._store.take_lease(self.holder, self._ttl_s)
+        except REDIS_ERRORS as exc:
             log.warning("cannot renew the leader lease (%s)", exc)
             held = False
         self._valid_until = sent_at + SAFETY * self._ttl_s if held else 0.0
@@ -73,8 +53,8 @@ class LeaderLease:
 
     async def release(self) -> None:
         self._valid_until = 0.0
-        with contextlib.suppress(RedisError, OSError):
-            await self._redis.eval(_RELEASE, 1, self._key, self.holder)
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self._store.release_lease(self.holder)
 
     async def run(self, stop: asyncio.Event, on_gain: Callable[[], object] | None = None) -> None:
         """Renew every third of the TTL until ``stop``; then release the lease for a quick hand-over."""

@@ -24,7 +24,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,17 +32,18 @@ import aiohttp
 
 from controller.backend import PlacementRefused
 from controller.placement import GpuFree, Placement, place
-from poolgate.kernel.config import Config, WorkerSpec
-from poolgate.kernel.fleet import (
-    FleetKeys,
-    RedisLike,
-    WorkerRecord,
-    WorkerState,
-    deregister_worker,
-    heartbeat_worker,
-    register_worker,
+from poolgate.kernel.config import (
+    Config,
+    ControllerSettings,
+    LoraAdapter,
+    PlacementSettings,
+    PoolScaling,
+    PoolSpec,
+    WorkerSpec,
 )
-from poolgate.procs import free_port
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.net import free_port
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.local")
 
@@ -56,11 +57,12 @@ def _has_flag(args: tuple[str, ...], flag: str) -> bool:
     return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 
 
-def lora_launch(config: Config, served_name: str, extra_args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+def lora_launch(adapters: Sequence[LoraAdapter], served_name: str,
+                extra_args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
     """Arguments and environment that let the controller load the catalogue's adapters for this base model at
     run time: ``--enable-lora``, room for all of them at once, and the run-time loading switch. What
     ``extra_args`` already sets wins; the rank limit (``--max-lora-rank``, 16 by default) is left to it."""
-    adapters = [a for a in config.catalogue.adapters if a.base == served_name and a.path]
+    adapters = [a for a in adapters if a.base == served_name and a.path]
     if not adapters:
         return [], {}
     args = [] if _has_flag(extra_args, "--enable-lora") else ["--enable-lora"]
@@ -107,7 +109,7 @@ def worker_command(config: Config, spec: WorkerSpec, port: int) -> tuple[list[st
     environment (``VLLM_API_KEY``, which vLLM and the simulator read), never on a command line anyone can list."""
     pool = config.pool(spec.pool)
     key = config.worker_api_key()
-    lora_args, lora_env = lora_launch(config, pool.model, spec.extra_args)
+    lora_args, lora_env = lora_launch(config.catalogue.adapters, pool.model, spec.extra_args)
     extra_env = {**lora_env, **({WORKER_KEY_ENV: key} if key else {})}
     extra_args = (*task_launch(pool.task, spec.backend, spec.extra_args), *lora_args, *spec.extra_args)
     if spec.backend == "sim":
@@ -135,20 +137,32 @@ class WorkerProcess:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
+WorkerCommand = Callable[[WorkerSpec, int], tuple[list[str], dict[str, str]]]
+"""A worker's command line and extra environment for a port (``worker_command`` over the config)."""
 GpuFacts = Callable[[], Mapping[int, GpuFree]]
 """This node's GPUs as the agent reads them (NVML), or a simulated set."""
 
 
 class LocalProcessBackend:
-    """Starts, supervises and stops workers as child processes of the controller."""
+    """Starts, supervises and stops workers as child processes of the controller.
+
+    ``command`` gives a worker's command line (``worker_command`` over the config); ``workers`` are the
+    configured workers ``start_all`` starts, ``scaling`` the pools' templates ``launch`` starts more from,
+    ``settings`` the heartbeat period and TTL of their registrations."""
 
     name = "local"
 
-    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, log_dir: Path,
+    def __init__(self, store: FleetStore, log_dir: Path, command: WorkerCommand, *, pools: Sequence[PoolSpec],
+                 workers: Sequence[WorkerSpec], settings: ControllerSettings, placement: PlacementSettings,
+                 scaling: Mapping[str, PoolScaling],
                  max_backoff_s: float = 30.0, gpu_facts: GpuFacts | None = None) -> None:
-        self._config = config
-        self._redis = redis
-        self._keys = keys
+        self._command = command
+        self._pools = {pool.name: pool for pool in pools}
+        self._configured = tuple(workers)
+        self._settings = settings
+        self._placement_settings = placement
+        self._scaling = scaling
+        self._store = store
         self._log_dir = log_dir
         self._max_backoff_s = max_backoff_s
         self._gpu_facts = gpu_facts
@@ -174,7 +188,7 @@ class LocalProcessBackend:
         """Get ready to run workers, and start the config's (unless ``configured`` is False)."""
         await asyncio.to_thread(self._log_dir.mkdir, parents=True, exist_ok=True)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
-        for spec in self._config.workers if configured else ():
+        for spec in self._configured if configured else ():
             self._start(spec)
 
     def _start(self, spec: WorkerSpec) -> WorkerProcess:
@@ -191,22 +205,25 @@ class LocalProcessBackend:
             if worker_id not in self._workers:
                 return worker_id
 
+    def _memory_mib(self, pool: str) -> float:
+        placement = self._placement_settings
+        return placement.model_memory_mib.get(pool, placement.default_memory_mib)
+
     def _placement(self, pool: str, gpu_count: int) -> Placement:
-        need = self._config.placement.model_memory_mib.get(pool, self._config.placement.default_memory_mib)
+        need = self._memory_mib(pool)
         gpus = dict(self._gpu_facts()) if self._gpu_facts is not None else {}
         # GPUs promised to workers that are still loading do not show as used yet.
         pending: dict[int, float] = {}
         for worker in self._workers.values():
             if not worker.registered and not worker.stopping:
-                held = self._config.placement.model_memory_mib.get(worker.spec.pool,
-                                                                   self._config.placement.default_memory_mib)
+                held = self._memory_mib(worker.spec.pool)
                 for index in worker.spec.gpus:
                     pending[index] = pending.get(index, 0.0) + held
         return place(need, gpu_count, gpus, pending)
 
     async def launch(self, pool: str, count: int = 1) -> list[str]:
         """Start ``count`` workers from the pool's template; PlacementRefused when no GPU fits one."""
-        scaling = self._config.autoscale.pools.get(pool)
+        scaling = self._scaling.get(pool)
         if scaling is None:
             raise KeyError(f"pool {pool!r} has no autoscale.pools entry (bounds and worker template)")
         template = scaling.template
@@ -241,7 +258,7 @@ class LocalProcessBackend:
         await self._terminate(worker, grace_s)
         if worker.registered:
             with contextlib.suppress(Exception):
-                await deregister_worker(self._redis, self._keys, worker_id)
+                await self._store.deregister(worker_id)
         self._workers.pop(worker_id, None)
         log.info("stopped worker %s", worker_id)
 
@@ -264,12 +281,12 @@ class LocalProcessBackend:
         for worker in self._workers.values():
             if worker.registered:
                 with contextlib.suppress(Exception):
-                    await deregister_worker(self._redis, self._keys, worker.spec.id)
+                    await self._store.deregister(worker.spec.id)
         if self._http:
             await self._http.close()
 
     async def _spawn(self, worker: WorkerProcess) -> None:
-        cmd, extra_env = worker_command(self._config, worker.spec, worker.port)
+        cmd, extra_env = self._command(worker.spec, worker.port)
         assert worker.log_path is not None
         log_file = worker.log_path.open("ab")
         try:
@@ -304,13 +321,13 @@ class LocalProcessBackend:
             return False
 
     def _record(self, worker: WorkerProcess) -> WorkerRecord:
-        pool = self._config.pool(worker.spec.pool)
+        pool = self._pools[worker.spec.pool]
         return WorkerRecord(id=worker.spec.id, pool=pool.name, model=pool.model, host=worker.spec.host,
                             port=worker.port, max_model_len=pool.max_model_len, backend=worker.spec.backend,
                             node=self._node, state=WorkerState.READY)
 
     async def _supervise(self, worker: WorkerProcess) -> None:
-        settings = self._config.controller
+        settings = self._settings
         backoff = 1.0
         while not worker.stopping:
             await self._spawn(worker)
@@ -325,7 +342,7 @@ class LocalProcessBackend:
                 if not exit_wait.done():
                     exit_wait.cancel()
             if worker.registered:
-                await deregister_worker(self._redis, self._keys, worker.spec.id)
+                await self._store.deregister(worker.spec.id)
                 worker.registered = False
             worker.restarts += 1
             if worker.restart_now:
@@ -342,13 +359,13 @@ class LocalProcessBackend:
 
     async def _tick(self, worker: WorkerProcess) -> None:
         """Before registration: wait for a good /health. After: keep the registration alive."""
-        ttl = self._config.controller.heartbeat_ttl_s
+        ttl = self._settings.heartbeat_ttl_s
         if not worker.registered:
             if await self._probe(worker):
-                await register_worker(self._redis, self._keys, self._record(worker), ttl)
+                await self._store.register(self._record(worker), ttl)
                 worker.registered = True
                 log.info("worker %s is ready at %s:%s", worker.spec.id, worker.spec.host, worker.port)
             return
-        alive = await heartbeat_worker(self._redis, self._keys, worker.spec.id, ttl)
+        alive = await self._store.heartbeat(worker.spec.id, ttl)
         if not alive:  # the registration expired (Redis restarted, long pause): register again
-            await register_worker(self._redis, self._keys, self._record(worker), ttl)
+            await self._store.register(self._record(worker), ttl)

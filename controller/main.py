@@ -1,10 +1,9 @@
-"""``poolgate controller``: wires the registry API, the fleet watcher, the xDS server, local workers, the
-health monitor, the drainer, the autoscaler and the leader lease.
+"""``poolgate controller``: wires the registry API, the Redis → xDS bridge, the xDS server, the workers'
+backend, the in-process agent, the health monitor, the drainer, the adapter loader, the autoscaler and the
+leader lease, each over the one ``FleetStore`` and the config section it reads.
 
-The fleet watcher is the only bridge from Redis to Envoy: it reads the registry on every change
-notification and at least every ``poll_s``, and hands the workers to the xDS server, which pushes new
-endpoints only when their content changed. Expired workers vanish from the registry and so from Envoy.
-Every controller serves xDS; only the lease holder probes, drains, replaces and scales.
+Every controller serves xDS (``controller.xds_bridge``); only the lease holder probes, drains, replaces
+and scales.
 """
 
 from __future__ import annotations
@@ -12,14 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
 import socket
 import sys
 import tempfile
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,16 +36,19 @@ from controller.backend import InstanceBackend
 from controller.drain import Drainer
 from controller.instances import InstanceController
 from controller.lease import LeaderLease
-from controller.local_backend import GpuFacts, LocalProcessBackend
+from controller.local_backend import GpuFacts, LocalProcessBackend, worker_command
 from controller.monitor import HealthMonitor, run_monitor
+from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
+from controller.xds_bridge import bridge_fleet_to_xds
 from poolgate.kernel.config import Config, ConfigError, load_process_config
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
+from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
+from poolgate.kernel.store import FleetStore
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -57,49 +59,9 @@ STOP_DEADLINE_S = 20.0
 """Workers get 5 s to exit before they are killed; the rest (leases, xDS, Redis) takes well under a second."""
 
 
-async def watch_fleet(redis: aioredis.Redis, keys: FleetKeys, xds: XdsServer, poll_s: float = 0.25,
-                      empty_grace_s: float = 3.0) -> None:
-    """Push the registry to the xDS server on every change notification and every ``poll_s``."""
-    pubsub = redis.pubsub()
-    subscribed = False
-    redis_down = False
-    distrust_empty_until = float("-inf")
-    last_pushed: list[WorkerRecord] = []
-    while True:
-        try:
-            if not subscribed:
-                await pubsub.subscribe(keys.events)
-                subscribed = True
-            workers = await read_fleet(redis, keys)
-            if redis_down:
-                log.info("redis is back; registry watch resumed")
-                redis_down = False
-                distrust_empty_until = time.monotonic() + empty_grace_s
-            if time.monotonic() < distrust_empty_until:
-                # Right after an outage a Redis that lost its data lists only the workers that already
-                # re-registered: keep Envoy's other endpoints until their next heartbeats bring them back.
-                listed = {w.id for w in workers}
-                workers = [*workers, *(w for w in last_pushed if w.id not in listed)]
-            xds.update(workers)
-            last_pushed = workers
-            # Wait for a change notification, or at most poll_s (expiries publish nothing).
-            await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
-            while await pubsub.get_message(ignore_subscribe_messages=True, timeout=0):
-                pass
-        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
-            if not redis_down:
-                log.warning("redis unreachable (%s); Envoy keeps the last endpoints", exc)
-                redis_down = True
-            subscribed = False
-            with contextlib.suppress(Exception):
-                await pubsub.reset()
-            pubsub = redis.pubsub()
-            await asyncio.sleep(poll_s)
-
-
-def node_gpus(config: Config) -> GpuFacts | None:
-    """This node's GPUs through NVML for placement, or None without a driver."""
-    reader = open_gpus(config.agent.nvml)
+def node_gpus(nvml: str) -> GpuFacts | None:
+    """This node's GPUs through NVML for placement (``agent.nvml``), or None without a driver."""
+    reader = open_gpus(nvml)
     if reader is None:
         return None
 
@@ -111,85 +73,106 @@ def node_gpus(config: Config) -> GpuFacts | None:
 
 async def sync_pods(kube: KubernetesBackend, interval_s: float, stop: asyncio.Event) -> None:
     """Keep the pool Deployments' Ready pods registered (they do not register themselves)."""
-    while not stop.is_set():
-        try:
-            await kube.sync_registry()
-        except Exception as exc:  # the API server or Redis away: keep trying, Envoy keeps its endpoints
-            log.warning("kubernetes pod sync failed: %s", exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+    # The API server or Redis away: keep trying; Envoy keeps its endpoints meanwhile.
+    await every(interval_s, stop, kube.sync_registry, lambda exc: log.warning("kubernetes pod sync failed: %s", exc),
+                errors=(Exception,))
 
 
-async def _publish_api(redis: aioredis.Redis, keys: FleetKeys, api_url: str) -> None:
-    with contextlib.suppress(aioredis.RedisError, OSError):
-        await redis.set(keys.controller, api_url)
+async def _publish_api(store: FleetStore, api_url: str) -> None:
+    with contextlib.suppress(*REDIS_ERRORS):
+        await store.announce_controller(api_url)
+
+
+async def _instance_backend(config: Config, store: FleetStore, log_dir: Path) -> InstanceBackend:
+    """Kubernetes Deployments when ``kubernetes.enabled``, else local processes on this machine."""
+    if config.kubernetes.enabled:
+        from controller.kube_backend import KubernetesBackend, api_client_from_environment
+
+        api = await asyncio.to_thread(api_client_from_environment)
+        return KubernetesBackend(config.kubernetes, config.pools, api, store, config.controller.heartbeat_ttl_s)
+    gpus = await asyncio.to_thread(node_gpus, config.agent.nvml)
+    return LocalProcessBackend(store, log_dir, functools.partial(worker_command, config), pools=config.pools,
+                               workers=config.workers, settings=config.controller, placement=config.placement,
+                               scaling=config.autoscale.pools, gpu_facts=gpus)
+
+
+async def _serve_api(registry: RegistryApi, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """The registry API listening; returns its runner and base URL (with the bound port)."""
+    api = web.AppRunner(registry.app(), access_log=None)
+    await api.setup()
+    await web.TCPSite(api, host, port).start()
+    return api, f"http://{host}:{api.addresses[0][1]}"
+
+
+def _probe_session(config: Config) -> aiohttp.ClientSession:
+    """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards."""
+    worker_key = config.worker_api_key()
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None)
+
+
+def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceController, probe_session: aiohttp.ClientSession,
+                 metrics: CollectorRegistry, is_leader: Callable[[], bool],
+                 stop: asyncio.Event) -> list[asyncio.Task[object]]:
+    """The loops that keep the fleet: the in-process agent, and (acting on the leader only) the health
+    monitor, the adapter loader, the pod sync and the autoscaler."""
+    health = config.health
+    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
+    monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
+    adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader)
+    loops: list[Coroutine[object, object, object]] = [
+        # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
+        run_agent(config, store),
+        run_monitor(monitor, health.probe_interval_s, stop),
+        run_adapter_loader(adapters, config.catalogue.adapter_sync_s, stop),
+    ]
+    if config.kubernetes.enabled:
+        from controller.kube_backend import KubernetesBackend
+
+        assert isinstance(instances.backend, KubernetesBackend)
+        loops.append(sync_pods(instances.backend, config.controller.heartbeat_interval_s, stop))
+    if config.autoscale.enabled and config.autoscale.pools:
+        autoscaler = Autoscaler(store, config.autoscale, instances, metrics, is_leader=is_leader)
+        loops.append(run_autoscaler(autoscaler, config.autoscale.interval_s, stop))
+    return [asyncio.create_task(loop) for loop in loops]
 
 
 async def run_controller(config: Config, redis_url: str, *, host: str, xds_port: int, http_port: int,
                          token: str, log_dir: Path, start_workers: bool = True) -> None:
     redis = aioredis.from_url(redis_url)
-    keys = FleetKeys(config.key_prefix)
+    store = FleetStore(redis, config.key_prefix)
     stop = asyncio.Event()
-    lease = LeaderLease(redis, keys, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+    lease = LeaderLease(store, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                         config.autoscale.lease_ttl_s)
     xds = XdsServer(config.pools)
     bound_xds = await xds.start(host, xds_port)
-    backend: InstanceBackend
-    kube: KubernetesBackend | None = None
-    if config.kubernetes.enabled:
-        from controller.kube_backend import KubernetesBackend, api_client_from_environment
-
-        kube = KubernetesBackend(config, await asyncio.to_thread(api_client_from_environment), redis, keys)
-        backend = kube
-        local = None
-    else:
-        local = LocalProcessBackend(config, redis, keys, log_dir, gpu_facts=await asyncio.to_thread(node_gpus, config))
-        backend = local
-    drainer = Drainer(redis, keys, config.drain)
-    instances = InstanceController(config, redis, keys, backend, drainer, is_leader=lease.is_leader)
+    backend = await _instance_backend(config, store, log_dir)
+    local = backend if isinstance(backend, LocalProcessBackend) else None
+    drainer = Drainer(store, config.drain)
+    instances = InstanceController(store, backend, drainer, is_leader=lease.is_leader)
     metrics = CollectorRegistry()
-    api = web.AppRunner(RegistryApi(config, redis, keys, token, instances, metrics).app(), access_log=None)
-    await api.setup()
-    site = web.TCPSite(api, host, http_port)
-    await site.start()
-    http_port = api.addresses[0][1]
-    api_url = f"http://{host}:{http_port}"
+    registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics)
+    api, api_url = await _serve_api(registry, host, http_port)
     if local is not None:
         await local.start_all(configured=start_workers)
     print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
           f"workers {len(config.workers) if start_workers and local else 0}", flush=True)
     await lease.renew()
-
     announcements: set[asyncio.Task[object]] = set()
 
     def announce_api() -> None:
         # Operator commands (`poolgate drain`, `poolgate scale`) find the leader here.
-        task: asyncio.Task[object] = asyncio.create_task(_publish_api(redis, keys, api_url))
+        task: asyncio.Task[object] = asyncio.create_task(_publish_api(store, api_url))
         announcements.add(task)
         task.add_done_callback(announcements.discard)
 
     if lease.is_leader():
         announce_api()
-    health = config.health
-    worker_key = config.worker_api_key()
-    # Model listings and adapter loads sit under /v1, which a worker started with --api-key guards.
-    probe_session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None)
-    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
-    monitor = HealthMonitor(config, redis, keys, prober, instances, is_leader=lease.is_leader)
+    probe_session = _probe_session(config)
     tasks = [
-        asyncio.create_task(watch_fleet(redis, keys, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
-        # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
-        asyncio.create_task(run_agent(config, redis, keys)),
+        asyncio.create_task(bridge_fleet_to_xds(store, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
         asyncio.create_task(lease.run(stop, on_gain=announce_api)),
-        asyncio.create_task(run_monitor(monitor, health.probe_interval_s, stop)),
+        *_fleet_tasks(config, store, instances, probe_session, metrics, lease.is_leader, stop),
     ]
-    adapters = AdapterLoader(config.catalogue.adapters, redis, keys, probe_session, is_leader=lease.is_leader)
-    tasks.append(asyncio.create_task(run_adapter_loader(adapters, config.catalogue.adapter_sync_s, stop)))
-    if kube is not None:
-        tasks.append(asyncio.create_task(sync_pods(kube, config.controller.heartbeat_interval_s, stop)))
-    if config.autoscale.enabled and config.autoscale.pools:
-        autoscaler = Autoscaler(config, redis, keys, instances, metrics, is_leader=lease.is_leader)
-        tasks.append(asyncio.create_task(run_autoscaler(autoscaler, config.autoscale.interval_s, stop)))
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     try:
         await stop.wait()

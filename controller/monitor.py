@@ -9,25 +9,18 @@ instance controller. Only the leader acts; a follower keeps quiet.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from redis.exceptions import RedisError
-
 from controller.health import HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
-from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import (
-    FleetKeys,
-    RedisLike,
-    WorkerRecord,
-    read_fleet,
-    read_passive_failures,
-    set_worker_state,
-)
+from controller.periodic import every
+from poolgate.kernel.config import HealthSettings
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.outage import OutageLog
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.health")
 
@@ -60,13 +53,15 @@ class _Seen:
 
 
 class HealthMonitor:
-    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, prober: Prober,
+    """Judges every worker each round. ``stale_after_s`` is extproc's bound on the age of agent facts
+    (``extproc.stale_after_s``): older facts do not count as fresh evidence."""
+
+    def __init__(self, store: FleetStore, settings: HealthSettings, stale_after_s: float, prober: Prober,
                  remediator: Remediator | None = None, *, is_leader: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
-        self._config = config
-        self._settings = config.health
-        self._redis = redis
-        self._keys = keys
+        self._settings = settings
+        self._stale_after_s = stale_after_s
+        self._store = store
         self._prober = prober
         self._remediator = remediator
         self._is_leader = is_leader
@@ -84,13 +79,12 @@ class HealthMonitor:
         if not self._is_leader():
             self._seen.clear()  # a new leader starts from what Redis says
             return
-        records = await read_fleet(self._redis, self._keys)
-        passive = await read_passive_failures(self._redis, self._keys, [r.id for r in records])
+        records = await self._store.read_fleet()
+        passive = await self._store.read_passive_failures([r.id for r in records])
         probes = await asyncio.gather(*(self._prober.probe(r) for r in records))
         self.stats.rounds += 1
         now = self._clock()
         wall = self._wall_clock()
-        stale_after = self._config.extproc.stale_after_s
         present = set()
         for record, probe in zip(records, probes, strict=True):
             present.add(record.id)
@@ -104,7 +98,7 @@ class HealthMonitor:
                 self._seen[record.id] = seen
             new_failures = max(0, total - seen.passive_total)
             seen.passive_total = total
-            fresh = record.metrics_at > 0 and wall - record.metrics_at <= stale_after
+            fresh = record.metrics_at > 0 and wall - record.metrics_at <= self._stale_after_s
             verdict = judge(seen.memory, record, probe, new_failures, self._settings, now, fresh)
             seen.memory = verdict.memory
             await self._apply(record, verdict)
@@ -113,7 +107,7 @@ class HealthMonitor:
 
     async def _apply(self, record: WorkerRecord, verdict: Verdict) -> None:
         if verdict.state != record.state:
-            if await set_worker_state(self._redis, self._keys, record.id, verdict.state):
+            if await self._store.set_state(record.id, verdict.state):
                 key = f"{record.state.value}->{verdict.state.value}"
                 self.stats.transitions[key] = self.stats.transitions.get(key, 0) + 1
                 log.info("worker %s: %s -> %s (%s)", record.id, record.state.value, verdict.state.value,
@@ -127,18 +121,11 @@ class HealthMonitor:
 
 async def run_monitor(monitor: HealthMonitor, interval_s: float, stop: asyncio.Event | None = None) -> None:
     """Rounds every ``interval_s`` (a round that overruns is followed at once by the next)."""
-    stop = stop or asyncio.Event()
-    redis_down = False
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            await monitor.round()
-            if redis_down:
-                log.info("redis reachable again; health monitor resumed")
-                redis_down = False
-        except (RedisError, OSError) as exc:
-            if not redis_down:
-                log.warning("redis unreachable (%s); worker states are not updated", exc)
-                redis_down = True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.monotonic() - started)))
+    redis = OutageLog(log, "redis unreachable (%s); worker states are not updated",
+                      "redis reachable again; health monitor resumed")
+
+    async def step() -> None:
+        await monitor.round()
+        redis.up()
+
+    await every(interval_s, stop or asyncio.Event(), step, redis.down, count_step=True)

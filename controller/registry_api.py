@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -19,18 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.backend import PlacementRefused
 from controller.instances import InstanceController, NotLeader
-from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import (
-    LIVE_FIELDS,
-    FleetKeys,
-    RedisLike,
-    WorkerRecord,
-    WorkerState,
-    deregister_worker,
-    heartbeat_worker,
-    read_fleet,
-    register_worker,
-)
+from poolgate.kernel.config import ControllerSettings, PoolScaling, PoolSpec
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.api")
 
@@ -53,6 +44,8 @@ class Registration(BaseModel):
 
 
 class Heartbeat(BaseModel):
+    """The live facts a worker may report (a subset of ``LIVE_FIELDS``; extra fields are refused)."""
+
     model_config = ConfigDict(extra="forbid")
 
     state: WorkerState | None = None
@@ -103,17 +96,20 @@ def address_refusal(host: str, networks: tuple[Network, ...]) -> str | None:
 
 
 class RegistryApi:
-    """Routes for the registry. Redis is passed in; the token check is constant-time."""
+    """Routes for the registry over the fleet store; the token check is constant-time. ``scaling`` holds
+    the pools operators may scale (``autoscale.pools``)."""
 
-    def __init__(self, config: Config, redis: RedisLike, keys: FleetKeys, token: str,
-                 instances: InstanceController | None = None, metrics: CollectorRegistry | None = None) -> None:
-        self._config = config
-        self._redis = redis
-        self._keys = keys
+    def __init__(self, store: FleetStore, token: str, pools: Sequence[PoolSpec], settings: ControllerSettings,
+                 scaling: Mapping[str, PoolScaling] | None = None, instances: InstanceController | None = None,
+                 metrics: CollectorRegistry | None = None) -> None:
+        self._store = store
         self._token = token.encode()
+        self._pools = {pool.name: pool for pool in pools}
+        self._ttl_s = settings.heartbeat_ttl_s
+        self._scaling = scaling or {}
         self._instances = instances
         self._metrics = metrics
-        self._networks = tuple(ipaddress.ip_network(n) for n in config.controller.allowed_networks)
+        self._networks = tuple(ipaddress.ip_network(n) for n in settings.allowed_networks)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
@@ -146,7 +142,7 @@ class RegistryApi:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _list(self, request: web.Request) -> web.Response:
-        workers = await read_fleet(self._redis, self._keys)
+        workers = await self._store.read_fleet()
         return _json({"workers": [w.to_redis() for w in workers]})
 
     async def _body(self, request: web.Request) -> Any:
@@ -160,20 +156,19 @@ class RegistryApi:
             body = Registration.model_validate(await self._body(request))
         except (ValidationError, web.HTTPBadRequest) as exc:
             return _error(400, str(exc), "invalid_registration")
-        pool_names = [p.name for p in self._config.pools]
-        if body.pool not in pool_names:
-            return _error(400, f"unknown pool {body.pool!r}; known: {', '.join(pool_names)}", "unknown_pool")
+        pool = self._pools.get(body.pool)
+        if pool is None:
+            return _error(400, f"unknown pool {body.pool!r}; known: {', '.join(self._pools)}", "unknown_pool")
         refusal = address_refusal(body.host, self._networks)
         if refusal is not None:
             log.warning("refused registration of worker %s: %s", body.id, refusal)
             return _error(403, refusal, "address_not_allowed")
-        pool = self._config.pool(body.pool)
         record = WorkerRecord(
             id=body.id, pool=pool.name, model=body.model or pool.model, host=body.host, port=body.port,
             served_names=body.served_names, max_model_len=body.max_model_len or pool.max_model_len,
             backend=body.backend, state=body.state, node=body.node or "",
         )
-        await register_worker(self._redis, self._keys, record, self._config.controller.heartbeat_ttl_s)
+        await self._store.register(record, self._ttl_s)
         log.info("registered worker %s (%s) in pool %s", record.id, record.address, record.pool)
         return _json(record.to_redis(), status=201)
 
@@ -183,10 +178,8 @@ class RegistryApi:
             body = Heartbeat.model_validate(await self._body(request) if request.can_read_body else {})
         except (ValidationError, web.HTTPBadRequest) as exc:
             return _error(400, str(exc), "invalid_heartbeat")
-        live = {k: v for k, v in body.model_dump().items() if v is not None and k in LIVE_FIELDS}
-        state_changed = "state" in live
-        alive = await heartbeat_worker(self._redis, self._keys, worker_id,
-                                       self._config.controller.heartbeat_ttl_s, announce=state_changed, **live)
+        live = body.model_dump(exclude_none=True)
+        alive = await self._store.heartbeat(worker_id, self._ttl_s, announce="state" in live, **live)
         if not alive:
             return _error(404, f"worker {worker_id!r} is not registered (expired?); register again",
                           "not_registered")
@@ -194,7 +187,7 @@ class RegistryApi:
 
     async def _deregister(self, request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]
-        await deregister_worker(self._redis, self._keys, worker_id)
+        await self._store.deregister(worker_id)
         log.info("deregistered worker %s", worker_id)
         return web.Response(status=204)
 
@@ -225,7 +218,7 @@ class RegistryApi:
         if isinstance(instances, web.Response):
             return instances
         pool = request.match_info["pool"]
-        scaling = self._config.autoscale.pools.get(pool)
+        scaling = self._scaling.get(pool)
         if scaling is None:
             return _error(400, f"pool {pool!r} has no autoscale.pools entry (bounds and worker template)",
                           "not_scalable")

@@ -38,6 +38,7 @@ from typing import Any
 from extproc import errors
 from extproc.errors import ApiError
 from extproc.tenancy import Tenant
+from poolgate.kernel.keys import QuotaKeys
 
 WINDOW_S = 60
 BUCKET_TTL_MS = 2 * (WINDOW_S + 1) * 1000
@@ -121,30 +122,6 @@ if delta ~= 0 then
 end
 return 1
 """
-
-
-class QuotaKeys:
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-
-    def tenant(self, name: str) -> str:
-        """The common part of a tenant's keys; ``{tenant:NAME}`` is the Redis Cluster hash tag."""
-        return f"{self.prefix}:quota:{{tenant:{name}}}"
-
-    def concurrent(self, name: str) -> str:
-        return f"{self.tenant(name)}:concurrent"
-
-    def request_buckets(self, name: str) -> str:
-        """Per-second request counts (hash: second → requests)."""
-        return f"{self.tenant(name)}:rpm"
-
-    def token_buckets(self, name: str) -> str:
-        """Per-second token charges (hash: second → tokens)."""
-        return f"{self.tenant(name)}:tpm"
-
-    def tokens(self, name: str, minute: int) -> str:
-        """Tokens charged in calendar minute ``minute`` (= ⌊t / 60⌋): accounting only."""
-        return f"{self.tenant(name)}:tpm:{minute}"
 
 
 @dataclass(frozen=True, slots=True)

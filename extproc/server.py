@@ -29,14 +29,15 @@ from extproc.endpoint_picker import GIE_MODE
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.pipeline import CapacitySignal
-from extproc.quota import QuotaKeys, QuotaStore
+from extproc.quota import QuotaStore
 from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
 from extproc.service import ExtProcService
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
 from poolgate.kernel.config import Config
-from poolgate.kernel.fleet import FleetKeys
+from poolgate.kernel.keys import QuotaKeys
 from poolgate.kernel.reload import ConfigFileWatch
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics,
     """The servicer over the fleet watcher, each part given the configuration's section it reads."""
     inflight = InflightTracker()
     capacity_changed = CapacitySignal()
-    watcher = FleetWatcher(client, FleetKeys(config.key_prefix), config.pools, config.extproc, inflight, metrics,
+    watcher = FleetWatcher(FleetStore(client, config.key_prefix), config.pools, config.extproc, inflight, metrics,
                            on_refresh=capacity_changed.notify)
     quotas = (QuotaStore(client, QuotaKeys(config.key_prefix), config.tenancy.lease_s)
               if any(t.has_quota for t in config.tenants) else None)

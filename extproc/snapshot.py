@@ -11,10 +11,9 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 from poolgate.kernel.config import PoolSpec
-from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.fleet import UNKNOWN_AGENT_FACTS, WorkerRecord, WorkerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +52,11 @@ class FleetSnapshot:
         return sum(1 for w in self.workers if not self.is_fresh(w))
 
 
-_AGENT_FACTS = ("kv_capacity_tokens", "kv_usage", "running", "waiting", "preemptions_total", "ttft_ewma_s",
-                "prefill_tokens_per_s", "gpu_memory_total_mib", "gpu_memory_free_mib", "gpu_utilization")
-_UNKNOWN_LIVE_FACTS: dict[str, Any] = {name: WorkerRecord.__dataclass_fields__[name].default for name in _AGENT_FACTS}
-
-
 def trusted(record: WorkerRecord, oldest: float) -> WorkerRecord:
     """The record with its agent-observed facts reset to "unknown" when the agent last read them before
     ``oldest``: a worker that still heartbeats is kept, but its old KV and queue numbers are not believed."""
     if 0 < record.metrics_at < oldest:
-        return record.with_live(**_UNKNOWN_LIVE_FACTS)
+        return record.with_live(**UNKNOWN_AGENT_FACTS)
     return record
 
 

@@ -1,11 +1,12 @@
-"""Keeps the fleet snapshot and the in-flight counters in step with Redis; the only Redis user in extproc.
+"""Keeps the fleet snapshot and the in-flight counters in step with Redis, through the ``FleetStore``; with
+the quota store, extproc's only Redis user.
 
 Three loops under one TaskGroup: refresh (on a change notification or every ``snapshot_refresh_s``),
-listen (pub/sub on the events channel, wakes refresh) and flush (writes in-flight deltas, batched, and the
-queue depth per pool for the autoscaler: ``{prefix}:queued:{pool}`` field = this replica's id, value = the
-requests it holds for the pool, rewritten when it changes and at least every ``QUEUED_REFRESH_S`` with an
-expiry of ``QUEUED_TTL_S``, so the count of a replica that died fades within seconds).
-If Redis is away the last snapshot keeps serving; that shows once in the log and in ``redis_up``.
+listen (the store's change feed, wakes refresh) and flush (writes in-flight deltas, batched, and the queue
+depth per pool for the autoscaler: this replica's count of requests it holds for each pool, rewritten when
+it changes and at least every ``QUEUED_REFRESH_S``; the store lets it expire, so the count of a replica
+that died fades within seconds). If Redis is away the last snapshot keeps serving; that shows once in the
+log and in ``redis_up``.
 """
 
 from __future__ import annotations
@@ -16,24 +17,19 @@ import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any
-
-from redis.exceptions import RedisError
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.snapshot import FleetSnapshot, build_snapshot, empty_snapshot
 from poolgate.kernel.config import ExtprocSettings, PoolSpec
-from poolgate.kernel.fleet import FleetKeys, read_fleet, read_inflight
+from poolgate.kernel.outage import REDIS_ERRORS, OutageLog, ReturnGrace
+from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger(__name__)
 
-_REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 QUEUED_REFRESH_S = 1.0
-"""A replica's queue count is rewritten at least this often while non-zero (and at once when it changes)."""
-QUEUED_TTL_S = 5.0
-"""Expiry of the ``queued`` hash, renewed on each write: a dead replica's count fades after this."""
+"""A replica's queue count is rewritten at least this often while non-zero (and at once when it changes);
+well inside the store's ``QUEUED_TTL_S``."""
 
 
 def held_per_pool(held: Mapping[Hashable, int], pools: Sequence[PoolSpec]) -> dict[str, int]:
@@ -54,10 +50,11 @@ def held_per_pool(held: Mapping[Hashable, int], pools: Sequence[PoolSpec]) -> di
 
 
 class FleetWatcher:
+    """extproc's view of the fleet: ``snapshot`` for picks, kept current from the store by ``run``."""
+
     def __init__(
         self,
-        redis: Any,
-        keys: FleetKeys,
+        store: FleetStore,
         pools: Sequence[PoolSpec],
         settings: ExtprocSettings,
         inflight: InflightTracker,
@@ -66,8 +63,7 @@ class FleetWatcher:
         on_refresh: Callable[[], None] | None = None,
         replica_id: str | None = None,
     ) -> None:
-        self._redis = redis
-        self._keys = keys
+        self._store = store
         self._pools = tuple(pools)
         self._settings = settings
         self._inflight = inflight
@@ -82,8 +78,10 @@ class FleetWatcher:
         self._published_at = float("-inf")
         self._wake = asyncio.Event()
         self._io_lock = asyncio.Lock()
-        self._redis_ok: bool | None = None
-        self._distrust_empty_until = float("-inf")
+        self._redis_link = OutageLog(log, "redis unreachable (%s); serving the last fleet snapshot and retrying",
+                                "redis reachable again; fleet snapshot is live", up_level=logging.WARNING,
+                                on_change=lambda up: metrics.redis_up.set(1 if up else 0))
+        self._after_outage = ReturnGrace(settings.stale_after_s)
         self.snapshot: FleetSnapshot = empty_snapshot(self._pools, settings.stale_after_s)
         """The current snapshot; replaced whole, never mutated, so a pick always sees one consistent view."""
         self.refreshed = asyncio.Event()
@@ -99,30 +97,21 @@ class FleetWatcher:
     async def refresh(self) -> bool:
         """Read the fleet and the in-flight totals once; False (snapshot kept) when Redis fails."""
         try:
-            records = await read_fleet(self._redis, self._keys)
+            records = await self._store.read_fleet()
             taken_at = self._clock()
             async with self._io_lock:
-                totals = await read_inflight(self._redis, self._keys, [r.id for r in records])
+                totals = await self._store.read_inflight([r.id for r in records])
                 self._inflight.apply_remote(totals)
-        except _REDIS_ERRORS as exc:
-            self._set_redis_ok(False, exc)
+        except REDIS_ERRORS as exc:
+            self._redis_link.down(exc)
             return False
-        if self._redis_ok is False:  # first good read after an outage
-            self._distrust_empty_until = taken_at + self._settings.stale_after_s
-        if taken_at < self._distrust_empty_until:
-            # A Redis that came back without its data is not a fleet that left: workers re-register one by
-            # one with their next heartbeats, within a TTL. Until then, keep the last known workers that
-            # the new registry does not list yet, as fresh as they were when last read: their heartbeats
-            # went to a Redis that was away or lost them, so their age since then says nothing.
-            listed = {r.id for r in records}
-            carried_for = taken_at - self.snapshot.taken_at
-            records = [*records, *(replace(w, updated_at=w.updated_at + carried_for)
-                                   for w in self.snapshot.workers if w.id not in listed)]
+        if self._redis_link.up():
+            self._after_outage.redis_returned(taken_at)
+        records = self._after_outage.fill_in(records, taken_at)
         snapshot = build_snapshot(records, self._pools, taken_at, self._settings.stale_after_s)
         self.snapshot = snapshot
         self._metrics.workers.set(len(snapshot.workers))
         self._metrics.stale_workers.set(snapshot.stale_count())
-        self._set_redis_ok(True)
         self.refreshed.set()
         if self._on_refresh is not None:
             self._on_refresh()
@@ -148,24 +137,13 @@ class FleetWatcher:
         queued = self._queued_changes()
         if not deltas and not queued:
             return True
-        ttl_ms = int(QUEUED_TTL_S * 1000)
         try:
             async with self._io_lock:
-                pipe = self._redis.pipeline(transaction=False)
-                for worker_id, delta in deltas.items():
-                    pipe.incrby(self._keys.inflight(worker_id), delta)
-                for pool, count in queued.items():
-                    key = self._keys.queued(pool)
-                    if count:
-                        pipe.hset(key, self.replica_id, count)
-                        pipe.pexpire(key, ttl_ms)
-                    else:
-                        pipe.hdel(key, self.replica_id)
-                await pipe.execute()
+                await self._store.add_counts(deltas, queued, self.replica_id)
                 self._inflight.mark_flushed(deltas)
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             self._inflight.restore_pending(deltas)
-            self._set_redis_ok(False, exc)
+            self._redis_link.down(exc)
             return False
         if queued:
             self._published.update(queued)
@@ -183,19 +161,14 @@ class FleetWatcher:
     async def _listen_loop(self) -> None:
         period = self._settings.snapshot_refresh_s
         while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self._keys.events)
-                self._wake.set()  # changes may have been missed while unsubscribed
-                while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is not None:
-                        self._wake.set()
-            except _REDIS_ERRORS:
+                async with self._store.changes() as feed:
+                    self._wake.set()  # changes may have been missed while unsubscribed
+                    while True:
+                        if await feed.changes(timeout_s=1.0):
+                            self._wake.set()
+            except REDIS_ERRORS:
                 await asyncio.sleep(period)  # refresh reports the outage; keep retrying quietly
-            finally:
-                with contextlib.suppress(*_REDIS_ERRORS):
-                    await pubsub.aclose()
 
     async def _flush_loop(self, batch_window_s: float = 0.02) -> None:
         """Write in-flight deltas at most every ``batch_window_s``: at high request rates one pipeline carries
@@ -209,13 +182,3 @@ class FleetWatcher:
                 await asyncio.sleep(period)
                 continue
             await asyncio.sleep(batch_window_s)
-
-    def _set_redis_ok(self, ok: bool, exc: BaseException | None = None) -> None:
-        if ok == self._redis_ok:
-            return
-        if ok and self._redis_ok is False:
-            log.warning("redis reachable again; fleet snapshot is live")
-        elif not ok:
-            log.warning("redis unreachable (%s); serving the last fleet snapshot and retrying", exc)
-        self._redis_ok = ok
-        self._metrics.redis_up.set(1 if ok else 0)

@@ -127,7 +127,7 @@ def sections(model: type[BaseModel], path: str) -> Iterator[str]:
 def render() -> str:
     head = ("# Configuration reference\n\n"
             "One YAML file configures every poolgate process (`poolgate config check FILE` validates it; errors "
-            "name the\nfield path). Generated from the schema in `poolgate/kernel/config.py` by "
+            "name the\nfield path). Generated from the schema in `poolgate/kernel/config/` by "
             "`python -m poolgate.config_doc > docs/configuration.md`;\n"
             "do not edit by hand. `[]` marks a list item, `<name>` a key you choose.\n")
     return "\n".join([head, *sections(config_module.Config, "")])

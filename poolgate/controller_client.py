@@ -15,11 +15,12 @@ import orjson
 import redis.asyncio as aioredis
 
 from poolgate.kernel.config import ConfigError, load_config
-from poolgate.kernel.fleet import FleetKeys
+from poolgate.kernel.errors import PoolgateError
 from poolgate.kernel.redaction import redact_url
+from poolgate.kernel.store import FleetStore
 
 
-class CommandError(Exception):
+class CommandError(PoolgateError):
     """The operator command cannot be carried out; the message says what to do."""
 
 
@@ -45,14 +46,14 @@ async def _resolve(args: argparse.Namespace) -> tuple[str, str]:
         raise CommandError("give --controller URL, or --redis-url so the leader's address can be looked up")
     client = aioredis.from_url(redis_url, socket_connect_timeout=2)
     try:
-        url = await client.get(FleetKeys(config.key_prefix).controller)
+        url = await FleetStore(client, config.key_prefix).controller_url()
     except (aioredis.ConnectionError, OSError) as exc:
         raise CommandError(f"Redis at {redact_url(redis_url)} is not reachable: {exc}") from exc
     finally:
         await client.aclose()
     if not url:
         raise CommandError("no controller has announced its API in Redis; give --controller URL")
-    return (url.decode() if isinstance(url, bytes) else str(url)), token
+    return url, token
 
 
 async def call(args: argparse.Namespace, path: str, body: dict[str, Any] | None = None,

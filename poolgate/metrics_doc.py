@@ -44,7 +44,7 @@ def _controller() -> CollectorRegistry:
     registry = CollectorRegistry()
     config = parse_config({"pools": [{"name": "p", "model": "m"}]})
     # The constructor only registers its counter; the I/O parts it keeps are never touched here.
-    Autoscaler(config, cast(Any, None), cast(Any, None), cast(Any, None), registry)
+    Autoscaler(cast(Any, None), config.autoscale, cast(Any, None), registry)
     return registry
 
 

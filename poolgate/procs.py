@@ -1,4 +1,5 @@
-"""Small process and port helpers shared by ``poolgate up`` and the tests."""
+"""Small process and port helpers shared by ``poolgate up`` and the tests (``free_port`` is the kernel's,
+``poolgate.kernel.net``, re-exported here for them)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from poolgate.kernel.net import free_port as free_port
 
 
 def stop_process(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
@@ -59,13 +62,6 @@ def extproc_process(config_path: Path, redis_url: str, log_level: str = "WARNING
     finally:
         stop_process(process, grace_s=20.0)  # beyond extproc's own stop deadline, which reports a hang
         process.stdout.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it; there is a small race, as with any such helper)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:

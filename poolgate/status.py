@@ -12,8 +12,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, read_fleet, read_inflight
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.redaction import redact_url
+from poolgate.kernel.store import FleetStore
 
 COLUMNS = ("worker", "model", "pool", "state", "address", "in-flight", "kv", "running", "waiting", "age")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -46,9 +47,9 @@ def format_pools(workers: Sequence[WorkerRecord], inflight: dict[str, int]) -> s
     return "\n".join(lines)
 
 
-async def fleet_view(redis: aioredis.Redis, keys: FleetKeys, *, summary: bool = False) -> str:
-    workers = await read_fleet(redis, keys)
-    inflight = await read_inflight(redis, keys, [w.id for w in workers])
+async def fleet_view(store: FleetStore, *, summary: bool = False) -> str:
+    workers = await store.read_fleet()
+    inflight = await store.read_inflight([w.id for w in workers])
     table = format_table(workers, inflight, time.time())
     return f"{format_pools(workers, inflight)}\n\n{table}" if summary and workers else table
 
@@ -56,7 +57,7 @@ async def fleet_view(redis: aioredis.Redis, keys: FleetKeys, *, summary: bool = 
 async def fleet_table(redis_url: str, key_prefix: str) -> str:
     redis = aioredis.from_url(redis_url)
     try:
-        return await fleet_view(redis, FleetKeys(key_prefix))
+        return await fleet_view(FleetStore(redis, key_prefix))
     finally:
         await redis.aclose()
 
@@ -86,14 +87,14 @@ async def _watch_main(args: argparse.Namespace) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     redis = aioredis.from_url(args.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-    keys = FleetKeys(args.key_prefix)
+    store = FleetStore(redis, args.key_prefix)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
     try:
-        await watch(lambda: fleet_view(redis, keys, summary=True), args.interval, write, stop,
+        await watch(lambda: fleet_view(store, summary=True), args.interval, write, stop,
                     clear=sys.stdout.isatty(), source=redact_url(args.redis_url))
     finally:
         await redis.aclose()

@@ -135,7 +135,7 @@ class Stack:
         extproc = await self._spawn("extproc", [*python, "extproc", *common, "--port", str(self.ports.extproc)])
         await self._await_port(controller, self.ports.xds, 30)
         await self._await_port(extproc, self.ports.extproc, 30)
-        from controller.xds.bootstrap import render_bootstrap
+        from poolgate.envoy_bootstrap import render_bootstrap
 
         bootstrap = render_bootstrap(self.config, node_id="poolgate-local", listen_port=self.ports.envoy,
                                      admin_port=self.ports.admin, extproc_port=self.ports.extproc,

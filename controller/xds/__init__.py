@@ -1,10 +1,11 @@
-"""xDS for Envoy: turns the fleet into clusters and endpoints and serves them over ADS, plus the bootstrap.
+"""xDS for Envoy: build → cache → serve. Turns the fleet into clusters and endpoints and serves them over ADS.
 
-``build`` is pure (fleet → resources), ``cache`` holds versioned snapshots, ``server`` speaks the protocol,
-``bootstrap`` renders Envoy's static config. Nothing here reads Redis or decides routing per request.
+``build`` is pure (fleet → resources), ``cache`` holds versioned snapshots (version = content hash),
+``server`` only speaks the protocol. Nothing here reads Redis (``controller.xds_bridge`` hands the fleet
+in) or decides routing per request; Envoy's static bootstrap is the application's
+(``poolgate.envoy_bootstrap``).
 """
 
-from controller.xds.bootstrap import render_bootstrap
 from controller.xds.server import XdsServer
 
-__all__ = ["XdsServer", "render_bootstrap"]
+__all__ = ["XdsServer"]

@@ -1,5 +1,17 @@
-"""The kernel every poolgate program imports: configuration, the fleet schema in Redis, logging, shutdown.
+"""poolgate.kernel: what every poolgate program shares, and nothing that is one program's own.
 
-It imports nothing from ``extproc``, ``controller``, ``agent``, ``simworker`` or the application layer
-(``poolgate.cli`` and friends), so any program can use it without pulling in the others.
+- ``config``: the one YAML configuration, typed and validated at load (``load_config``, ``Config`` and its
+  sections; ``ConfigError`` names every bad field's path).
+- ``fleet``: the fleet schema, ``WorkerRecord`` and ``WorkerState``, and which fields are live facts.
+- ``keys`` and ``store``: the fleet in Redis. ``FleetStore`` is the only code that reads or writes a fleet
+  key; ``RedisKeys`` the only place a key name is spelled.
+- ``outage``: living through a Redis outage (``OutageLog``, ``ReturnGrace``, ``REDIS_ERRORS``).
+- ``errors`` (``PoolgateError``, the base of poolgate's own exceptions), ``routing`` (names Envoy and
+  extproc agree on), ``logging_setup``, ``shutdown`` (graceful stop with a hard deadline), ``reload``
+  (config file changes), ``redaction`` (no secrets in logs).
+
+It must not import ``extproc``, ``controller``, ``agent``, ``simworker`` or the application layer
+(``poolgate.cli``, ``poolgate.up`` and the other top modules of ``poolgate``). Import the module you need:
+this file imports nothing, so the simulated worker can use ``shutdown`` and ``routing`` without loading
+Redis or pydantic.
 """

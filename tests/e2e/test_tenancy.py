@@ -13,8 +13,9 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.quota import WINDOW_S, QuotaKeys
+from extproc.quota import WINDOW_S
 from extproc.tenancy import key_digest
+from poolgate.kernel.keys import QuotaKeys
 from poolgate.procs import free_port
 from tests.e2e.conftest import RunningStack, poolgate_up
 

@@ -30,9 +30,10 @@ import orjson
 import redis.asyncio as aioredis
 import yaml
 
-from controller.xds.bootstrap import render_bootstrap
+from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, heartbeat_worker, register_worker
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import envoy_binary, free_port, port_open
 
 T = TypeVar("T")
@@ -139,16 +140,16 @@ class Heartbeats:
     failures: int = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        keys = FleetKeys(PREFIX)
         client = aioredis.from_url(self.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        store = FleetStore(client, PREFIX)
         try:
             while not stop.is_set():
                 for worker_id, record in list(self.records.items()):
                     if worker_id in self.paused:
                         continue
                     try:
-                        if not await heartbeat_worker(client, keys, worker_id, self.ttl_s):
-                            await register_worker(client, keys, record, self.ttl_s)
+                        if not await store.heartbeat(worker_id, self.ttl_s):
+                            await store.register(record, self.ttl_s)
                     except (aioredis.RedisError, OSError):
                         self.failures += 1
                 with contextlib.suppress(TimeoutError):

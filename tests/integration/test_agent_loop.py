@@ -7,11 +7,13 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from agent.agent import Agent, ScrapeError, run_agent
+from agent.agent import Agent, ScrapeError, configured_gpu_ids, run_agent
 from agent.gpu_sources.reading import LOCAL_NODE, GpuReading
 from agent.gpus import GpuSample
 from poolgate.kernel.config import Config, parse_config
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, read_fleet, register_worker
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.keys import RedisKeys
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import free_port
 from tests.manual_clock import ManualClock
 
@@ -21,7 +23,7 @@ CONFIG = parse_config({
     "controller": {"heartbeat_interval_s": 0.5, "heartbeat_ttl_s": 5.0},
     "agent": {"scrape_interval_s": 0.05},
 })
-KEYS = FleetKeys("agent-test")
+KEYS = RedisKeys("agent-test")
 
 
 def page(running: int = 0, waiting: int = 0, kv: float = 0.0, prompt: float = 0, ttft_sum: float = 0.0,
@@ -73,17 +75,17 @@ async def register(redis_client: aioredis.Redis, worker_id: str, port: int, host
                    node: str = "") -> None:
     record = WorkerRecord(id=worker_id, pool="chat", model="m", host=host, port=port, node=node,
                           state=WorkerState.BUSY)
-    await register_worker(redis_client, KEYS, record, ttl_s=5.0)
+    await FleetStore(redis_client, KEYS.prefix).register(record, ttl_s=5.0)
 
 
 async def fleet(redis_client: aioredis.Redis) -> dict[str, WorkerRecord]:
-    return {r.id: r for r in await read_fleet(redis_client, KEYS)}
+    return {r.id: r for r in await FleetStore(redis_client, KEYS.prefix).read_fleet()}
 
 
 def make_agent(redis_client: aioredis.Redis, source: ScriptedSource, clock: ManualClock, config: Config = CONFIG,
                **kwargs: object) -> Agent:
-    return Agent(config, redis_client, KEYS, source, clock=clock, wall_clock=lambda: clock.now + 5e8,
-                 **kwargs)  # type: ignore[arg-type]
+    return Agent(FleetStore(redis_client, KEYS.prefix), source, gpu_ids=configured_gpu_ids(config.workers),
+                 clock=clock, wall_clock=lambda: clock.now + 5e8, **kwargs)  # type: ignore[arg-type]
 
 
 async def test_writes_live_facts_of_local_workers_only(redis_client: aioredis.Redis) -> None:
@@ -247,8 +249,8 @@ async def test_run_agent_until_stopped(redis_client: aioredis.Redis) -> None:
     source.pages[7001] = page(running=3)
     stop = asyncio.Event()
     ready: list[Agent] = []
-    task = asyncio.create_task(run_agent(CONFIG, redis_client, KEYS, stop, source=source, open_nvml=lambda _: None,
-                                         ready=ready.append))
+    task = asyncio.create_task(run_agent(CONFIG, FleetStore(redis_client, KEYS.prefix), stop, source=source,
+                                         open_nvml=lambda _: None, ready=ready.append))
     await asyncio.sleep(0.3)
     stop.set()
     stats = await asyncio.wait_for(task, 1.0)
@@ -261,18 +263,17 @@ async def test_live_facts_never_keep_an_unheartbeated_worker_alive(redis_url: st
     """The agent's writes must not extend a registration: liveness belongs to the registrant."""
     from redis.asyncio import Redis
 
-    from poolgate.kernel.fleet import update_live_facts
-
     client = Redis.from_url(redis_url)
-    keys = FleetKeys("live")
+    store = FleetStore(client, "live")
+    keys = store.keys
     try:
         record = WorkerRecord(id="w", pool="chat", model="m", host="127.0.0.1", port=1)
-        await register_worker(client, keys, record, ttl_s=0.4)
+        await store.register(record, ttl_s=0.4)
         for _ in range(6):
-            await update_live_facts(client, keys, "w", kv_usage=0.5)
+            await store.update_live("w", kv_usage=0.5)
             await asyncio.sleep(0.1)
-        assert await read_fleet(client, keys) == []
-        assert not await update_live_facts(client, keys, "w", kv_usage=0.5)  # and never recreates it
+        assert await store.read_fleet() == []
+        assert not await store.update_live("w", kv_usage=0.5)  # and never recreates it
         assert await client.exists(keys.worker("w")) == 0
     finally:
         await client.aclose()

@@ -26,7 +26,9 @@ from agent.kubelet.podresources_pb2 import (
 )
 from agent.podresources import PodResourcesClient, PodResourcesError
 from poolgate.kernel.config import parse_config
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.keys import RedisKeys
+from poolgate.kernel.store import FleetStore
 from tests.manual_clock import ManualClock
 
 CONFIG = parse_config({
@@ -34,7 +36,7 @@ CONFIG = parse_config({
     "kubernetes": {"namespace": "inference"},
     "agent": {"scrape_interval_s": 0.05},
 })
-KEYS = FleetKeys("podres-test")
+KEYS = RedisKeys("podres-test")
 GPU_A = GpuSample(0, "GPU-aaaa", 81920.0, 70000.0, 11920.0, 0.1)
 GPU_B = GpuSample(1, "GPU-bbbb", 81920.0, 20000.0, 61920.0, 0.9)
 PAGE = ('vllm:num_requests_running{engine="0",model_name="m"} 1\n'
@@ -115,11 +117,11 @@ class StaticGpus:
 
 async def register(redis_client: aioredis.Redis, worker_id: str, host: str, node: str) -> None:
     record = WorkerRecord(id=worker_id, pool="chat", model="m", host=host, port=8000, node=node)
-    await register_worker(redis_client, KEYS, record, ttl_s=10.0)
+    await FleetStore(redis_client, KEYS.prefix).register(record, ttl_s=10.0)
 
 
 async def fleet(redis_client: aioredis.Redis) -> dict[str, WorkerRecord]:
-    return {r.id: r for r in await read_fleet(redis_client, KEYS)}
+    return {r.id: r for r in await FleetStore(redis_client, KEYS.prefix).read_fleet()}
 
 
 async def test_client_lists_gpus_per_pod(kubelet: StandInKubelet) -> None:
@@ -150,8 +152,8 @@ async def test_agent_on_a_node_attributes_each_pods_gpus(redis_client: aioredis.
     pages, clock = Pages(), ManualClock(1000.0)
     client = PodResourcesClient(kubelet.socket_path, timeout_s=0.5)
     gpus = NvmlSource(StaticGpus())  # type: ignore[arg-type]
-    agent = Agent(CONFIG, redis_client, KEYS, pages, gpus, node="gpu-a", pod_gpus=client, clock=clock,
-                  fleet_refresh_s=2.0)
+    agent = Agent(FleetStore(redis_client, KEYS.prefix), pages, gpus, node="gpu-a", pod_gpus=client,
+                  pod_namespace=CONFIG.kubernetes.namespace, clock=clock, fleet_refresh_s=2.0)
     try:
         await agent.tick()
         assert sorted(pages.fetched) == ["10.42.0.7", "10.42.0.8"]
@@ -180,8 +182,8 @@ async def test_run_agent_with_a_node_uses_the_kubelet_socket(redis_client: aiore
         return StaticGpus()  # type: ignore[return-value]
 
     stop = asyncio.Event()
-    task = asyncio.create_task(run_agent(CONFIG, redis_client, KEYS, stop, node="gpu-a", source=Pages(), open_nvml=nvml,
-                                         pod_resources_socket=kubelet.socket_path))
+    task = asyncio.create_task(run_agent(CONFIG, FleetStore(redis_client, KEYS.prefix), stop, node="gpu-a",
+                                         source=Pages(), open_nvml=nvml, pod_resources_socket=kubelet.socket_path))
     try:
         for _ in range(100):
             if (await fleet(redis_client))["pg-chat-1"].gpu_memory_free_mib == 20000.0:
@@ -199,8 +201,8 @@ async def test_run_agent_without_the_socket_still_serves_its_node(redis_client: 
     await register(redis_client, "pg-chat-1", "10.42.0.7", node="gpu-a")
     pages = Pages()
     stop = asyncio.Event()
-    task = asyncio.create_task(run_agent(CONFIG, redis_client, KEYS, stop, node="gpu-a", source=pages,
-                                         open_nvml=lambda _: None,
+    task = asyncio.create_task(run_agent(CONFIG, FleetStore(redis_client, KEYS.prefix), stop, node="gpu-a",
+                                         source=pages, open_nvml=lambda _: None,
                                          pod_resources_socket=str(socket_dir / "missing.sock")))
     try:
         for _ in range(100):

@@ -17,12 +17,14 @@ import redis.asyncio as aioredis
 
 from agent.agent import run_agent
 from poolgate.kernel.config import parse_config
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.keys import RedisKeys
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import free_port, simworker_process
 
 MODEL = "m"
 WORKER_ID = "agent-sim"
-KEYS = FleetKeys("agent-it")
+KEYS = RedisKeys("agent-it")
 CONFIG = parse_config({
     "pools": [{"name": "chat", "model": MODEL}],
     "key_prefix": KEYS.prefix,
@@ -43,13 +45,13 @@ def simworker() -> Iterator[int]:
 async def redis(redis_url: str, simworker: int) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.from_url(redis_url)
     record = WorkerRecord(id=WORKER_ID, pool="chat", model=MODEL, host="127.0.0.1", port=simworker)
-    await register_worker(client, KEYS, record, ttl_s=10.0)
+    await FleetStore(client, KEYS.prefix).register(record, ttl_s=10.0)
     yield client
     await client.aclose()
 
 
 async def record_of(redis: aioredis.Redis) -> WorkerRecord:
-    [record] = await read_fleet(redis, KEYS)
+    [record] = await FleetStore(redis, KEYS.prefix).read_fleet()
     return record
 
 
@@ -69,7 +71,7 @@ async def complete(session: aiohttp.ClientSession, port: int, max_tokens: int) -
 
 async def test_agent_reports_a_simulated_worker(redis: aioredis.Redis, simworker: int) -> None:
     stop = asyncio.Event()
-    agent = asyncio.create_task(run_agent(CONFIG, redis, KEYS, stop))
+    agent = asyncio.create_task(run_agent(CONFIG, FleetStore(redis, KEYS.prefix), stop))
     try:
         async def reported() -> bool:
             return (await record_of(redis)).kv_capacity_tokens > 0
@@ -144,7 +146,7 @@ async def test_cli_takes_its_node_from_the_environment(redis: aioredis.Redis, re
     """As in the DaemonSet: POOLGATE_NODE_NAME comes from the Downward API, and the agent serves the workers
     registered on that node."""
     record = WorkerRecord(id=WORKER_ID, pool="chat", model=MODEL, host="127.0.0.1", port=simworker, node="gpu-a")
-    await register_worker(redis, KEYS, record, ttl_s=10.0)
+    await FleetStore(redis, KEYS.prefix).register(record, ttl_s=10.0)
     config = tmp_path / "poolgate.yaml"
     config.write_text(f"key_prefix: {KEYS.prefix}\npools: [{{name: chat, model: {MODEL}}}]\n"
                       "agent: {scrape_interval_s: 0.1, nvml: 'off'}\n")

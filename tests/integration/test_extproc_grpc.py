@@ -27,12 +27,14 @@ from extproc.server import redis_client as make_redis_client
 from extproc.server import serve
 from extproc.watcher import FleetWatcher
 from poolgate.kernel.config import Config, ExtprocSettings, PoolSpec
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.keys import RedisKeys
 from poolgate.kernel.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import free_port
 
 PREFIX = "itest"
-KEYS = FleetKeys(PREFIX)
+KEYS = RedisKeys(PREFIX)
 LIMIT = 64 * 1024
 CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -117,7 +119,7 @@ def pin_of(answer: ProcessingResponse) -> str:
 
 
 async def test_routed_request(redis_url: str, redis_client: Any) -> None:
-    await register_worker(redis_client, KEYS, record("w1", 9001), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(record("w1", 9001), ttl_s=30)
     async with running_extproc(redis_url) as extproc:
         first, second = await extproc.exchange(
             headers("POST", "/v1/chat/completions", extra={CLUSTER_HEADER: "pool-evil",
@@ -142,8 +144,8 @@ async def test_routed_request(redis_url: str, redis_client: Any) -> None:
 ])
 async def test_immediate_errors(redis_url: str, redis_client: Any,
                                 messages: tuple[ProcessingRequest, ...], status: int, code: str) -> None:
-    await register_worker(redis_client, KEYS, record("w1", 9001), ttl_s=30)
-    await register_worker(redis_client, KEYS, record("c1", 9002, "code", state=WorkerState.FAILED), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(record("w1", 9001), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(record("c1", 9002, "code", state=WorkerState.FAILED), ttl_s=30)
     async with running_extproc(redis_url) as extproc:
         answer = (await extproc.exchange(*messages))[-1].immediate_response
     assert answer.status.code == status
@@ -166,7 +168,7 @@ async def test_registration_is_seen_through_pubsub(redis_url: str, redis_client:
         [_, answer] = await extproc.exchange(headers("POST", "/v1/chat/completions"), body(CHAT))
         assert answer.immediate_response.status.code == 503
         await asyncio.sleep(0.1)  # let the subscription settle
-        await register_worker(redis_client, KEYS, record("late", 9005), ttl_s=30)
+        await FleetStore(redis_client, KEYS.prefix).register(record("late", 9005), ttl_s=30)
         started = time.monotonic()
 
         async def routed() -> bool:
@@ -179,7 +181,7 @@ async def test_registration_is_seen_through_pubsub(redis_url: str, redis_client:
 
 async def test_inflight_is_in_redis_until_the_stream_ends(redis_url: str,
                                                           redis_client: Any) -> None:
-    await register_worker(redis_client, KEYS, record("w1", 9001), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(record("w1", 9001), ttl_s=30)
     async with running_extproc(redis_url) as extproc:
         calls = [await extproc.open_routed() for _ in range(3)]
 
@@ -196,8 +198,8 @@ async def test_inflight_is_in_redis_until_the_stream_ends(redis_url: str,
 
 
 async def test_two_replicas_see_each_others_inflight(redis_url: str, redis_client: Any) -> None:
-    await register_worker(redis_client, KEYS, record("a", 9001), ttl_s=30)
-    await register_worker(redis_client, KEYS, record("b", 9002), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(record("a", 9001), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(record("b", 9002), ttl_s=30)
     async with running_extproc(redis_url) as one, running_extproc(redis_url) as two:
         held = [await one.open_routed() for _ in range(4)]
         pins = [pin_of(answer).split(",")[0] for _, answer in held]
@@ -220,16 +222,16 @@ async def _redis_total(client: Any, ids: list[str], expected: int) -> bool:
 
 
 async def test_redis_outage_keeps_the_last_snapshot(redis_url: str, redis_client: Any) -> None:
-    await register_worker(redis_client, KEYS, record("w1", 9001), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(record("w1", 9001), ttl_s=30)
     metrics = Metrics()
     clock = [time.time()]
-    watcher = FleetWatcher(redis_client, KEYS, config().pools, config().extproc, InflightTracker(), metrics,
-                           clock=lambda: clock[0])
+    watcher = FleetWatcher(FleetStore(redis_client, KEYS.prefix), config().pools, config().extproc, InflightTracker(),
+                           metrics, clock=lambda: clock[0])
     assert await watcher.refresh()
     kept = watcher.snapshot
     assert [w.id for w in kept.workers] == ["w1"]
     dead = make_redis_client(f"redis://127.0.0.1:{free_port()}/0")
-    watcher._redis = dead  # the same client, as seen after Redis went away
+    watcher._store = FleetStore(dead, KEYS.prefix)  # the same store, as seen after Redis went away
     try:
         clock[0] += 60
         assert not await watcher.refresh()
@@ -238,6 +240,6 @@ async def test_redis_outage_keeps_the_last_snapshot(redis_url: str, redis_client
         assert (metrics.registry.get_sample_value("poolgate_extproc_snapshot_age_seconds") or 0) >= 60
     finally:
         await dead.aclose()
-    watcher._redis = redis_client
+    watcher._store = FleetStore(redis_client, KEYS.prefix)
     assert await watcher.refresh()
     assert metrics.registry.get_sample_value("poolgate_extproc_redis_up") == 1

@@ -11,11 +11,13 @@ from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.watcher import FleetWatcher
 from poolgate.kernel.config import ExtprocSettings, PoolSpec
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.keys import RedisKeys
+from poolgate.kernel.store import FleetStore
 from tests.manual_clock import ManualClock
 
 POOLS = (PoolSpec(name="chat", model="llama"),)
-KEYS = FleetKeys("redis-return-test")
+KEYS = RedisKeys("redis-return-test")
 STALE_AFTER_S = 1.0
 
 
@@ -36,11 +38,11 @@ async def test_known_workers_stay_ready_after_redis_returns_empty_until_their_he
         redis_client: Any) -> None:
     redis = Unpluggable(redis_client)
     clock = ManualClock()
-    watcher = FleetWatcher(redis, KEYS, POOLS, ExtprocSettings(stale_after_s=STALE_AFTER_S), InflightTracker(),
-                           Metrics(), clock=clock)
-    await register_worker(redis_client, KEYS, WorkerRecord(id="w1", pool="chat", model="llama", host="127.0.0.1",
-                                                           port=9001), ttl_s=60)
-    [record] = await read_fleet(redis_client, KEYS)
+    watcher = FleetWatcher(FleetStore(redis, KEYS.prefix), POOLS, ExtprocSettings(stale_after_s=STALE_AFTER_S),
+                           InflightTracker(), Metrics(), clock=clock)
+    store = FleetStore(redis_client, KEYS.prefix)
+    await store.register(WorkerRecord(id="w1", pool="chat", model="llama", host="127.0.0.1", port=9001), ttl_s=60)
+    [record] = await store.read_fleet()
     clock.now = record.updated_at + 0.2
     assert await watcher.refresh()
     assert [w.id for w in watcher.snapshot.ready_workers_for("llama")] == ["w1"]

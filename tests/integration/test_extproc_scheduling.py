@@ -13,7 +13,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 from poolgate.kernel.config import Config, ExtprocSettings, PoolSpec, SchedulingSettings
-from poolgate.kernel.fleet import WorkerRecord, heartbeat_worker, register_worker
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.store import FleetStore
 
 LIMIT = 256 * 1024
 LONG_PROMPT = {"model": "llama", "max_tokens": 50,
@@ -49,8 +50,8 @@ async def held_exchange(extproc: Extproc, data: object) -> tuple[list[Processing
 
 
 async def test_the_fuller_worker_is_avoided(redis_url: str, redis_client: Any) -> None:
-    await register_worker(redis_client, KEYS, worker("empty", 9001, kv_usage=0.1), ttl_s=30)
-    await register_worker(redis_client, KEYS, worker("full", 9002, kv_usage=0.6), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(worker("empty", 9001, kv_usage=0.1), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(worker("full", 9002, kv_usage=0.6), ttl_s=30)
     chat = {"model": "llama", "messages": [{"role": "user", "content": "hello " * 100}]}
     async with running_extproc(redis_url, config()) as extproc:
         for _ in range(10):
@@ -59,8 +60,8 @@ async def test_the_fuller_worker_is_avoided(redis_url: str, redis_client: Any) -
 
 
 async def test_a_prompt_that_fits_nowhere_waits_then_gets_429(redis_url: str, redis_client: Any) -> None:
-    await register_worker(redis_client, KEYS, worker("a", 9001, kv_usage=0.5), ttl_s=30)
-    await register_worker(redis_client, KEYS, worker("b", 9002, kv_usage=0.6), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(worker("a", 9001, kv_usage=0.5), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(worker("b", 9002, kv_usage=0.6), ttl_s=30)
     async with running_extproc(redis_url, config(max_wait_s=0.5)) as extproc:
         (_, extend, final), elapsed = await held_exchange(extproc, LONG_PROMPT)
     assert extend.override_message_timeout.ToTimedelta().total_seconds() == pytest.approx(2.5)
@@ -75,13 +76,13 @@ async def test_a_prompt_that_fits_nowhere_waits_then_gets_429(redis_url: str, re
 
 
 async def test_a_held_prompt_is_placed_when_capacity_frees(redis_url: str, redis_client: Any) -> None:
-    await register_worker(redis_client, KEYS, worker("a", 9001, kv_usage=0.5), ttl_s=30)
-    await register_worker(redis_client, KEYS, worker("b", 9002, kv_usage=0.6), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(worker("a", 9001, kv_usage=0.5), ttl_s=30)
+    await FleetStore(redis_client, KEYS.prefix).register(worker("b", 9002, kv_usage=0.6), ttl_s=30)
     async with running_extproc(redis_url, config(max_wait_s=5)) as extproc:
         exchange = asyncio.create_task(held_exchange(extproc, LONG_PROMPT))
         await asyncio.sleep(0.4)
         assert not exchange.done()
-        assert await heartbeat_worker(redis_client, KEYS, "b", ttl_s=30, announce=True, kv_usage=0.05)
+        assert await FleetStore(redis_client, KEYS.prefix).heartbeat("b", ttl_s=30, announce=True, kv_usage=0.05)
         (_, extend, final), elapsed = await asyncio.wait_for(exchange, 5)
     assert extend.HasField("override_message_timeout")
     assert 0.3 <= elapsed < 2.0  # held until the record changed (the clock starts just after the sleep does)

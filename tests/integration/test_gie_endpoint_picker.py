@@ -24,12 +24,14 @@ import redis.asyncio as aioredis
 import yaml
 
 from extproc.endpoint_picker import SUBSET_KEY, SUBSET_NAMESPACE
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker, set_worker_state
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.keys import RedisKeys
 from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, WORKER_HEADER
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import envoy_binary, extproc_process, free_port, port_open, simworker_process, stop_process
 
 MODEL = "gie-model"
-KEYS = FleetKeys("gie-it")
+KEYS = RedisKeys("gie-it")
 WORKER_IDS = ("gie-w1", "gie-w2", "gie-w3")
 CONFIG_DATA: dict[str, Any] = {
     "pools": [{"name": "chat", "model": MODEL}],
@@ -143,8 +145,8 @@ class Gateway:
 async def fleet(redis_url: str, workers: dict[str, int]) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.from_url(redis_url)
     for worker_id, port in workers.items():
-        await register_worker(client, KEYS, WorkerRecord(id=worker_id, pool="chat", model=MODEL, host="127.0.0.1",
-                                                         port=port), ttl_s=120.0)
+        await FleetStore(client, KEYS.prefix).register(WorkerRecord(id=worker_id, pool="chat", model=MODEL,
+                                                                    host="127.0.0.1", port=port), ttl_s=120.0)
     yield client
     await client.aclose()
 
@@ -204,7 +206,7 @@ async def test_the_subset_hint_restricts_the_pick(gateway: Gateway) -> None:
 
 async def test_no_ready_worker_is_a_503_json(gateway: Gateway, fleet: aioredis.Redis) -> None:
     for worker_id in WORKER_IDS:
-        await set_worker_state(fleet, KEYS, worker_id, WorkerState.DRAINING)
+        await FleetStore(fleet, KEYS.prefix).set_state(worker_id, WorkerState.DRAINING)
     await asyncio.sleep(0.5)  # a few snapshot refreshes
     async with aiohttp.ClientSession() as session:
         status, worker, body = await _complete(session, gateway.url)

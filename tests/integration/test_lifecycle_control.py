@@ -17,14 +17,9 @@ from controller.lease import LeaderLease
 from controller.monitor import HealthMonitor
 from controller.registry_api import RegistryApi
 from poolgate.kernel.config import parse_config
-from poolgate.kernel.fleet import (
-    FleetKeys,
-    WorkerRecord,
-    WorkerState,
-    read_fleet,
-    record_passive_failure,
-    register_worker,
-)
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.keys import RedisKeys
+from poolgate.kernel.store import FleetStore
 from tests.manual_clock import ManualClock
 
 CONFIG = parse_config({
@@ -34,18 +29,23 @@ CONFIG = parse_config({
     "drain": {"grace_s": 10, "settle_s": 0.1, "poll_s": 0.02},
     "autoscale": {"pools": {"chat": {"min_workers": 1, "max_workers": 3}}},
 })
-KEYS = FleetKeys("ctl")
+KEYS = RedisKeys("ctl")
+STALE_AFTER_S = CONFIG.extproc.stale_after_s
+
+
+def fleet(redis_client: aioredis.Redis) -> FleetStore:
+    return FleetStore(redis_client, KEYS.prefix)
 
 
 async def register(redis_client: aioredis.Redis, worker_id: str = "w1") -> None:
-    await register_worker(redis_client, KEYS, WorkerRecord(id=worker_id, pool="chat", model="m1", host="127.0.0.1",
-                                                     port=9001), ttl_s=30)
+    await fleet(redis_client).register(WorkerRecord(id=worker_id, pool="chat", model="m1", host="127.0.0.1",
+                                                    port=9001), ttl_s=30)
 
 
 async def test_only_one_controller_holds_the_lease(redis_client: aioredis.Redis) -> None:
     clock = ManualClock()
-    first = LeaderLease(redis_client, KEYS, "a", ttl_s=5, clock=clock)
-    second = LeaderLease(redis_client, KEYS, "b", ttl_s=5, clock=clock)
+    first = LeaderLease(fleet(redis_client), "a", ttl_s=5, clock=clock)
+    second = LeaderLease(fleet(redis_client), "b", ttl_s=5, clock=clock)
     assert await first.renew() and first.is_leader()
     assert not await second.renew() and not second.is_leader()
     clock.now += 4.1  # past 80 % of the TTL without a renewal: stop acting before Redis would expire it
@@ -72,14 +72,14 @@ class Remedies:
 
 
 async def state(redis_client: aioredis.Redis) -> WorkerState:
-    [record] = await read_fleet(redis_client, KEYS)
+    [record] = await fleet(redis_client).read_fleet()
     return record.state
 
 
 async def test_monitor_writes_states_and_asks_for_a_replacement(redis_client: aioredis.Redis) -> None:
     await register(redis_client)
     prober, remedies, clock = ScriptedProber(), Remedies(), ManualClock()
-    monitor = HealthMonitor(CONFIG, redis_client, KEYS, prober, remedies, clock=clock)
+    monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, prober, remedies, clock=clock)
     prober.ok = False
     for _ in range(3):
         await monitor.round()
@@ -98,12 +98,12 @@ async def test_monitor_writes_states_and_asks_for_a_replacement(redis_client: ai
 
 async def test_passive_failures_reported_through_redis_eject_at_once(redis_client: aioredis.Redis) -> None:
     await register(redis_client)
-    monitor = HealthMonitor(CONFIG, redis_client, KEYS, ScriptedProber(), clock=ManualClock())
-    await record_passive_failure(redis_client, KEYS, "w1", 5)  # from before the monitor first looked: a baseline
+    monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, ScriptedProber(), clock=ManualClock())
+    await fleet(redis_client).record_passive_failure("w1", 5)  # from before the monitor first looked: a baseline
     await monitor.round()
     assert await state(redis_client) is WorkerState.READY
-    await record_passive_failure(redis_client, KEYS, "w1")
-    await record_passive_failure(redis_client, KEYS, "w1")
+    await fleet(redis_client).record_passive_failure("w1")
+    await fleet(redis_client).record_passive_failure("w1")
     await monitor.round()
     assert await state(redis_client) is WorkerState.FAILED
 
@@ -112,7 +112,7 @@ async def test_follower_does_nothing(redis_client: aioredis.Redis) -> None:
     await register(redis_client)
     prober = ScriptedProber()
     prober.ok = False
-    monitor = HealthMonitor(CONFIG, redis_client, KEYS, prober, is_leader=lambda: False)
+    monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, prober, is_leader=lambda: False)
     for _ in range(5):
         await monitor.round()
     assert await state(redis_client) is WorkerState.READY
@@ -122,7 +122,7 @@ async def test_drain_waits_for_inflight_and_engine_queues(redis_client: aioredis
     await register(redis_client)
     await redis_client.set(KEYS.inflight("w1"), 1)
     await redis_client.hset(KEYS.worker("w1"), mapping={"running": 1})
-    drainer = Drainer(redis_client, KEYS, CONFIG.drain)
+    drainer = Drainer(fleet(redis_client), CONFIG.drain)
     stopped = asyncio.Event()
 
     async def stop() -> None:
@@ -170,8 +170,10 @@ class FakeBackend:
 @pytest.fixture()
 async def api(redis_client: aioredis.Redis) -> AsyncIterator[tuple[str, FakeBackend]]:
     backend = FakeBackend()
-    instances = InstanceController(CONFIG, redis_client, KEYS, backend, Drainer(redis_client, KEYS, CONFIG.drain))
-    runner = web.AppRunner(RegistryApi(CONFIG, redis_client, KEYS, "tok", instances).app())
+    instances = InstanceController(fleet(redis_client), backend, Drainer(fleet(redis_client), CONFIG.drain))
+    registry = RegistryApi(fleet(redis_client), "tok", CONFIG.pools, CONFIG.controller, CONFIG.autoscale.pools,
+                           instances)
+    runner = web.AppRunner(registry.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -15,7 +15,8 @@ from kubernetes import client as k8s
 from agent.agent import Agent
 from controller.kube_backend import DELETION_COST, KubernetesBackend
 from poolgate.kernel.config import parse_config
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.store import FleetStore
 
 CONFIG = parse_config({"pools": [{"name": "chat", "model": "llama", "max_model_len": 4096}],
                        "kubernetes": {"namespace": "inference", "deployment_prefix": "pg-"}})
@@ -84,7 +85,7 @@ async def fake() -> AsyncIterator[tuple[FakeApi, k8s.ApiClient]]:
 
 async def test_scale_up_stop_a_chosen_pod_and_restart(fake: tuple[FakeApi, k8s.ApiClient]) -> None:
     api, client = fake
-    backend = KubernetesBackend(CONFIG, client)
+    backend = KubernetesBackend(CONFIG.kubernetes, CONFIG.pools, client)
     assert await backend.pool_workers("chat") == ["pg-chat-a1", "pg-chat-b2"]
     assert backend.owns("pg-chat-a1") and not backend.owns("local-1")
     assert await backend.launch("chat", 2) == [] and api.replicas == 4
@@ -105,15 +106,15 @@ async def test_scale_up_stop_a_chosen_pod_and_restart(fake: tuple[FakeApi, k8s.A
 async def test_ready_pods_are_registered_as_workers(fake: tuple[FakeApi, k8s.ApiClient], redis_url: str) -> None:
     api, client = fake
     redis = aioredis.from_url(redis_url)
-    keys = FleetKeys("k8s")
-    backend = KubernetesBackend(CONFIG, client, redis, keys)
+    store = FleetStore(redis, "k8s")
+    backend = KubernetesBackend(CONFIG.kubernetes, CONFIG.pools, client, store)
     assert await backend.sync_registry() == 1
-    [worker] = await read_fleet(redis, keys)
+    [worker] = await store.read_fleet()
     assert (worker.id, worker.host, worker.port, worker.pool, worker.model, worker.node) == (
         "pg-chat-a1", "10.1.0.7", 8000, "chat", "llama", "gpu-node-1")
     api.pods["pg-chat-b2"]["status"]["conditions"][0]["status"] = "True"
     assert await backend.sync_registry() == 2
-    assert sorted(w.id for w in await read_fleet(redis, keys)) == ["pg-chat-a1", "pg-chat-b2"]
+    assert sorted(w.id for w in await store.read_fleet()) == ["pg-chat-a1", "pg-chat-b2"]
     await redis.aclose()
 
 
@@ -121,14 +122,14 @@ async def test_a_record_written_without_a_node_gets_it_with_the_next_heartbeat(
         fake: tuple[FakeApi, k8s.ApiClient], redis_url: str) -> None:
     _, client = fake
     redis = aioredis.from_url(redis_url)
-    keys = FleetKeys("k8s")
+    store = FleetStore(redis, "k8s")
     # As an older controller wrote it: no node field at all.
     old = WorkerRecord(id="pg-chat-a1", pool="chat", model="llama", host="10.1.0.7", port=8000, backend="kubernetes")
-    await register_worker(redis, keys, old, ttl_s=30.0)
-    await redis.hdel(keys.worker("pg-chat-a1"), "node")
-    assert [w.node for w in await read_fleet(redis, keys)] == [""]
-    assert await KubernetesBackend(CONFIG, client, redis, keys).sync_registry() == 1
-    assert [w.node for w in await read_fleet(redis, keys)] == ["gpu-node-1"]
+    await store.register(old, ttl_s=30.0)
+    await redis.hdel(store.keys.worker("pg-chat-a1"), "node")
+    assert [w.node for w in await store.read_fleet()] == [""]
+    assert await KubernetesBackend(CONFIG.kubernetes, CONFIG.pools, client, store).sync_registry() == 1
+    assert [w.node for w in await store.read_fleet()] == ["gpu-node-1"]
     await redis.aclose()
 
 
@@ -148,13 +149,13 @@ async def test_each_nodes_agent_serves_the_pods_on_its_node(fake: tuple[FakeApi,
     api, client = fake
     api.pods["pg-chat-b2"]["status"]["conditions"][0]["status"] = "True"
     redis = aioredis.from_url(redis_url)
-    keys = FleetKeys("k8s")
-    assert await KubernetesBackend(CONFIG, client, redis, keys).sync_registry() == 2
+    store = FleetStore(redis, "k8s")
+    assert await KubernetesBackend(CONFIG.kubernetes, CONFIG.pools, client, store).sync_registry() == 2
     scraped: dict[str, list[str]] = {}
     for node in ("gpu-node-1", "gpu-node-2", "cpu-node"):
         pages = PagesByAddress()
-        await Agent(CONFIG, redis, keys, pages, node=node, local_names={"cpu-node", "10.0.0.1"}).tick()
+        await Agent(store, pages, node=node, local_names={"cpu-node", "10.0.0.1"}).tick()
         scraped[node] = pages.fetched
     assert scraped == {"gpu-node-1": ["10.1.0.7:8000"], "gpu-node-2": ["10.1.0.8:8000"], "cpu-node": []}
-    assert [w.running for w in await read_fleet(redis, keys)] == [2, 2]
+    assert [w.running for w in await store.read_fleet()] == [2, 2]
     await redis.aclose()

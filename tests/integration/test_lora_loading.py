@@ -11,7 +11,8 @@ import redis.asyncio as aioredis
 
 from controller.adapters import AdapterLoader, run_adapter_loader
 from poolgate.kernel.config import LoraAdapter
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, register_worker
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import free_port
 from simworker.presets import PRESETS
 from simworker.worker import SimWorker, WorkerSpec
@@ -21,10 +22,10 @@ SQL = LoraAdapter(name="sql", base=MODEL, path="/adapters/sql")
 
 
 @pytest.fixture()
-async def fleet(redis_url: str) -> AsyncIterator[tuple[aioredis.Redis, FleetKeys, dict[str, str]]]:
+async def fleet(redis_url: str) -> AsyncIterator[tuple[FleetStore, dict[str, str]]]:
     """Three workers: one taking adapters, one whose only slot holds another adapter, one without LoRA."""
     redis = aioredis.from_url(redis_url)
-    keys = FleetKeys("loratest")
+    store = FleetStore(redis, "loratest")
     stop = asyncio.Event()
     specs = {"roomy": {"enable_lora": True, "runtime_lora_updating": True, "lora_load_s": 0.05},
              "full": {"enable_lora": True, "runtime_lora_updating": True, "max_loras": 1},
@@ -37,27 +38,27 @@ async def fleet(redis_url: str) -> AsyncIterator[tuple[aioredis.Redis, FleetKeys
                                       time_scale=20.0, **extra))  # type: ignore[arg-type]
         tasks.append(asyncio.create_task(worker.serve(stop)))
         await asyncio.wait_for(worker.listening.wait(), 5)
-        await register_worker(redis, keys, WorkerRecord(id=worker_id, pool="p", model=MODEL, host="127.0.0.1",
-                                                        port=port, updated_at=0.0), ttl_s=30)
+        await store.register(WorkerRecord(id=worker_id, pool="p", model=MODEL, host="127.0.0.1", port=port,
+                                          updated_at=0.0), ttl_s=30)
         urls[worker_id] = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as session, session.post(
             urls["full"] + "/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": "/a/o"}) as response:
         assert response.status == 200
-    yield redis, keys, urls
+    yield store, urls
     stop.set()
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
     await redis.aclose()
 
 
-async def test_missing_adapter_gets_loaded_and_served(fleet: tuple[aioredis.Redis, FleetKeys, dict[str, str]]) -> None:
-    redis, keys, urls = fleet
+async def test_missing_adapter_gets_loaded_and_served(fleet: tuple[FleetStore, dict[str, str]]) -> None:
+    store, urls = fleet
     completion = {"model": "sql", "prompt": "select 1", "max_tokens": 4}
     async with aiohttp.ClientSession() as session:
         async with session.post(urls["roomy"] + "/v1/completions", json=completion) as response:
             assert response.status == 404  # not loaded yet
-        follower = AdapterLoader([SQL], redis, keys, session, is_leader=lambda: False)
+        follower = AdapterLoader([SQL], store, session, is_leader=lambda: False)
         assert await follower.sync_once() == []
-        loader = AdapterLoader([SQL], redis, keys, session, is_leader=lambda: True)
+        loader = AdapterLoader([SQL], store, session, is_leader=lambda: True)
         assert await loader.sync_once() == [("roomy", "sql")]  # "full" refuses, "plain" has no endpoint
         assert await loader.sync_once() == []  # already there: nothing to do
         async with session.post(urls["roomy"] + "/v1/completions", json=completion) as response:
@@ -65,11 +66,11 @@ async def test_missing_adapter_gets_loaded_and_served(fleet: tuple[aioredis.Redi
             assert (await response.json())["model"] == "sql"
 
 
-async def test_loader_task_reloads_after_an_unload(fleet: tuple[aioredis.Redis, FleetKeys, dict[str, str]]) -> None:
-    redis, keys, urls = fleet
+async def test_loader_task_reloads_after_an_unload(fleet: tuple[FleetStore, dict[str, str]]) -> None:
+    store, urls = fleet
     stop = asyncio.Event()
     async with aiohttp.ClientSession() as session:
-        loader = AdapterLoader([SQL], redis, keys, session, is_leader=lambda: True)
+        loader = AdapterLoader([SQL], store, session, is_leader=lambda: True)
         task = asyncio.create_task(run_adapter_loader(loader, 0.05, stop))
         try:
             for _ in range(2):

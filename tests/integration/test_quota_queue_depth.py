@@ -8,14 +8,15 @@ from typing import Any
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
-from extproc.watcher import QUEUED_REFRESH_S, QUEUED_TTL_S, FleetWatcher, held_per_pool
+from extproc.watcher import QUEUED_REFRESH_S, FleetWatcher, held_per_pool
 from poolgate.kernel.config import ExtprocSettings, PoolSpec
-from poolgate.kernel.fleet import FleetKeys, read_queued
+from poolgate.kernel.keys import RedisKeys
+from poolgate.kernel.store import QUEUED_TTL_S, FleetStore
 from tests.manual_clock import ManualClock
 
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="chat-acme", model="llama"),
          PoolSpec(name="code", model="coder"))
-KEYS = FleetKeys("queued-test")
+KEYS = RedisKeys("queued-test")
 
 
 def test_held_requests_count_toward_every_pool_that_could_take_them() -> None:
@@ -31,13 +32,14 @@ def test_held_requests_count_toward_every_pool_that_could_take_them() -> None:
 async def test_the_flush_writes_changes_refreshes_the_expiry_and_clears_to_zero(redis_client: Any) -> None:
     clock = ManualClock()
     held: dict[Hashable, int] = {("llama", None, frozenset()): 4}
-    watcher = FleetWatcher(redis_client, KEYS, POOLS, ExtprocSettings(), InflightTracker(), Metrics(),
-                           clock=clock, replica_id="replica-a")
+    store = FleetStore(redis_client, KEYS.prefix)
+    watcher = FleetWatcher(store, POOLS, ExtprocSettings(), InflightTracker(), Metrics(), clock=clock,
+                           replica_id="replica-a")
     watcher.publish_queue(lambda: held)
     await redis_client.hset(KEYS.queued("chat"), "replica-b", 2)  # another replica's share
     assert await watcher.flush()
-    assert await read_queued(redis_client, KEYS, "chat") == 6
-    assert await read_queued(redis_client, KEYS, "code") == 0
+    assert await store.read_queued("chat") == 6
+    assert await store.read_queued("code") == 0
     assert 0 < await redis_client.pttl(KEYS.queued("chat")) <= QUEUED_TTL_S * 1000
 
     await redis_client.pexpire(KEYS.queued("chat"), 100_000)

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from extproc.errors import ApiError
-from extproc.quota import WINDOW_S, QuotaKeys, QuotaStore, QuotaTicket
+from extproc.quota import WINDOW_S, QuotaStore, QuotaTicket
 from extproc.tenancy import Tenant
+from poolgate.kernel.keys import QuotaKeys
 from tests.manual_clock import ManualClock
 
 KEYS = QuotaKeys("quota-test")

@@ -12,7 +12,8 @@ from aiohttp import web
 
 from controller.registry_api import RegistryApi
 from poolgate.kernel.config import parse_config
-from poolgate.kernel.fleet import FleetKeys, WorkerState, read_fleet
+from poolgate.kernel.fleet import WorkerState
+from poolgate.kernel.store import FleetStore
 
 CONFIG = parse_config({
     "pools": [{"name": "chat", "model": "m1", "max_model_len": 4096}],
@@ -24,7 +25,8 @@ TOKEN = "s3cret-token"
 @pytest.fixture()
 async def api(redis_url: str) -> AsyncIterator[tuple[str, aioredis.Redis]]:
     redis = aioredis.from_url(redis_url)
-    runner = web.AppRunner(RegistryApi(CONFIG, redis, FleetKeys("t"), TOKEN).app())
+    registry = RegistryApi(FleetStore(redis, "t"), TOKEN, CONFIG.pools, CONFIG.controller, CONFIG.autoscale.pools)
+    runner = web.AppRunner(registry.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -45,34 +47,34 @@ async def test_register_requires_the_token(api: tuple[str, aioredis.Redis]) -> N
             async with http.post(f"{base}/v1/workers", json=WORKER, headers=headers) as response:
                 assert response.status == 401
                 assert (await response.json())["error"]["code"] == "unauthorized"
-    assert await read_fleet(redis, FleetKeys("t")) == []
+    assert await FleetStore(redis, "t").read_fleet() == []
 
 
 async def test_register_heartbeat_expire_and_deregister(api: tuple[str, aioredis.Redis]) -> None:
     base, redis = api
-    keys = FleetKeys("t")
+    store = FleetStore(redis, "t")
     async with aiohttp.ClientSession(headers=AUTH) as http:
         async with http.post(f"{base}/v1/workers", json=WORKER) as response:
             assert response.status == 201
-        [record] = await read_fleet(redis, keys)
+        [record] = await store.read_fleet()
         assert (record.model, record.max_model_len, record.state) == ("m1", 4096, WorkerState.READY)
         # Heartbeats keep it alive well past the TTL and update live facts.
         for _ in range(5):
             async with http.post(f"{base}/v1/workers/w1/heartbeat", json={"kv_usage": 0.5, "running": 3}) as r:
                 assert r.status == 200
             await asyncio.sleep(0.2)
-        [record] = await read_fleet(redis, keys)
+        [record] = await store.read_fleet()
         assert (record.kv_usage, record.running) == (0.5, 3)
         # Without heartbeats it expires and a late heartbeat is told to register again.
         await asyncio.sleep(0.9)
-        assert await read_fleet(redis, keys) == []
+        assert await store.read_fleet() == []
         async with http.post(f"{base}/v1/workers/w1/heartbeat", json={}) as response:
             assert response.status == 404
         async with http.post(f"{base}/v1/workers", json=WORKER) as response:
             assert response.status == 201
         async with http.delete(f"{base}/v1/workers/w1") as response:
             assert response.status == 204
-        assert await read_fleet(redis, keys) == []
+        assert await store.read_fleet() == []
 
 
 @pytest.mark.parametrize(
@@ -97,16 +99,16 @@ async def test_bad_registrations_are_refused(api: tuple[str, aioredis.Redis], bo
             assert "error" in await response.json()
         async with http.post(f"{base}/v1/workers", data=b"{not json") as response:
             assert response.status == 400
-    assert await read_fleet(redis, FleetKeys("t")) == []
+    assert await FleetStore(redis, "t").read_fleet() == []
 
 
 async def test_the_node_a_worker_runs_on_is_recorded(api: tuple[str, aioredis.Redis]) -> None:
     base, redis = api
-    keys = FleetKeys("t")
+    store = FleetStore(redis, "t")
     async with aiohttp.ClientSession(headers=AUTH) as http:
         async with http.post(f"{base}/v1/workers", json={**WORKER, "node": "gpu-node-7.example"}) as response:
             assert response.status == 201
             assert (await response.json())["node"] == "gpu-node-7.example"
         async with http.post(f"{base}/v1/workers", json={**WORKER, "id": "w2"}) as response:
             assert response.status == 201
-    assert {w.id: w.node for w in await read_fleet(redis, keys)} == {"w1": "gpu-node-7.example", "w2": ""}
+    assert {w.id: w.node for w in await store.read_fleet()} == {"w1": "gpu-node-7.example", "w2": ""}

@@ -25,8 +25,9 @@ import redis
 import redis.asyncio as aioredis
 import yaml
 
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.redaction import redact_url
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import free_port, port_open
 
 PASSWORD = "redis-pw-Zq81xk"
@@ -96,11 +97,10 @@ def secure_redis() -> Iterator[SecureRedis]:
 
 async def _round_trip(url: str) -> list[WorkerRecord]:
     client = aioredis.from_url(url)
-    keys = FleetKeys("sec-redis")
+    store = FleetStore(client, "sec-redis")
     try:
-        await register_worker(client, keys, WorkerRecord(id="w1", pool="chat", model="m", host="127.0.0.1",
-                                                         port=9000), 5.0)
-        return await read_fleet(client, keys)
+        await store.register(WorkerRecord(id="w1", pool="chat", model="m", host="127.0.0.1", port=9000), 5.0)
+        return await store.read_fleet()
     finally:
         await client.aclose()
 

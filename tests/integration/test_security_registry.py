@@ -12,7 +12,7 @@ from aiohttp import web
 
 from controller.registry_api import RegistryApi
 from poolgate.kernel.config import Config, ConfigError, parse_config
-from poolgate.kernel.fleet import FleetKeys, read_fleet
+from poolgate.kernel.store import FleetStore
 
 TOKEN = "registry-security-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -27,7 +27,7 @@ async def serve(redis_url: str) -> AsyncIterator[Callable[[Config], object]]:
     redis = aioredis.from_url(redis_url)
 
     async def start(config: Config) -> str:
-        runner = web.AppRunner(RegistryApi(config, redis, FleetKeys("sec"), TOKEN).app())
+        runner = web.AppRunner(RegistryApi(FleetStore(redis, "sec"), TOKEN, config.pools, config.controller).app())
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         runners.append(runner)
@@ -57,7 +57,7 @@ async def test_every_registry_call_needs_the_token(serve: Callable[[Config], obj
         assert response.status == 401
         assert (await response.json())["error"]["code"] == "unauthorized"
     redis = aioredis.from_url(redis_url)
-    assert await read_fleet(redis, FleetKeys("sec")) == []
+    assert await FleetStore(redis, "sec").read_fleet() == []
     await redis.aclose()
 
 
@@ -90,7 +90,7 @@ async def test_registered_address_must_be_inside_allowed_networks(serve: Callabl
         answer = await response.json()
         assert response.status == (201 if allowed else 403), answer
     redis = aioredis.from_url(redis_url)
-    workers = await read_fleet(redis, FleetKeys("sec"))
+    workers = await FleetStore(redis, "sec").read_fleet()
     await redis.aclose()
     assert [w.host for w in workers] == ([host] if allowed else [])
     if not allowed:

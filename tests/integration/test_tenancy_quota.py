@@ -20,9 +20,10 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, Processin
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 from test_extproc_grpc import CHAT, KEYS, PREFIX, Extproc, body, eventually, headers, record
 
-from extproc.quota import WINDOW_S, QuotaKeys
+from extproc.quota import WINDOW_S
 from extproc.tenancy import key_digest
-from poolgate.kernel.fleet import register_worker
+from poolgate.kernel.keys import QuotaKeys
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import extproc_process
 
 QUOTA_KEYS = QuotaKeys(PREFIX)
@@ -56,7 +57,7 @@ async def two_extprocs(config: dict[str, Any], redis_url: str, tmp: Path) -> Asy
 @pytest.fixture()
 async def redis_client(redis_url: str) -> AsyncIterator[Any]:
     client = redis_asyncio.Redis.from_url(redis_url)
-    await register_worker(client, KEYS, record("w1", 9001), ttl_s=60)
+    await FleetStore(client, KEYS.prefix).register(record("w1", 9001), ttl_s=60)
     yield client
     await client.aclose()
 

@@ -11,7 +11,8 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, WorkerState, register_worker
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.store import FleetStore
 from poolgate.status import format_pools, watch
 
 
@@ -53,7 +54,7 @@ def test_interval_is_validated(interval: str) -> None:
 
 async def _register(redis_url: str) -> None:
     redis = aioredis.from_url(redis_url)
-    await register_worker(redis, FleetKeys("poolgate"), WorkerRecord(
+    await FleetStore(redis, "poolgate").register(WorkerRecord(
         id="chat-1", pool="chat", model="llama", host="127.0.0.1", port=9000, kv_usage=0.25), ttl_s=30)
     await redis.aclose()
 

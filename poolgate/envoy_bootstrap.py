@@ -1,4 +1,5 @@
-"""The Envoy bootstrap: static listener, filters and routes; clusters and endpoints come over ADS.
+"""The Envoy bootstrap that ``poolgate up`` starts Envoy with: static listener, filters and routes; clusters
+and endpoints come over ADS from the controller (``controller.xds``).
 
 Request path: an early header mutation strips every client-sent routing header before anything looks at
 the request (so a client never picks its own cluster or worker, even while extproc is away) → ``ext_proc``
@@ -6,7 +7,8 @@ the request (so a client never picks its own cluster or worker, even while extpr
 follows the cluster header; route 2 is the fail-open default to the fallback cluster, retrying 400s and 404s on
 other hosts so a request finds a worker serving its model and endpoint.
 
-Built from protobuf messages (field names are checked) and rendered as a JSON/YAML-able dict.
+Built from protobuf messages (field names are checked) and rendered as a JSON/YAML-able dict. The
+documented example is ``python -m poolgate.envoy_bootstrap deploy/local.yaml > envoy/bootstrap.example.yaml``.
 """
 
 from __future__ import annotations
@@ -389,7 +391,7 @@ def render_bootstrap(
 
 
 EXAMPLE_HEADER = (
-    "# Generated from {source} by `python -m controller.xds {source}`; do not edit by hand.\n"
+    "# Generated from {source} by `python -m poolgate.envoy_bootstrap {source}`; do not edit by hand.\n"
     "# `poolgate up` renders the same bootstrap with the ports it picked. See envoy/README.md.\n"
 )
 
@@ -402,3 +404,11 @@ def render_example(config: Config, source: str) -> str:
                                 extproc_port=9002, xds_port=18000)
     return EXAMPLE_HEADER.format(source=source) + yaml.safe_dump(rendered, sort_keys=False, width=120)
 
+
+if __name__ == "__main__":
+    import sys
+
+    from poolgate.kernel.config import load_config
+
+    source = sys.argv[1] if len(sys.argv) > 1 else "deploy/local.yaml"
+    sys.stdout.write(render_example(load_config(source), source))

@@ -1,0 +1,98 @@
+"""The one poolgate configuration file: typed, frozen, validated at load.
+
+Errors name the field path (``pools.1.name``) and what to do; a bad value never falls back silently to a
+default. Every process reads the same file: its ``main`` loads the whole ``Config`` and hands each part
+the section it reads. Where each section is declared:
+
+- ``loader``: ``Config`` (the top level and the checks across sections), ``parse_config``, ``load_config``,
+  ``load_process_config``;
+- ``processes``: ``ports``, ``extproc``, ``controller``, ``observability``;
+- ``agent``: ``agent`` (scrape interval, GPU source: NVML, dcgm-exporter or Prometheus);
+- ``scheduling``: ``scheduling`` (task classes, scorer names, weights and bounds);
+- ``pools``: ``pools`` and ``workers``;
+- ``lifecycle``: ``health``, ``drain``, ``placement``, ``autoscale``, ``kubernetes``;
+- ``tenancy``: ``tenancy`` and ``tenants``;
+- ``catalogue``: ``catalogue`` (models, versions, aliases, LoRA adapters);
+- ``base``: ``ConfigError`` and the frozen ``Section`` every section derives from.
+"""
+
+from poolgate.kernel.config.agent import AgentSettings, DcgmExporterSettings, PrometheusGpuSettings
+from poolgate.kernel.config.base import ConfigError, Section
+from poolgate.kernel.config.catalogue import (
+    MODEL_NAME_PATTERN,
+    AliasRule,
+    CatalogueModel,
+    CatalogueSettings,
+    LoraAdapter,
+    ModelVersion,
+    ParameterValue,
+)
+from poolgate.kernel.config.lifecycle import (
+    AutoscaleSettings,
+    DrainSettings,
+    HealthSettings,
+    KubernetesSettings,
+    PlacementSettings,
+    PoolScaling,
+    WorkerTemplate,
+)
+from poolgate.kernel.config.loader import Config, load_config, load_process_config, parse_config
+from poolgate.kernel.config.pools import PoolSpec, PoolTask, WorkerSpec
+from poolgate.kernel.config.processes import (
+    ControllerSettings,
+    ExtprocSettings,
+    ObservabilitySettings,
+    Ports,
+)
+from poolgate.kernel.config.scheduling import (
+    DEFAULT_WEIGHTS,
+    MAX_WAIT_LIMIT_S,
+    SCORER_NAMES,
+    SchedulingSettings,
+    TaskClass,
+    TaskClassRules,
+)
+from poolgate.kernel.config.tenancy import PRIORITY_CLASS_PATTERN, PriorityClass, TenancySettings, TenantSpec
+
+__all__ = [
+    "DEFAULT_WEIGHTS",
+    "MAX_WAIT_LIMIT_S",
+    "MODEL_NAME_PATTERN",
+    "PRIORITY_CLASS_PATTERN",
+    "SCORER_NAMES",
+    "AgentSettings",
+    "AliasRule",
+    "AutoscaleSettings",
+    "CatalogueModel",
+    "CatalogueSettings",
+    "Config",
+    "ConfigError",
+    "ControllerSettings",
+    "DcgmExporterSettings",
+    "DrainSettings",
+    "ExtprocSettings",
+    "HealthSettings",
+    "KubernetesSettings",
+    "LoraAdapter",
+    "ModelVersion",
+    "ObservabilitySettings",
+    "ParameterValue",
+    "PlacementSettings",
+    "PoolScaling",
+    "PoolSpec",
+    "PoolTask",
+    "Ports",
+    "PriorityClass",
+    "PrometheusGpuSettings",
+    "SchedulingSettings",
+    "Section",
+    "TaskClass",
+    "TaskClassRules",
+    "TenancySettings",
+    "TenantSpec",
+    "WorkerSpec",
+    "WorkerTemplate",
+    "load_config",
+    "load_process_config",
+    "parse_config",
+]

@@ -1,0 +1,122 @@
+"""The fleet lifecycle's sections (controller): health, drain, GPU placement, autoscaling, Kubernetes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from poolgate.kernel.config.base import Section
+
+
+class HealthSettings(Section):
+    """The controller's health monitor: active probes of every registered worker plus passive failure reports.
+
+    A worker turns Failed after ``failures_to_fail`` bad probes in a row (or ``passive_failures_to_fail``
+    failures reported by the data path within one probe interval) and Ready again after
+    ``successes_to_ready`` good ones; Busy while saturated. One bad probe never ejects a worker."""
+
+    probe_interval_s: float = Field(0.5, gt=0, le=30)
+    probe_timeout_s: float = Field(1.0, gt=0, le=30)
+    """A probe slower than this is a failure: a hung worker fails its probes, it does not block them."""
+    check_models: bool = True
+    """Also ``GET /v1/models`` and require the pool's model in it (catches a worker serving the wrong model)."""
+    slow_probe_s: float = Field(0.0, ge=0)
+    """Probe latency above this counts as a failure (0 = off; the timeout still applies)."""
+    failures_to_fail: int = Field(3, ge=1)
+    successes_to_ready: int = Field(2, ge=1)
+    passive_failures_to_fail: int = Field(3, ge=1)
+    """Data-path failures (5xx, timeouts, resets) reported through Redis within one probe interval that make
+    a worker Failed at once, without waiting for probes."""
+    busy_kv_usage: float = Field(0.95, gt=0, le=1)
+    """A worker with requests waiting and KV usage at or above this is Busy (not picked) until it clears."""
+    replace_failed_after_s: float = Field(5.0, gt=0)
+    """A worker the controller runs that stays Failed this long is restarted (a hung engine never recovers)."""
+    kv_leak_usage: float = Field(0.9, gt=0, le=1)
+    kv_leak_after_s: float = Field(5.0, gt=0)
+    """KV usage at or above ``kv_leak_usage`` with nothing running or waiting for this long is a KV leak: the
+    worker is drained and replaced."""
+
+    @model_validator(mode="after")
+    def _timeout_fits_interval(self) -> HealthSettings:
+        if self.probe_timeout_s > 10 * self.probe_interval_s:
+            raise ValueError("probe_timeout_s must be at most 10 × probe_interval_s")
+        return self
+
+
+class DrainSettings(Section):
+    """How a worker leaves: Draining (Envoy DRAINING, extproc stops choosing it) → in-flight 0 → stop."""
+
+    grace_s: float = Field(60.0, gt=0)
+    """Longest wait for in-flight requests and streams; the worker stops when it ends even if some remain."""
+    poll_s: float = Field(0.25, gt=0, le=5)
+    settle_s: float = Field(1.0, ge=0)
+    """Minimum time in Draining before stopping, so every extproc replica has seen the state change."""
+
+
+class PlacementSettings(Section):
+    """GPU-aware placement of new ``vllm`` workers on this node."""
+
+    model_memory_mib: dict[str, float] = Field(default_factory=dict)
+    """Pool name → GPU memory one worker of it needs (weights + KV budget), per GPU."""
+    default_memory_mib: float = Field(0.0, ge=0)
+    """Need assumed for a pool not listed above (0 = any GPU fits)."""
+
+
+class WorkerTemplate(Section):
+    """What a worker added by the autoscaler or ``poolgate scale`` looks like (ids are ``{pool}-{n}``)."""
+
+    backend: Literal["sim", "vllm"] = "sim"
+    host: str = "127.0.0.1"
+    preset: str = "h100-80gb"
+    model_path: str | None = None
+    gpu_count: int = Field(1, ge=0, le=64)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    extra_args: tuple[str, ...] = ()
+
+
+class PoolScaling(Section):
+    min_workers: int = Field(1, ge=0)
+    max_workers: int = Field(4, ge=1)
+    template: WorkerTemplate = WorkerTemplate()
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> PoolScaling:
+        if self.min_workers > self.max_workers:
+            raise ValueError("min_workers must not exceed max_workers")
+        return self
+
+
+class AutoscaleSettings(Section):
+    """Per-pool autoscaling over a short metrics history; every decision is logged and counted."""
+
+    enabled: bool = False
+    interval_s: float = Field(1.0, gt=0, le=60)
+    pools: dict[str, PoolScaling] = Field(default_factory=dict)
+    """Pool name → bounds and worker template; pools not listed are not scaled (nor by ``poolgate scale``)."""
+    up_waiting_per_worker: float = Field(2.0, gt=0)
+    """Scale up when requests waiting (engine queues + extproc queue) per worker stay above this …"""
+    up_kv_usage: float = Field(0.85, gt=0, le=1)
+    """… or the pool's mean KV usage stays above this …"""
+    up_ttft_s: float = Field(0.0, ge=0)
+    """… or the pool's observed time to first token (mean of its ready workers' TTFT EWMA, while requests
+    are in flight) stays above this many seconds (0 = off; a worker leaves only at half of it or less) …"""
+    up_sustain_s: float = Field(3.0, ge=0)
+    """… for this long."""
+    up_step: int = Field(1, ge=1)
+    down_running_per_worker: float = Field(4.0, ge=0)
+    """Scale down (through a drain) when nothing waits and the pool's running requests, spread over one
+    worker fewer, stay at or below this per worker for ``down_cooldown_s``."""
+    down_cooldown_s: float = Field(20.0, ge=0)
+    """Quiet time needed, after any scale event and of idleness, before removing a worker."""
+    lease_ttl_s: float = Field(5.0, gt=0)
+    """Leader lease in Redis: only the holder scales, drains and replaces."""
+
+
+class KubernetesSettings(Section):
+    """The Kubernetes backend scales one Deployment per pool (``{deployment_prefix}{pool}``)."""
+
+    enabled: bool = False
+    """Run workers as Kubernetes pods (in-cluster service account or kubeconfig) instead of local processes."""
+    namespace: str = "poolgate"
+    deployment_prefix: str = "poolgate-worker-"

@@ -1,0 +1,55 @@
+"""Pools (one Envoy cluster each) and the workers ``poolgate up`` and the controller start."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from poolgate.kernel.config.base import Section
+from poolgate.kernel.config.scheduling import TaskClass
+
+PoolTask = Literal["generate", "embed", "score", "transcription"]
+"""What a pool's model does, and so which endpoints it serves: ``generate`` (chat, completions, Responses API),
+``embed`` (embeddings; score and rerank by cosine similarity), ``score`` (a cross-encoder: score and rerank),
+``transcription`` (speech to text: the audio endpoints). Every kind serves tokenize and detokenize."""
+
+
+class PoolSpec(Section):
+    """A pool is a set of interchangeable workers serving one model; it becomes one Envoy cluster."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    model: str = Field(min_length=1)
+    """The served model name clients put in the request's ``model`` field."""
+    max_model_len: int = Field(8192, gt=0)
+    task_classes: tuple[TaskClass, ...] = ()
+    """Task classes this pool takes (empty = all), e.g. ``[streaming]`` for a streaming-only pool. When no
+    pool of a model takes a request's class, every pool of the model may serve it."""
+    task: PoolTask = "generate"
+    """What the model does: ``generate``, ``embed`` (an embedding model), ``score`` (a cross-encoder) or
+    ``transcription`` (speech to text). Local workers start as that kind: ``vllm serve`` gets ``--runner
+    pooling --convert embed`` or ``--convert classify`` (vLLM finds speech-to-text models by their architecture
+    itself), a simulated worker the same flags (``--transcription`` for speech to text)."""
+
+
+class WorkerSpec(Section):
+    """One worker process that ``poolgate up`` starts: a simulated vLLM engine or a real ``vllm serve``."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    pool: str
+    backend: Literal["sim", "vllm"] = "sim"
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    preset: str = "h100-80gb"
+    """Simulated GPU preset (``sim`` only)."""
+    model_path: str | None = None
+    """Hugging Face id or local path (``vllm`` only)."""
+    gpus: tuple[int, ...] = ()
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    extra_args: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _backend_fields(self) -> WorkerSpec:
+        if self.backend == "vllm" and not self.model_path:
+            raise ValueError("backend 'vllm' needs model_path (a Hugging Face id or a local model directory)")
+        return self

@@ -1,0 +1,86 @@
+"""The processes' own sections: listening ports, extproc, controller, agent and observability settings."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from poolgate.kernel.config.base import Section
+
+
+class Ports(Section):
+    """Listening ports. 0 means: pick a free port at start (``poolgate up`` prints what it chose)."""
+
+    envoy: int = Field(8080, ge=0, le=65535)
+    envoy_admin: int = Field(0, ge=0, le=65535)
+    extproc: int = Field(0, ge=0, le=65535)
+    xds: int = Field(0, ge=0, le=65535)
+    controller_http: int = Field(0, ge=0, le=65535)
+
+
+class ExtprocSettings(Section):
+    fail_open: bool = True
+    """Envoy forwards requests unprocessed to the default route when extproc is down (else 503 JSON)."""
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024)
+    """Largest request body accepted; Envoy's buffer and grpc's message limit are raised to match."""
+    snapshot_refresh_s: float = Field(0.1, gt=0, le=5)
+    stale_after_s: float = Field(3.0, gt=0)
+    """A worker whose live state is older than this is not picked."""
+    endpoint_picker_mode: Literal["poolgate", "gie"] = "poolgate"
+    """``gie``: also answer the picked ``ip:port`` in the ``x-gateway-destination-endpoint`` request header, for
+    gateways that implement the Gateway API Inference Extension endpoint-picker protocol (an ``ORIGINAL_DST``
+    cluster reading that header). ``poolgate`` pins through dynamic metadata only, so a header cannot be used
+    by a client to pin itself; use ``gie`` only behind a gateway that strips the client's copy first."""
+
+
+class ControllerSettings(Section):
+    token: str | None = None
+    """Shared token for the registration API. Prefer ``token_env``; ``poolgate up`` makes one if neither."""
+    token_env: str = "POOLGATE_TOKEN"
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    heartbeat_ttl_s: float = Field(1.5, gt=0)
+    """A worker that has not sent a heartbeat for this long leaves the registry (and Envoy's endpoints)."""
+    allowed_networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
+                                         "fc00::/7")
+    """CIDR blocks a worker registered through the API may have its address in (``host`` must be an IP
+    address inside one). The default is loopback and the private ranges (RFC 1918, IPv6 ULA): an address
+    outside them, such as a cloud metadata endpoint (169.254.169.254) or a public host, would make Envoy
+    send client traffic there. List the blocks your workers live in; ``0.0.0.0/0`` and ``::/0`` allow any."""
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _cidrs(cls, networks: tuple[str, ...]) -> tuple[str, ...]:
+        import ipaddress  # here, not at the top: this field is the module's only use
+
+        for network in networks:
+            try:
+                ipaddress.ip_network(network, strict=True)
+            except ValueError as exc:
+                raise ValueError(f"{network!r} is not a CIDR block ({exc}); e.g. 10.0.0.0/8") from None
+        return networks
+
+    @model_validator(mode="after")
+    def _ttl_covers_interval(self) -> ControllerSettings:
+        if self.heartbeat_ttl_s < 2 * self.heartbeat_interval_s:
+            raise ValueError("heartbeat_ttl_s must be at least twice heartbeat_interval_s")
+        return self
+
+    def resolved_token(self) -> str | None:
+        return self.token or os.environ.get(self.token_env) or None
+
+
+class ObservabilitySettings(Section):
+    """What extproc measures beyond its own decisions, and where it shows it."""
+
+    genai_metrics: bool = False
+    """Export the OpenTelemetry GenAI metrics (token usage, time to first token, time per output token,
+    request duration; see docs/metrics.md). Every inference response then passes through extproc, its status
+    and its body chunk by chunk: one ext_proc message per streamed chunk, paid in extproc CPU (tens of µs
+    each) and a little latency per chunk; streaming requests get ``stream_options.include_usage`` injected,
+    with the extra usage chunk hidden from clients that did not ask for it. Responses extproc watches anyway
+    (tenants with a tokens-per-minute limit) cost nothing more."""
+    extproc_metrics_port: int | None = Field(None, ge=1, le=65535)
+    """extproc serves Prometheus ``/metrics`` on this port (``poolgate up`` included); ``poolgate extproc
+    --metrics-port`` wins over it. Unset: no metrics endpoint unless the flag is given."""

@@ -1,0 +1,93 @@
+"""The ``scheduling`` section: task classes and the resource-aware picker's weights and bounds (extproc)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from poolgate.kernel.config.base import Section
+
+TaskClass = Literal["short_chat", "long_context", "code_completion", "streaming"]
+
+
+class TaskClassRules(Section):
+    """How a request's task class is decided, first match wins: streaming with a long expected output →
+    ``streaming``; prompt ≥ ``long_context_min_tokens`` → ``long_context``; a model in ``code_models`` →
+    ``code_completion``; otherwise ``short_chat``. Token counts are extproc's estimates."""
+
+    long_context_min_tokens: int = Field(8000, gt=0)
+    streaming_min_output_tokens: int = Field(512, gt=0)
+    code_models: tuple[str, ...] = ()
+
+
+DEFAULT_WEIGHTS = {"predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5,
+                   "lora_affinity": 2.0}
+SCORER_NAMES = tuple(DEFAULT_WEIGHTS)
+"""The scorers extproc's plugin registry ships, by the name ``scheduling.weights`` uses: every process
+validates the file at load without importing extproc, and a unit test holds this list to the registry. A
+registry extended elsewhere passes its own names as the validation context ``scorer_names``."""
+MAX_WAIT_LIMIT_S = 50.0
+"""Longest hold allowed: Envoy's ext_proc ``max_message_timeout`` is 60 s and the hold asks for a bit more."""
+
+
+class SchedulingSettings(Section):
+    """Weights and bounds of the resource-aware picker (extproc)."""
+
+    weights: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    """Scorer name → weight; scores are in [0, 1] and combine as a weighted sum. A missing name weighs 0.
+    Affinity outweighs in-flight balance (a cached prefix skips its prefill) but not a longer queue or less KV.
+    ``lora_affinity`` scores only requests that name a LoRA adapter (an adapter swap stalls the batch)."""
+    default_prefill_tokens_per_s: float = Field(8000.0, gt=0)
+    """Prefill rate assumed for a worker that has not reported one yet."""
+    default_output_tokens: int = Field(256, gt=0)
+    """Expected output when the request sets no max_tokens (reported usage does not feed back into it)."""
+    gpu_memory_min_free_mib: float = Field(0.0, ge=0)
+    """GPU memory watermark: workers reporting less free memory than this are not picked (0 = off)."""
+    kv_reserve_fraction: float = Field(0.02, ge=0, lt=1)
+    """KV capacity kept free as a safety margin when checking that a request's footprint fits."""
+    tokenizer_path: str | None = None
+    """Local model directory with ``tokenizer.json`` (needs the ``tokenizers`` package); default is the fast
+    character-based estimate."""
+    chars_per_token: float = Field(4.0, gt=0.5, le=16)
+    """The fast estimate's characters per prompt token (BPE tokenizers: about 4 on English prose)."""
+    debug_header: bool = False
+    """Add ``x-poolgate-decision`` (worker, task class, token estimates and scores) to the upstream request.
+    Off in production: it tells the worker how it was chosen."""
+    max_wait_s: float = Field(5.0, ge=0, le=MAX_WAIT_LIMIT_S)
+    """How long a request that fits on no worker now is held, re-picking as capacity frees, before the answer
+    is 429 with Retry-After (0 = answer at once)."""
+    retry_after_s: int = Field(1, ge=1, le=3600)
+    """The Retry-After sent with a 503 (no ready worker) or a 429 (no capacity)."""
+    ttft_reference_s: float = Field(0.5, gt=0)
+    """Predicted time to first token that scores 0.5 (score = t_ref / (t_ref + t))."""
+    reservation_settle_s: float = Field(0.5, ge=0)
+    """A placement counts as seen by the agent once the worker's record is this much newer than it."""
+    prefix_chunk_chars: int = Field(256, ge=16)
+    """Prompt-prefix affinity hashes the prompt in chunks of this many characters."""
+    prefix_max_chunks: int = Field(32, ge=1, le=1024)
+    """Only the first this many chunks of a prompt count for affinity (bounds the hashing per request)."""
+    affinity_max_entries: int = Field(50_000, ge=0)
+    """Size of the affinity map (session or prefix → worker), least recently used out first (0 = off)."""
+    task_classes: TaskClassRules = TaskClassRules()
+    max_inflight_per_worker: int = Field(0, ge=0)
+    """Saturation gate: a worker whose load, max(running + waiting, extproc's in-flight), reaches this takes no
+    more requests; they wait in the priority queue, served class by class (0 = off)."""
+    lower_class_inflight_fraction: float = Field(1.0, gt=0, le=1)
+    """Classes below the highest may fill a worker only to this fraction of ``max_inflight_per_worker``; the
+    rest is headroom the highest class finds free when lower classes burst (1 = no headroom)."""
+    queue_when_waiting: bool = False
+    """Classes below the highest are not placed on a worker whose engine reports waiting requests (it is full:
+    they would queue there, out of priority order)."""
+
+    @field_validator("weights")
+    @classmethod
+    def _known_weights(cls, weights: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        known = tuple((info.context or {}).get("scorer_names", SCORER_NAMES))
+        unknown = sorted(set(weights) - set(known))
+        if unknown:
+            raise ValueError(f"unknown scorer {', '.join(unknown)}; known: {', '.join(known)}")
+        negative = sorted(name for name, weight in weights.items() if weight < 0)
+        if negative:
+            raise ValueError(f"{', '.join(negative)} must be 0 or more")
+        return weights

@@ -1,0 +1,74 @@
+"""Every Redis key name poolgate uses, under one prefix; nothing else spells a key.
+
+Fleet keys (every one single-key or within one hash slot, so Redis Cluster works):
+
+- ``{prefix}:worker:{id}``  hash: one ``WorkerRecord`` (identity and live facts). It expires when heartbeats
+  stop.
+- ``{prefix}:workers``      set of worker ids (an index; readers prune ids whose hash has expired).
+- ``{prefix}:inflight:{id}`` cross-replica count of requests extproc has in flight on a worker.
+- ``{prefix}:events``       pub/sub channel; each message (``register ID``, ``update ID``, ``deregister ID``)
+  means "the fleet changed, refresh now".
+- ``{prefix}:passive:{id}`` count of data-path failures (5xx, timeouts, resets before headers) seen on a
+  worker; the controller's health monitor reads its growth per probe interval. It expires a minute after
+  the last failure.
+- ``{prefix}:queued:{pool}`` hash: requests each extproc replica holds in its queue for a pool (field =
+  replica id, value = its current count, expiring a few seconds after the last write so a dead replica's
+  count fades); the autoscaler reads the sum as queue pressure.
+- ``{prefix}:leader``       the controller leader lease (holder id, ``SET NX PX``).
+- ``{prefix}:controller``   the leader controller's API base URL, for operator commands.
+
+Tenant quota keys (``RedisKeys.quota``) are described where they are used, in ``extproc.quota``.
+"""
+
+from __future__ import annotations
+
+
+class QuotaKeys:
+    """A tenant's quota keys; ``{tenant:NAME}`` is their common Redis Cluster hash tag (one slot per tenant,
+    as a multi-key script needs)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def tenant(self, name: str) -> str:
+        """The common part of a tenant's keys."""
+        return f"{self.prefix}:quota:{{tenant:{name}}}"
+
+    def concurrent(self, name: str) -> str:
+        return f"{self.tenant(name)}:concurrent"
+
+    def request_buckets(self, name: str) -> str:
+        """Per-second request counts (hash: second → requests)."""
+        return f"{self.tenant(name)}:rpm"
+
+    def token_buckets(self, name: str) -> str:
+        """Per-second token charges (hash: second → tokens)."""
+        return f"{self.tenant(name)}:tpm"
+
+    def tokens(self, name: str, minute: int) -> str:
+        """Tokens charged in calendar minute ``minute`` (= ⌊t / 60⌋): accounting only."""
+        return f"{self.tenant(name)}:tpm:{minute}"
+
+
+class RedisKeys:
+    """Key names under one prefix: the fleet's here, the tenants' quotas in ``quota``."""
+
+    def __init__(self, prefix: str = "poolgate") -> None:
+        self.prefix = prefix
+        self.workers = f"{prefix}:workers"
+        self.events = f"{prefix}:events"
+        self.leader = f"{prefix}:leader"
+        self.controller = f"{prefix}:controller"
+        self.quota = QuotaKeys(prefix)
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def inflight(self, worker_id: str) -> str:
+        return f"{self.prefix}:inflight:{worker_id}"
+
+    def passive(self, worker_id: str) -> str:
+        return f"{self.prefix}:passive:{worker_id}"
+
+    def queued(self, pool: str) -> str:
+        return f"{self.prefix}:queued:{pool}"
