@@ -316,10 +316,10 @@ async def test_drain_with_active_streams_completes_them_and_takes_no_new_request
 def test_scale_a_pool_with_the_cli(stack: RunningStack) -> None:
     result = stack.cli("scale", "spare", "2")
     assert result.returncode == 0, result.stdout + result.stderr
-    grown = wait_for(lambda: sum(stack.state(w) == "Ready" for w in stack.pool_ids("spare")) == 2, 30)
+    grown = wait_for(lambda: sum(stack.state(w) == "Ready" for w in stack.pool_ids("spare")) == 2, 60)
     refused = stack.cli("scale", "spare", "5")
     assert refused.returncode == 1 and "max_workers 2" in refused.stdout
     result = stack.cli("scale", "spare", "1")
     assert result.returncode == 0 and "draining" in result.stdout
-    shrunk = wait_for(lambda: len(stack.pool_ids("spare")) == 1, 30)
+    shrunk = wait_for(lambda: len(stack.pool_ids("spare")) == 1, 60)
     print(f"\nmeasured: scale spare 1→2 Ready in {grown:.1f} s; 2→1 drained and stopped in {shrunk:.1f} s")

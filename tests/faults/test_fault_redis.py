@@ -15,7 +15,9 @@ from tests.faults.harness import FaultStack, LoadResult, LoadRun, report, wait_u
 pytestmark = pytest.mark.e2e
 
 OUTAGE_S = 2.5
-RECOVERY_LIMIT_S = 2.0
+RECOVERY_LIMIT_S = 10.0
+"""A generous bound on recovery after Redis returns (the measured time is reported; ~0.5 s on a quiet
+machine): a loaded machine must not fail the test, a fleet view that never recovers must."""
 MEASURED: dict[str, Any] = {}
 """The outage's figures, for the second test (one outage, two verdicts)."""
 
