@@ -22,11 +22,12 @@ import yaml
 
 from agent.agent import Agent, run_agent
 from poolgate.kernel.config import Config, parse_config
-from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.store import FleetStore
 from poolgate.procs import free_port, stop_process
 from tests.standin_dcgm_exporter import StandInDcgmExporter, StandInGpu
 
-KEYS = FleetKeys("gpu-sources")
+PREFIX = "gpu-sources"
 SCRAPE_INTERVAL_S = 0.1
 PROMETHEUS_SCRAPE = "200ms"
 PAGE = ('vllm:num_requests_running{engine="0",model_name="m"} 1\n'
@@ -145,11 +146,11 @@ async def prometheus(exporters: tuple[StandInDcgmExporter, StandInDcgmExporter]
 
 async def register(redis_client: aioredis.Redis, worker_id: str, node: str) -> None:
     record = WorkerRecord(id=worker_id, pool="chat", model="m", host="10.42.0.9", port=8000, node=node)
-    await register_worker(redis_client, KEYS, record, ttl_s=30.0)
+    await FleetStore(redis_client, PREFIX).register(record, ttl_s=30.0)
 
 
 async def free_mib(redis_client: aioredis.Redis) -> dict[str, float]:
-    return {r.id: r.gpu_memory_free_mib for r in await read_fleet(redis_client, KEYS)}
+    return {r.id: r.gpu_memory_free_mib for r in await FleetStore(redis_client, PREFIX).read_fleet()}
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
@@ -166,7 +167,8 @@ async def start_agent(config: Config, redis_client: aioredis.Redis, workers: lis
                       ) -> tuple[asyncio.Task[object], asyncio.Event, list[Agent]]:
     stop, ready = asyncio.Event(), []
     # by-uuid's GPU as CUDA_VISIBLE_DEVICES would name it
-    task = asyncio.create_task(run_agent(config, redis_client, KEYS, stop, worker_ids=workers, source=Pages(),
+    store = FleetStore(redis_client, PREFIX)
+    task = asyncio.create_task(run_agent(config, store, stop, worker_ids=workers, source=Pages(),
                                          gpu_ids={"by-uuid": ["GPU-b0"]}, ready=ready.append))
     return task, stop, ready  # type: ignore[return-value]
 
@@ -181,7 +183,7 @@ async def test_dcgm_exporter_facts_reach_the_fleet(redis_client: aioredis.Redis,
     task, stop, _ = await start_agent(config, redis_client, ["pg-chat-1", "b-1"])
     try:
         await until(lambda: _equals(redis_client, {"pg-chat-1": 30000.0, "b-1": 80000.0}), 10.0, "first facts")
-        [record] = [r for r in await read_fleet(redis_client, KEYS) if r.id == "pg-chat-1"]
+        [record] = [r for r in await FleetStore(redis_client, PREFIX).read_fleet() if r.id == "pg-chat-1"]
         assert (record.gpu_memory_total_mib, record.gpu_utilization) == (30000 + 50000 + 512, 0.7)
 
         exporter.gpus[0].free_mib = 12345
