@@ -5,7 +5,7 @@ from __future__ import annotations
 from urllib.parse import quote
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from poolgate.kernel.redaction import MASK, redact_text, redact_url
@@ -24,6 +24,8 @@ def test_no_password_survives(scheme: str, user: str, password: str, host: str, 
         url = f"{scheme}://{host}{path}?db=1&password={quoted}"
     else:
         url = f"{scheme}://{user}:{quoted}@{host}{path}"
+    # A password that is also part of what the URL shows (say "redi" in "redis://") cannot be told apart.
+    assume(password not in f"{scheme}://{user}@{host}{path}?db=1&password=")
     redacted = redact_url(url)
     assert quoted not in redacted and (len(password) < 4 or password not in redacted.replace(MASK, ""))
     if redacted != MASK:
