@@ -1,14 +1,25 @@
-"""extproc: Envoy's external processor. Per request: parse, admit, pick a pool and worker, answer Envoy.
+"""extproc: Envoy's external processor. Per request it picks the pool and the exact worker, and tells Envoy.
 
-It never does I/O inside the pick: decisions are pure functions over an in-memory fleet snapshot.
+What it is for: turning one HTTP request that Envoy holds into a routing decision (or an OpenAI-style error)
+from an in-memory fleet snapshot, and watching the response where a feature needs it (usage, the public
+model name, GenAI metrics).
 
-Modules: ``request`` (parse) · ``errors`` (the one error type) · ``tenancy`` (API key or trusted header →
-tenant) · ``quota`` (per-tenant concurrency / RPM / TPM in Redis, one script call each way) · ``flow_queue``
-(the priority queue's pure discipline) · ``usage`` (token usage read from response bodies) · ``genai`` (one
-request's OpenTelemetry GenAI timings and attributes) · ``scheduling`` (estimates and the pure pick: filters and
-scorers) · ``snapshot`` (frozen fleet view) · ``inflight``
-(optimistic in-flight counts) · ``reservations`` (optimistic KV and prefill placed but not yet reported) ·
-``affinity`` (session/prefix → worker map) · ``watcher`` (the fleet's Redis adapter) · ``answers`` (ext_proc
-messages) · ``service`` (gRPC servicer, per-stream state, admission, the queue's release passes) · ``server``
-(``serve()``: the wiring) · ``cli`` (``poolgate extproc``).
+What it must not do: block or call Redis on the picking path (decisions are pure functions over the
+snapshot; Redis is read by the watcher and the quota calls, off the pick); raise into gRPC (every failure is
+an answer); trust a client's routing or tenant headers; import the controller.
+
+Entry points: ``cli`` (``poolgate extproc``) → ``server.serve`` (the one reader of the whole configuration;
+it builds the parts) → ``assembly.build_service``. Rooms, in the order one request meets them:
+
+- ``service``: the gRPC servicer, the only translator of Envoy's messages (with ``answers``, the only
+  builder of Envoy's answers; ``errors`` holds the request-path error values);
+- ``pipeline``: the director and its stages (identify, resolve, admit, hold, place, respond), which answer
+  outcomes, never protobuf;
+- what the stages use: ``request`` and ``endpoints`` (parsing), ``tenancy``, ``catalogue`` and
+  ``catalogue_source``, ``parameters``, ``quota``, ``flow_queue``, ``scheduling`` (the pure pick and its
+  plugin registry), ``inflight``, ``reservations``, ``affinity``, ``endpoint_picker``, ``usage``, ``rename``,
+  ``genai``, ``metrics``;
+- ``snapshot`` and ``watcher``: the frozen fleet view and the Redis adapter that refreshes it.
+
+Importing this package imports nothing else, so ``from extproc.request import …`` stays light.
 """

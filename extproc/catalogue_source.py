@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from extproc.catalogue import Catalogue
-from poolgate.kernel.config import Config
+from poolgate.kernel.config import CatalogueSettings
 
 log = logging.getLogger(__name__)
 
@@ -19,10 +19,10 @@ class CatalogueSource:
     def __init__(self, catalogue: Catalogue) -> None:
         self.current = catalogue
 
-    def apply(self, config: Config) -> None:
-        """Use the catalogue of a new (already validated) configuration; unchanged catalogues are kept."""
-        if config.catalogue == self.current.settings:
+    def apply(self, settings: CatalogueSettings) -> None:
+        """Use the catalogue section of a new (already validated) configuration; an unchanged one is kept."""
+        if settings == self.current.settings:
             return
-        self.current = Catalogue(config.catalogue, self.current.generation + 1)
+        self.current = Catalogue(settings, self.current.generation + 1)
         log.info("model catalogue reloaded (generation %d, %d models)", self.current.generation,
-                 len(config.catalogue.models))
+                 len(settings.models))

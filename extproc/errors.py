@@ -1,7 +1,8 @@
 """The one request-path error type: a value that becomes an OpenAI-style JSON error answer.
 
 Everything that can go wrong for one request (bad JSON, unknown model, no worker) is returned as an
-``ApiError``, never raised through the gRPC stream. ``answers.error_answer`` is the one place that turns it
+``ApiError``, never raised through the gRPC stream. The exceptions extproc raises itself derive from
+``ExtprocError`` (a ``PoolgateError``). ``answers.error_answer`` is the one place that turns it
 into Envoy's ImmediateResponse, so every error a client sees has the same shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -11,6 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import orjson
+
+from poolgate.kernel.errors import PoolgateError
+
+
+class ExtprocError(PoolgateError):
+    """Base of the exceptions extproc raises itself (a request's own mistakes are ``ApiError`` values)."""
+
+
+class ProtocolError(ExtprocError):
+    """Envoy sent a message the stream does not expect now (answered 500, never a crash)."""
 
 
 @dataclass(frozen=True, slots=True)

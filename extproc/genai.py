@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import re
 
+from extproc.endpoints import ENDPOINTS
 from extproc.metrics import Metrics
-from extproc.request import CHAT_PATH, COMPLETIONS_PATH
 
 PROVIDER_NAME = "openai"
 """``gen_ai.provider.name``: workers speak OpenAI's API, and the conventions use this attribute to name the
 flavour of the telemetry (the API), not who runs the engine; the model attributes say what served it."""
-OPERATIONS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "text_completion"}
+OPERATIONS = {path: endpoint.operation for path, endpoint in ENDPOINTS.items()}
 """``gen_ai.operation.name`` by request path (the conventions' well-known values)."""
 INCOMPLETE = "incomplete"
 STREAM_ERROR = "stream_error"

@@ -15,11 +15,12 @@ import orjson
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
 
+from extproc.assembly import build_service
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
-from extproc.request import RequestFacts, RequestHead, parse_request
+from extproc.request import RequestFacts, RequestHead, facts_from_data, load_body
 from extproc.scheduling import PickContext, RequestProfiler, default_scheduler
-from extproc.service import ExtProcService, RequestState
+from extproc.service import RequestState
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
@@ -54,13 +55,15 @@ def measure(n: int = 10_000, workers: int = 8, prompt_chars: int = 2_000) -> dic
     context = PickContext(snapshot, {})
     started = time.process_time()
     for _ in range(n):
-        facts = parse_request(head, body)
+        data = load_body(body)
+        assert isinstance(data, dict)
+        facts = facts_from_data(head, data)
         assert isinstance(facts, RequestFacts)
         scheduler.pick(profiler.profile(facts), context)
     parse_pick_us = (time.process_time() - started) / n * 1e6
 
     tracker = InflightTracker()
-    service = ExtProcService(scheduler, _Fleet(snapshot), tracker, 16 << 20, Metrics())
+    service = build_service(scheduler, _Fleet(snapshot), tracker, Metrics(), max_request_bytes=16 << 20)
     header_values = [HeaderValue(key=k, raw_value=v.encode()) for k, v in (
         (":method", "POST"), (":path", "/v1/chat/completions"), (":authority", "gateway"),
         ("content-type", "application/json"), ("content-length", str(len(body))), ("x-request-id", "r" * 36),

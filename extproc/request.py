@@ -1,8 +1,8 @@
 """What one request asks for, parsed from Envoy's header and body messages into small frozen values.
 
-Pure functions only: the servicer hands in header pairs and body bytes, gets back a ``RequestHead``, a
+Pure functions only: the director hands in header pairs and body bytes, gets back a ``RequestHead``, a
 ``RequestFacts`` or an ``ApiError`` (a client mistake is a value, not an exception). Only the OpenAI
-inference endpoints are routed; any other path passes through untouched.
+inference endpoints (``endpoints``) are routed; any other path passes through untouched.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from typing import Any
 
 import orjson
 
+from extproc.endpoints import ENDPOINTS
+from extproc.endpoints.base import is_int
 from extproc.errors import ApiError, invalid_request
 from poolgate.kernel.routing import ROUTING_HEADERS
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
 SESSION_HEADER = "x-session-id"
-INFERENCE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 _ROUTING_HEADERS = frozenset(ROUTING_HEADERS)
 
 
@@ -48,7 +47,7 @@ class RequestHead:
 
     @property
     def is_inference(self) -> bool:
-        return self.method == "POST" and self.path in INFERENCE_PATHS
+        return self.method == "POST" and self.path in ENDPOINTS
 
     @property
     def is_model_list(self) -> bool:
@@ -110,14 +109,6 @@ def parse_head(headers: Iterable[tuple[str, str]], tenant_header: str | None = N
                        authorization, claim)
 
 
-def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
-    """Validate an inference request body the way the OpenAI API does, keeping only what routing needs."""
-    data = load_body(body)
-    if isinstance(data, ApiError):
-        return data
-    return facts_from_data(head, data)
-
-
 def load_body(body: bytes) -> dict[str, Any] | ApiError:
     """The body as a JSON object (the catalogue rewrites it in this form before it is dumped again)."""
     if not body:
@@ -132,7 +123,8 @@ def load_body(body: bytes) -> dict[str, Any] | ApiError:
 
 
 def facts_from_data(head: RequestHead, data: dict[str, Any]) -> RequestFacts | ApiError:
-    """``parse_request`` over an already loaded body."""
+    """Validate an inference request body (``load_body``'s object) the way the OpenAI API does, keeping only
+    what routing needs; the endpoint of ``head.path`` measures its prompt."""
     model = data.get("model")
     if model is None:
         return invalid_request("You must provide a model parameter.", "model", "missing_model")
@@ -146,13 +138,10 @@ def facts_from_data(head: RequestHead, data: dict[str, Any]) -> RequestFacts | A
         value = data.get(name)
         if value is None:
             continue
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             return invalid_request(f"'{name}' must be a positive integer.", name, "invalid_type")
         max_tokens = value if max_tokens is None else max_tokens
-    if head.path == CHAT_PATH:
-        prompt = _measure_messages(data.get("messages"))
-    else:
-        prompt = _measure_prompt(data.get("prompt"))
+    prompt = ENDPOINTS[head.path].measure(data)
     if isinstance(prompt, ApiError):
         return prompt
     chars, token_ids, messages, parts = prompt
@@ -166,56 +155,3 @@ def facts_from_data(head: RequestHead, data: dict[str, Any]) -> RequestFacts | A
         client_routing_headers=head.client_routing_headers, request_id=head.request_id,
         prompt_parts=parts, session_id=session_id, include_usage=include_usage,
     )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-_Measured = tuple[int, int, int, tuple[str, ...]]
-"""Prompt characters, token ids, messages, text pieces."""
-
-
-def _measure_messages(messages: Any) -> _Measured | ApiError:
-    if messages is None:
-        return invalid_request("You must provide a 'messages' parameter.", "messages", "missing_messages")
-    if not isinstance(messages, list) or not messages:
-        return invalid_request("'messages' must be a non-empty array.", "messages", "invalid_type")
-    chars = 0
-    parts: list[str] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return invalid_request(f"'messages.{index}' must be an object.", f"messages.{index}", "invalid_type")
-        content = message.get("content")
-        if isinstance(content, str):
-            chars += len(content)
-            parts.append(content)
-        elif isinstance(content, list):
-            for part in content:
-                if not isinstance(part, dict):
-                    return invalid_request(f"'messages.{index}.content' parts must be objects.",
-                                           f"messages.{index}.content", "invalid_type")
-                text = part.get("text")
-                if isinstance(text, str):
-                    chars += len(text)
-                    parts.append(text)
-        elif content is not None:
-            return invalid_request(f"'messages.{index}.content' must be a string, an array or null.",
-                                   f"messages.{index}.content", "invalid_type")
-    return chars, 0, len(messages), tuple(parts)
-
-
-def _measure_prompt(prompt: Any) -> _Measured | ApiError:
-    if prompt is None:
-        return invalid_request("You must provide a 'prompt' parameter.", "prompt", "missing_prompt")
-    if isinstance(prompt, str):
-        return len(prompt), 0, 0, (prompt,)
-    if isinstance(prompt, list):
-        if all(isinstance(p, str) for p in prompt):
-            return sum(len(p) for p in prompt), 0, 0, tuple(prompt)
-        if all(_is_int(p) for p in prompt):
-            return 0, len(prompt), 0, ()
-        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
-            return 0, sum(len(p) for p in prompt), 0, ()
-    return invalid_request("'prompt' must be a string, an array of strings or an array of token ids.",
-                           "prompt", "invalid_type")

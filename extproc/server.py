@@ -1,7 +1,8 @@
 """Wires one extproc process: Redis client, fleet watcher, in-flight tracker, tenants and quotas, scheduler,
 gRPC server, metrics.
 
-``serve`` is the only place these parts meet; it runs until cancelled and then stops gracefully (in-flight
+``serve`` is the only place these parts meet and the only reader of the whole configuration (each part gets
+the section it reads); it runs until cancelled and then stops gracefully (in-flight
 streams get a grace period, the watcher's loops are cancelled, the Redis client is closed).
 """
 
@@ -21,13 +22,16 @@ from prometheus_client import start_http_server
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from extproc.assembly import build_service
 from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
+from extproc.endpoint_picker import GIE_MODE
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
+from extproc.pipeline import CapacitySignal
 from extproc.quota import QuotaKeys, QuotaStore
-from extproc.scheduling import build_profiler, build_scheduler
-from extproc.service import CapacitySignal, ExtProcService
+from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
+from extproc.service import ExtProcService
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
 from poolgate.kernel.config import Config
@@ -81,35 +85,15 @@ async def serve(
         metrics_server, _ = start_http_server(metrics_port, addr=host, registry=metrics.registry)
         log.info("extproc metrics on http://%s:%d/metrics", host, metrics_server.server_port)
     client = redis_client(redis_url)
-    inflight = InflightTracker()
-    capacity_changed = CapacitySignal()
-    watcher = FleetWatcher(client, FleetKeys(config.key_prefix), config.pools, config.extproc, inflight, metrics,
-                           on_refresh=capacity_changed.notify)
-    tenants = TenantDirectory(config.tenancy, config.tenants)
-    quotas = (QuotaStore(client, QuotaKeys(config.key_prefix), config.tenancy.lease_s)
-              if any(t.has_quota for t in config.tenants) else None)
-    catalogue = CatalogueSource(Catalogue(config.catalogue))
-    service = ExtProcService(build_scheduler(config.scheduling), watcher, inflight, config.extproc.max_request_bytes,
-                             metrics, settings=config.scheduling, profiler=profiler, capacity_changed=capacity_changed,
-                             tenants=tenants, quotas=quotas, catalogue=catalogue,
-                             endpoint_picker_mode=config.extproc.endpoint_picker_mode,
-                             observability=config.observability)
-    watcher.publish_queue(service.queue.held_by_domain)
-    server = grpc.aio.server(options=grpc_options(config.extproc.max_request_bytes))
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
-    health = health_aio.HealthServicer()
-    for name in HEALTH_SERVICES:
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"extproc cannot listen on {host}:{port}")
+    service, watcher, catalogue = _assemble(config, client, metrics, profiler)
+    server, health, bound = await _grpc_server(service, host, port, config.extproc.max_request_bytes)
     watch_task = asyncio.create_task(watcher.run(), name="fleet-watcher")
     ready_task = asyncio.create_task(_serving_after_first_snapshot(watcher, health), name="health-ready")
     reload_task = None
     if config_path is not None:
         reload_task = asyncio.create_task(ConfigFileWatch(config_path, config).run(
-            config.catalogue.reload_interval_s, catalogue.apply), name="config-reload")
+            config.catalogue.reload_interval_s, lambda changed: catalogue.apply(changed.catalogue)),
+            name="config-reload")
     try:
         await watcher.refresh()
         await server.start()
@@ -124,6 +108,41 @@ async def serve(
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
+
+
+def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics,
+              profiler: RequestProfiler) -> tuple[ExtProcService, FleetWatcher, CatalogueSource]:
+    """The servicer over the fleet watcher, each part given the configuration's section it reads."""
+    inflight = InflightTracker()
+    capacity_changed = CapacitySignal()
+    watcher = FleetWatcher(client, FleetKeys(config.key_prefix), config.pools, config.extproc, inflight, metrics,
+                           on_refresh=capacity_changed.notify)
+    quotas = (QuotaStore(client, QuotaKeys(config.key_prefix), config.tenancy.lease_s)
+              if any(t.has_quota for t in config.tenants) else None)
+    catalogue = CatalogueSource(Catalogue(config.catalogue))
+    service = build_service(build_scheduler(config.scheduling), watcher, inflight, metrics,
+                            max_request_bytes=config.extproc.max_request_bytes, scheduling=config.scheduling,
+                            profiler=profiler, tenants=TenantDirectory(config.tenancy, config.tenants),
+                            quotas=quotas, catalogue=catalogue, capacity_changed=capacity_changed,
+                            genai_metrics=config.observability.genai_metrics,
+                            header_pin=config.extproc.endpoint_picker_mode == GIE_MODE)
+    watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
+    return service, watcher, catalogue
+
+
+async def _grpc_server(service: ExtProcService, host: str, port: int, max_request_bytes: int) -> (
+        tuple[grpc.aio.Server, health_aio.HealthServicer, int]):
+    """The ext_proc and health services on one server, NOT_SERVING until the first snapshot; and its port."""
+    server = grpc.aio.server(options=grpc_options(max_request_bytes))
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
+    health = health_aio.HealthServicer()
+    for name in HEALTH_SERVICES:
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"extproc cannot listen on {host}:{port}")
+    return server, health, bound
 
 
 async def _serving_after_first_snapshot(watcher: FleetWatcher, health: health_aio.HealthServicer) -> None:

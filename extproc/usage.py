@@ -59,30 +59,24 @@ class UsageWatch:
 
     def _scan(self, chunk: bytes, end_of_stream: bool) -> None:
         """Observe only: look at complete events, keep a partial tail."""
-        if not self._buffer and chunk.endswith(_EVENT_END) and not _may_report_usage(chunk):
-            return  # the common case: whole events, no usage object (``"usage":null`` on every chunk is none)
-        self._buffer += chunk
-        cut = len(self._buffer) if end_of_stream else self._buffer.rfind(_EVENT_END) + len(_EVENT_END)
-        if cut < len(_EVENT_END) and not end_of_stream:
+        if self._passes_whole(chunk):
+            return
+        complete = self._complete_events(chunk, end_of_stream)
+        if complete is None:
             if len(self._buffer) > MAX_BODY_BYTES:
                 self._buffer.clear()
             return
-        complete = bytes(self._buffer[:cut])
-        del self._buffer[:cut]
         if _may_report_usage(complete):
             for event in complete.split(_EVENT_END):
                 self._event_usage(event)
 
     def _rewrite(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
-        if not self._buffer and chunk.endswith(_EVENT_END) and not _may_report_usage(chunk):
-            return None  # the common case: whole events, no usage object (``"usage": null`` is not one)
+        if self._passes_whole(chunk):
+            return None
         fresh = not self._buffer
-        self._buffer += chunk
-        cut = len(self._buffer) if end_of_stream else self._buffer.rfind(_EVENT_END) + len(_EVENT_END)
-        if cut < len(_EVENT_END) and not end_of_stream:
+        complete = self._complete_events(chunk, end_of_stream)
+        if complete is None:
             return b""  # no complete event yet: send nothing now, the bytes follow with the next chunk
-        complete = bytes(self._buffer[:cut])
-        del self._buffer[:cut]
         if b'"usage"' not in complete:
             return complete
         events = complete.split(_EVENT_END)
@@ -90,6 +84,22 @@ class UsageWatch:
         if fresh and len(kept) == len(events) and complete == chunk:
             return None
         return _EVENT_END.join(kept)
+
+    def _passes_whole(self, chunk: bytes) -> bool:
+        """The common case: whole events, no usage object (``"usage":null`` on every chunk is none)."""
+        return not self._buffer and chunk.endswith(_EVENT_END) and not _may_report_usage(chunk)
+
+    def _complete_events(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        """Buffer ``chunk`` and take the complete events out (everything at the stream's end); None when no
+        event is complete yet."""
+        buffer = self._buffer
+        buffer += chunk
+        cut = len(buffer) if end_of_stream else buffer.rfind(_EVENT_END) + len(_EVENT_END)
+        if cut < len(_EVENT_END) and not end_of_stream:
+            return None
+        complete = bytes(buffer[:cut])
+        del buffer[:cut]
+        return complete
 
     def _is_usage_chunk(self, event: bytes) -> bool:
         data = self._event_usage(event)

@@ -18,7 +18,8 @@ close to 4 characters per token for both. ``tests/unit/test_sched_estimate.py`` 
 (bounds 12 % and 10 %) and the second when given a tokenizer file.
 
 Expected output is ``max_tokens`` when the client set it, else ``scheduling.default_output_tokens``. The
-response usage is not observed yet (extproc does not read response bodies), so there is no per-pool history.
+usage a response reports is read only for quota reconciliation and the GenAI metrics (``usage``); it does not
+feed back into the estimate, so there is no per-pool history.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Protocol
 
-from extproc.request import CHAT_PATH, RequestFacts
+from extproc.endpoints import ENDPOINTS
+from extproc.request import RequestFacts
 from extproc.scheduling.plugins import PickRequest
 from poolgate.kernel.config import ConfigError, SchedulingSettings, TaskClass, TaskClassRules
 
@@ -44,11 +46,6 @@ class PromptCounter(Protocol):
 
 def prompt_tokens_lower_bound(facts: RequestFacts) -> int:
     return facts.prompt_token_ids + facts.prompt_chars // MAX_CHARS_PER_TOKEN
-
-
-def tokens_needed_lower_bound(facts: RequestFacts) -> int:
-    """Prompt plus the output the client asked room for (at least one token)."""
-    return prompt_tokens_lower_bound(facts) + (facts.max_tokens or 1)
 
 
 def char_counter(chars_per_token: float) -> PromptCounter:
@@ -136,7 +133,8 @@ class RequestProfiler:
 
     def profile(self, facts: RequestFacts) -> PickRequest:
         prompt = self._count(facts)
-        if facts.path == CHAT_PATH:
+        endpoint = ENDPOINTS.get(facts.path)
+        if endpoint is not None and endpoint.chat_template:
             prompt += facts.message_count * MESSAGE_OVERHEAD_TOKENS + REPLY_PRIMING_TOKENS
         output = facts.max_tokens or self._settings.default_output_tokens
         return PickRequest(

@@ -19,7 +19,7 @@ class TenantPools:
     """Keeps workers of pools the request's tenant may use: never a pool dedicated to another tenant, and
     only its own dedicated pools when it is restricted to them. Costs nothing when no pool is dedicated."""
 
-    name = "tenant-pools"
+    name = "tenant_pools"
 
     def __init__(self, retry_after_s: int = 1) -> None:
         self.retry_after_s = retry_after_s
@@ -47,7 +47,7 @@ class TaskClassPools:
     fleet then still answers rather than refusing requests nobody planned for.
     """
 
-    name = "task-class"
+    name = "task_class"
 
     def filter(
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
@@ -68,7 +68,7 @@ class ReadyAndFresh:
     """Keeps workers that are Ready and whose live state is recent (``taken_at - updated_at <= stale_after``).
     Envoy honours a pin even to a draining or unhealthy host, so only Ready workers may ever be pinned."""
 
-    name = "ready-and-fresh"
+    name = "ready_and_fresh"
 
     def __init__(self, retry_after_s: int = 1) -> None:
         self.retry_after_s = retry_after_s
@@ -94,7 +94,7 @@ class FitsContext:
     engine accepts such a request (it caps the output), so only when even that fails is the answer 400.
     """
 
-    name = "fits-context"
+    name = "fits_context"
 
     def filter(
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
@@ -120,7 +120,8 @@ def _hard_minimum(request: PickRequest) -> int:
 class GpuMemoryWatermark:
     """Drops workers that report less free GPU memory than ``gpu_memory_min_free_mib`` (unknown = kept)."""
 
-    name = "gpu-memory"
+    name = "gpu_memory"
+    reason = "gpu-memory"
 
     def __init__(self, min_free_mib: float, retry_after_s: int = 1) -> None:
         self.min_free_mib = min_free_mib
@@ -135,17 +136,12 @@ class GpuMemoryWatermark:
         return [w for w in candidates if not 0 <= w.gpu_memory_free_mib < floor]
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
-        return NoCapacity(request.model, self.name, self.retry_after_s)
-
-
-def kv_footprint_tokens(request: PickRequest, block_size: int) -> int:
-    """Prompt plus expected output, rounded up to whole KV blocks (the engine allocates blocks)."""
-    block = max(1, block_size)
-    return -(-request.total_tokens // block) * block
+        return NoCapacity(request.model, self.reason, self.retry_after_s)
 
 
 class KvFits:
-    """Keeps workers whose free KV tokens hold the request's footprint (see ``kv_footprint_tokens``).
+    """Keeps workers whose free KV tokens hold the request's footprint (prompt plus expected output in whole
+    KV blocks: ``kv.kv_footprint``).
 
     free = capacity × (1 − usage − kv_reserve_fraction) − reserved, where reserved is extproc's optimistic
     count of what it placed on the worker since the record was written plus the decode room of its open
@@ -153,7 +149,8 @@ class KvFits:
     not reported yet) counts as fitting; the KV headroom scorer rates it low.
     """
 
-    name = "kv-fits"
+    name = "kv_fits"
+    reason = "kv-fits"
 
     def __init__(self, reserve_fraction: float, retry_after_s: int = 1) -> None:
         self.reserve_fraction = reserve_fraction
@@ -178,4 +175,4 @@ class KvFits:
         return kept
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
-        return NoCapacity(request.model, self.name, self.retry_after_s)
+        return NoCapacity(request.model, self.reason, self.retry_after_s)

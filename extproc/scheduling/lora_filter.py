@@ -16,7 +16,7 @@ from poolgate.kernel.fleet import WorkerRecord
 
 
 class AdapterRoom:
-    name = "lora-room"
+    name = "lora_room"
 
     def filter(
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext

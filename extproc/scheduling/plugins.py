@@ -96,7 +96,9 @@ class NoCapacity:
 
     model: str
     reason: str
-    """Name of the filter that left no candidate."""
+    """The ``reason`` of the filter that left no candidate (``kv-fits``, ``gpu-memory``, ``saturated``): label
+    values of ``poolgate_extproc_pick_refusals`` as published, while the filters' registry names are
+    snake_case."""
     retry_after_s: int
 
 
@@ -124,3 +126,12 @@ class Scorer(Protocol):
     def score(
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[float]: ...
+
+
+class Picker(Protocol):
+    """Chooses one candidate from their weighted totals; ``full_score`` is the total of a candidate that scored
+    1 on every scorer (the sum of the weights), the scale any tolerance is relative to."""
+
+    name: str
+
+    def choose(self, totals: Sequence[float], full_score: float) -> int: ...

@@ -31,6 +31,7 @@ class SaturationGate:
     """Drops workers whose load reaches the request's class limit (see the module docstring)."""
 
     name = "saturated"
+    reason = "saturated"
 
     def __init__(self, max_inflight_per_worker: int, lower_class_fraction: float = 1.0,
                  queue_when_waiting: bool = False, retry_after_s: int = 1) -> None:
@@ -51,7 +52,7 @@ class SaturationGate:
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[WorkerRecord]:
         lower = request.priority > 0
-        limit = self._limits[1 if lower else 0]
+        limit = self.limit(request.priority)
         no_waiting = self.queue_when_waiting and lower
         if not limit and not no_waiting:
             return candidates
@@ -66,4 +67,4 @@ class SaturationGate:
         return kept
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
-        return NoCapacity(request.model, self.name, self.retry_after_s)
+        return NoCapacity(request.model, self.reason, self.retry_after_s)

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from poolgate.kernel.routing import ROUTING_HEADERS
 
@@ -98,8 +106,12 @@ class TaskClassRules(_Frozen):
     code_models: tuple[str, ...] = ()
 
 
-SCORER_NAMES = ("predicted_ttft", "kv_headroom", "inflight", "prefix_affinity", "lora_affinity")
-"""Scorers extproc knows, by the name ``scheduling.weights`` uses."""
+DEFAULT_WEIGHTS = {"predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5,
+                   "lora_affinity": 2.0}
+SCORER_NAMES = tuple(DEFAULT_WEIGHTS)
+"""The scorers extproc's plugin registry ships, by the name ``scheduling.weights`` uses: every process
+validates the file at load without importing extproc, and a unit test holds this list to the registry. A
+registry extended elsewhere passes its own names as the validation context ``scorer_names``."""
 MAX_WAIT_LIMIT_S = 50.0
 """Longest hold allowed: Envoy's ext_proc ``max_message_timeout`` is 60 s and the hold asks for a bit more."""
 
@@ -107,15 +119,14 @@ MAX_WAIT_LIMIT_S = 50.0
 class SchedulingSettings(_Frozen):
     """Weights and bounds of the resource-aware picker (extproc)."""
 
-    weights: dict[str, float] = Field(default_factory=lambda: {
-        "predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5, "lora_affinity": 2.0})
+    weights: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     """Scorer name → weight; scores are in [0, 1] and combine as a weighted sum. A missing name weighs 0.
     Affinity outweighs in-flight balance (a cached prefix skips its prefill) but not a longer queue or less KV.
     ``lora_affinity`` scores only requests that name a LoRA adapter (an adapter swap stalls the batch)."""
     default_prefill_tokens_per_s: float = Field(8000.0, gt=0)
     """Prefill rate assumed for a worker that has not reported one yet."""
     default_output_tokens: int = Field(256, gt=0)
-    """Expected output when the request sets no max_tokens (response usage is not observed yet)."""
+    """Expected output when the request sets no max_tokens (reported usage does not feed back into it)."""
     gpu_memory_min_free_mib: float = Field(0.0, ge=0)
     """GPU memory watermark: workers reporting less free memory than this are not picked (0 = off)."""
     kv_reserve_fraction: float = Field(0.02, ge=0, lt=1)
@@ -156,10 +167,11 @@ class SchedulingSettings(_Frozen):
 
     @field_validator("weights")
     @classmethod
-    def _known_weights(cls, weights: dict[str, float]) -> dict[str, float]:
-        unknown = sorted(set(weights) - set(SCORER_NAMES))
+    def _known_weights(cls, weights: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        known = tuple((info.context or {}).get("scorer_names", SCORER_NAMES))
+        unknown = sorted(set(weights) - set(known))
         if unknown:
-            raise ValueError(f"unknown scorer {', '.join(unknown)}; known: {', '.join(SCORER_NAMES)}")
+            raise ValueError(f"unknown scorer {', '.join(unknown)}; known: {', '.join(known)}")
         negative = sorted(name for name, weight in weights.items() if weight < 0)
         if negative:
             raise ValueError(f"{', '.join(negative)} must be 0 or more")

@@ -11,6 +11,7 @@ import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
 
+from extproc.assembly import build_service
 from extproc.catalogue import Catalogue, Route
 from extproc.catalogue_source import CatalogueSource
 from extproc.inflight import InflightTracker
@@ -100,9 +101,9 @@ def service() -> ExtProcService:
     workers = [WorkerRecord(id=f"w-{p}", pool=p, model=m, host="127.0.0.1", port=9000 + i, updated_at=NOW)
                for i, (p, m) in enumerate((("chat-a", "chat-v1"), ("chat-b", "chat-v2")))]
     fleet = Fleet(build_snapshot(workers, CONFIG.pools, taken_at=NOW, stale_after_s=3))
-    return ExtProcService(default_scheduler(random.Random(0)), fleet, InflightTracker(), 1 << 20, Metrics(),
-                          clock=lambda: NOW, catalogue=CatalogueSource(Catalogue(CONFIG.catalogue)),
-                          rng=random.Random(0))
+    return build_service(default_scheduler(random.Random(0)), fleet, InflightTracker(), Metrics(),
+                         max_request_bytes=1 << 20, clock=lambda: NOW,
+                         catalogue=CatalogueSource(Catalogue(CONFIG.catalogue)), rng=random.Random(0))
 
 
 def headers(method: str, path: str, end: bool = False) -> ProcessingRequest:

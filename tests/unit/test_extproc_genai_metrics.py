@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )
-from test_extproc_service import NOW, POOLS, Fleet, body, headers, ready
+from test_extproc_service import NOW, POOLS, Fleet, Rig, body, headers, ready, rig
 
 from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
@@ -23,9 +23,9 @@ from extproc.genai import OPERATIONS, GenAiCall
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.scheduling import default_scheduler
-from extproc.service import ExtProcService, RequestState
+from extproc.service import RequestState
 from extproc.snapshot import build_snapshot
-from poolgate.kernel.config import ObservabilitySettings, PoolSpec, parse_config
+from poolgate.kernel.config import PoolSpec, parse_config
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.metrics_doc import GENAI_ATTRIBUTES, GENAI_SERIES, exported_metrics
 
@@ -46,13 +46,13 @@ class SteppedTimer:
 
 def make_service(genai: bool = True, workers: tuple[WorkerRecord, ...] = (),
                  catalogue: Catalogue | None = None,
-                 pools: tuple[PoolSpec, ...] = POOLS) -> tuple[ExtProcService, Metrics, SteppedTimer]:
+                 pools: tuple[PoolSpec, ...] = POOLS) -> tuple[Rig, Metrics, SteppedTimer]:
     timer, metrics = SteppedTimer(), Metrics()
     fleet = Fleet(build_snapshot(workers or (ready("w1", 9001),), pools, taken_at=NOW, stale_after_s=3))
-    service = ExtProcService(default_scheduler(random.Random(0)), fleet, InflightTracker(), 1 << 20, metrics,
-                             clock=lambda: NOW, timer=timer, rng=random.Random(0),
-                             catalogue=CatalogueSource(catalogue) if catalogue is not None else None,
-                             observability=ObservabilitySettings(genai_metrics=genai))
+    service = rig(default_scheduler(random.Random(0)), fleet, InflightTracker(), metrics, max_request_bytes=1 << 20,
+                  timer=timer, rng=random.Random(0),
+                  catalogue=CatalogueSource(catalogue) if catalogue is not None else None,
+                  genai_metrics=genai)
     return service, metrics, timer
 
 
@@ -84,7 +84,7 @@ def sample(metrics: Metrics, name: str, labels: dict[str, str]) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
-def step(service: ExtProcService, state: RequestState, timer: SteppedTimer, at: float,
+def step(service: Rig, state: RequestState, timer: SteppedTimer, at: float,
          message: ProcessingRequest) -> ProcessingResponse:
     timer.now = 100.0 + at
     return service.handle(state, message)

@@ -6,11 +6,17 @@ import orjson
 import pytest
 
 from extproc.errors import ApiError
-from extproc.request import RequestFacts, RequestHead, parse_head, parse_request
+from extproc.request import RequestFacts, RequestHead, facts_from_data, load_body, parse_head
 from poolgate.kernel.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY
 
 CHAT = RequestHead("POST", "/v1/chat/completions", None)
 COMPLETIONS = RequestHead("POST", "/v1/completions", None)
+
+
+def parse_request(head: RequestHead, body: bytes) -> RequestFacts | ApiError:
+    """What the resolve stage does first: the body as a JSON object, then the facts routing needs."""
+    data = load_body(body)
+    return data if isinstance(data, ApiError) else facts_from_data(head, data)
 
 
 def test_head_reads_pseudo_headers_and_client_routing_headers() -> None:

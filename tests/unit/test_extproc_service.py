@@ -6,6 +6,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import pytest
@@ -17,10 +18,14 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
+from extproc.assembly import build_service
+from extproc.flow_queue import FlowQueue
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
+from extproc.pipeline import DECISION_HEADER, CapacitySignal
+from extproc.reservations import ReservationBook
 from extproc.scheduling import default_scheduler
-from extproc.service import DECISION_HEADER, ExtProcService, Phase, RequestState
+from extproc.service import ExtProcService, Phase, RequestState
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -36,13 +41,38 @@ class Fleet:
     snapshot: FleetSnapshot
 
 
+class Rig:
+    """The servicer as Envoy drives it, with the director's queue and reservations in view."""
+
+    def __init__(self, servicer: ExtProcService) -> None:
+        self.servicer = servicer
+        director = servicer.director
+        self.queue: FlowQueue = director.hold_stage.queue
+        self.reservations: ReservationBook = director.place.reservations
+        self.capacity_changed: CapacitySignal = director.hold_stage.capacity_changed
+
+    def handle(self, state: RequestState, message: ProcessingRequest) -> ProcessingResponse:
+        return self.servicer.handle(state, message)
+
+    async def hold(self, state: RequestState) -> ProcessingResponse:
+        return await self.servicer.hold(state)
+
+    def finish(self, state: RequestState) -> None:
+        self.servicer.finish(state)
+
+
+def rig(*args: Any, **parts: Any) -> Rig:
+    """``build_service`` with ``clock`` at ``NOW`` unless given."""
+    return Rig(build_service(*args, **{"clock": lambda: NOW, **parts}))
+
+
 def make_service(*workers: WorkerRecord, settings: SchedulingSettings | None = None) -> (
-        tuple[ExtProcService, InflightTracker, Metrics]):
+        tuple[Rig, InflightTracker, Metrics]):
     settings = settings or SchedulingSettings()
     fleet = Fleet(build_snapshot(workers, POOLS, taken_at=NOW, stale_after_s=3))
     tracker, metrics = InflightTracker(), Metrics()
-    service = ExtProcService(default_scheduler(random.Random(0), settings), fleet, tracker, LIMIT, metrics,
-                             clock=lambda: NOW, settings=settings)
+    service = rig(default_scheduler(random.Random(0), settings), fleet, tracker, metrics, max_request_bytes=LIMIT,
+                  scheduling=settings)
     return service, tracker, metrics
 
 
@@ -67,7 +97,7 @@ def body(data: object) -> ProcessingRequest:
 CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def exchange(service: ExtProcService, *messages: ProcessingRequest) -> list[ProcessingResponse]:
+def exchange(service: Rig, *messages: ProcessingRequest) -> list[ProcessingResponse]:
     state = RequestState()
     answers = [service.handle(state, m) for m in messages]
     service.finish(state)
@@ -143,7 +173,7 @@ def test_unexpected_exception_is_a_500_answer_and_a_metric(monkeypatch: pytest.M
     def explode(*args: object) -> None:
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(service._scheduler, "pick", explode)
+    monkeypatch.setattr(service.servicer.director.place.scheduler, "pick", explode)
     _, answer = exchange(service, headers("POST", "/v1/chat/completions"), body(CHAT))
     assert answer.immediate_response.status.code == 500
     assert orjson.loads(answer.immediate_response.body)["error"]["code"] == "internal_error"
@@ -165,7 +195,7 @@ LONG_CHAT = {"model": "llama", "max_tokens": 100, "messages": [{"role": "user", 
 """About 2500 + 100 tokens: fits in an empty 10 000-token worker, not in one at 80 % usage."""
 
 
-def body_answer(service: ExtProcService, state: RequestState, data: object = LONG_CHAT) -> ProcessingResponse:
+def body_answer(service: Rig, state: RequestState, data: object = LONG_CHAT) -> ProcessingResponse:
     service.handle(state, headers("POST", "/v1/chat/completions"))
     return service.handle(state, body(data))
 
@@ -210,7 +240,7 @@ async def test_held_request_is_placed_when_the_fleet_shows_room() -> None:
     held = asyncio.create_task(service.hold(state))
     await asyncio.sleep(0.05)
     assert not held.done()
-    fleet = service._fleet
+    fleet = service.servicer.director.place.fleet
     assert isinstance(fleet, Fleet)
     fleet.snapshot = build_snapshot([kv_worker("w1", 9001, 0.1)], POOLS, taken_at=NOW, stale_after_s=3)
     service.capacity_changed.notify()

@@ -9,6 +9,7 @@ import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
 
+from extproc.assembly import build_service
 from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
 from extproc.inflight import InflightTracker
@@ -17,7 +18,7 @@ from extproc.request import RequestFacts
 from extproc.scheduling import Decision, PickContext, PickRequest, default_scheduler
 from extproc.scheduling.lora_filter import AdapterRoom
 from extproc.scheduling.scorers.lora_affinity import LoraAffinity
-from extproc.service import ExtProcService, RequestState
+from extproc.service import RequestState
 from extproc.snapshot import build_snapshot
 from poolgate.kernel.config import ConfigError, parse_config
 from poolgate.kernel.fleet import WorkerRecord
@@ -105,9 +106,9 @@ class Fleet:
 
 def test_service_sends_the_adapter_name_to_a_worker_of_the_base() -> None:
     fleet = Fleet([worker("free", (), 1, port=9001), worker("has", ("sql",), 1, port=9002)])
-    svc = ExtProcService(default_scheduler(random.Random(0)), fleet, InflightTracker(), 1 << 20, Metrics(),
-                         clock=lambda: NOW, catalogue=CatalogueSource(Catalogue(CONFIG.catalogue)),
-                         rng=random.Random(0))
+    svc = build_service(default_scheduler(random.Random(0)), fleet, InflightTracker(), Metrics(),
+                        max_request_bytes=1 << 20, clock=lambda: NOW,
+                        catalogue=CatalogueSource(Catalogue(CONFIG.catalogue)), rng=random.Random(0))
     state = RequestState()
     pairs = [(":method", "POST"), (":path", "/v1/completions")]
     values = [HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]

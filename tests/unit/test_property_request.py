@@ -6,9 +6,11 @@ from __future__ import annotations
 import orjson
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_extproc_request import parse_request
 
+from extproc.endpoints import CHAT_PATH, COMPLETIONS_PATH
 from extproc.errors import ApiError
-from extproc.request import CHAT_PATH, COMPLETIONS_PATH, RequestFacts, RequestHead, parse_head, parse_request
+from extproc.request import RequestFacts, RequestHead, parse_head
 from poolgate.kernel.routing import ROUTING_HEADERS
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

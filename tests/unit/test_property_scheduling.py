@@ -10,8 +10,9 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc.endpoints import CHAT_PATH, COMPLETIONS_PATH
 from extproc.errors import ApiError
-from extproc.request import CHAT_PATH, COMPLETIONS_PATH, RequestFacts
+from extproc.request import RequestFacts
 from extproc.scheduling import Decision, NoCapacity, PickContext, RequestProfiler, build_scheduler
 from extproc.snapshot import build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, TaskClassRules

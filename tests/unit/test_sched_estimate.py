@@ -9,8 +9,9 @@ from pathlib import Path
 
 import orjson
 import pytest
+from test_extproc_request import parse_request
 
-from extproc.request import RequestFacts, RequestHead, parse_request
+from extproc.request import RequestFacts, RequestHead
 from extproc.scheduling.estimate import (
     RequestProfiler,
     build_profiler,

@@ -13,9 +13,8 @@ from extproc.scheduling.filters import (
     KvFits,
     ReadyAndFresh,
     TaskClassPools,
-    kv_footprint_tokens,
 )
-from extproc.scheduling.kv import kv_free_tokens
+from extproc.scheduling.kv import kv_footprint, kv_free_tokens
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, TaskClass
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -114,7 +113,7 @@ def test_gpu_memory_watermark(free_mib: float, floor: float, keep: bool) -> None
 
 @pytest.mark.parametrize(("tokens", "block", "expected"), [(200, 16, 208), (208, 16, 208), (1, 16, 16), (5, 0, 5)])
 def test_kv_footprint_is_whole_blocks(tokens: int, block: int, expected: int) -> None:
-    assert kv_footprint_tokens(request(prompt=tokens, output=0), block) == expected
+    assert kv_footprint(request(prompt=tokens, output=0).total_tokens, block) == expected
 
 
 def test_kv_free_tokens_formula() -> None:

@@ -7,8 +7,7 @@ from collections.abc import Hashable
 import pytest
 
 from extproc.request import RequestFacts
-from extproc.scheduling import PickContext, PickRequest
-from extproc.scheduling.scheduler import scorer_registry
+from extproc.scheduling import PLUGINS, PickContext, PickRequest
 from extproc.scheduling.scorers.kv_headroom import KvHeadroom
 from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.scheduling.scorers.predicted_ttft import PredictedTtft
@@ -42,7 +41,7 @@ def scores(scorer: object, req: PickRequest, workers: list[WorkerRecord], **acco
 
 
 def test_every_configured_name_has_a_scorer_of_that_name() -> None:
-    registry = scorer_registry(SchedulingSettings())
+    registry = PLUGINS.build_scorers(SchedulingSettings())
     assert set(registry) == set(SCORER_NAMES)
     assert all(scorer.name == name for name, scorer in registry.items())
 
@@ -105,7 +104,7 @@ def test_prefix_affinity(keys: tuple[Hashable, ...], session: str, affinity: dic
 
 @pytest.mark.parametrize("name", SCORER_NAMES)
 def test_scores_stay_in_the_unit_interval(name: str) -> None:
-    scorer = scorer_registry(SchedulingSettings())[name]
+    scorer = PLUGINS.build_scorers(SchedulingSettings())[name]
     workers = [worker("a", kv_capacity_tokens=1000, kv_usage=1.0, waiting=100),
                worker("b", kv_capacity_tokens=10**6), worker("c")]
     values = scores(scorer, request(50_000, keys=("k",)), workers, inflight={"a": 9},

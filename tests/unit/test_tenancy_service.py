@@ -7,12 +7,13 @@ import random
 
 import orjson
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
-from test_extproc_service import CHAT, LIMIT, NOW, Fleet, body, headers, kv_worker, pin_of, ready
+from test_extproc_service import CHAT, LIMIT, NOW, Fleet, Rig, body, headers, kv_worker, pin_of, ready, rig
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
+from extproc.pipeline import TENANT_HEADER
 from extproc.scheduling import default_scheduler
-from extproc.service import TENANT_HEADER, ExtProcService, Phase, RequestState
+from extproc.service import Phase, RequestState
 from extproc.snapshot import build_snapshot
 from extproc.tenancy import TenantDirectory, key_digest
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, parse_config
@@ -22,23 +23,22 @@ POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="vip", model="llama
          PoolSpec(name="code", model="coder"))
 
 
-def service_with(*workers: WorkerRecord, max_wait_s: float = 5, **tenancy: object) -> tuple[ExtProcService, Metrics]:
-    cfg = parse_config({
-        "pools": [p.model_dump() for p in POOLS],
-        "tenancy": tenancy,
-        "tenants": [
-            {"name": "gold", "api_key_sha256": [key_digest("gold-key")], "priority": "high",
-             "dedicated_pools": ["vip"], "dedicated_only": False},
-            {"name": "bronze", "api_key_sha256": [key_digest("bronze-key")], "priority": "low",
-             "models": ["llama"]},
-        ],
-    })
+TENANTS = [
+    {"name": "gold", "api_key_sha256": [key_digest("gold-key")], "priority": "high",
+     "dedicated_pools": ["vip"], "dedicated_only": False},
+    {"name": "bronze", "api_key_sha256": [key_digest("bronze-key")], "priority": "low", "models": ["llama"]},
+]
+
+
+def service_with(*workers: WorkerRecord, max_wait_s: float = 5, tenants: list[dict[str, object]] | None = None,
+                 **tenancy: object) -> tuple[Rig, Metrics]:
+    cfg = parse_config({"pools": [p.model_dump() for p in POOLS], "tenancy": tenancy,
+                        "tenants": TENANTS if tenants is None else tenants})
     settings = SchedulingSettings(max_wait_s=max_wait_s)
     metrics = Metrics()
-    service = ExtProcService(default_scheduler(random.Random(0), settings),
-                             Fleet(build_snapshot(workers, POOLS, taken_at=NOW, stale_after_s=3)), InflightTracker(),
-                             LIMIT, metrics, clock=lambda: NOW, settings=settings,
-                             tenants=TenantDirectory(cfg.tenancy, cfg.tenants))
+    service = rig(default_scheduler(random.Random(0), settings),
+                  Fleet(build_snapshot(workers, POOLS, taken_at=NOW, stale_after_s=3)), InflightTracker(), metrics,
+                  max_request_bytes=LIMIT, scheduling=settings, tenants=TenantDirectory(cfg.tenancy, cfg.tenants))
     return service, metrics
 
 
@@ -46,7 +46,7 @@ def vip(worker_id: str, port: int) -> WorkerRecord:
     return WorkerRecord(id=worker_id, pool="vip", model="llama", host="127.0.0.1", port=port, updated_at=NOW)
 
 
-def ask(service: ExtProcService, key: str | None, data: object = CHAT,
+def ask(service: Rig, key: str | None, data: object = CHAT,
         extra: dict[str, str] | None = None) -> tuple[RequestState, list[object]]:
     state = RequestState()
     auth = {"authorization": f"Bearer {key}"} if key else {}
@@ -100,10 +100,8 @@ def test_no_other_tenant_lands_on_a_dedicated_pool() -> None:
 
 
 def test_only_dedicated_pools_when_restricted() -> None:
-    service, _ = service_with(ready("w1", 9001))
-    cfg = parse_config({"pools": [p.model_dump() for p in POOLS], "tenants": [
-        {"name": "gold", "api_key_sha256": [key_digest("gold-key")], "dedicated_pools": ["vip"]}]})
-    service.tenants = TenantDirectory(cfg.tenancy, cfg.tenants)
+    service, _ = service_with(ready("w1", 9001), tenants=[
+        {"name": "gold", "api_key_sha256": [key_digest("gold-key")], "dedicated_pools": ["vip"]}])
     _, answers = ask(service, "gold-key")
     assert error(answers[-1]) == (403, "model_not_allowed")  # its only pool has no worker for the model
 

@@ -1,0 +1,71 @@
+"""Assembles one servicer from its parts: the director and its stages, each given the section it reads.
+
+``server.serve`` calls it with the process's real parts; tests and the micro-benchmark with their own.
+Parts left out get the neutral choice: no tenants (everyone is the default tenant), no quotas, an empty
+catalogue, GenAI metrics off.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from extproc.catalogue import EMPTY_CATALOGUE
+from extproc.catalogue_source import CatalogueSource
+from extproc.inflight import InflightTracker
+from extproc.metrics import Metrics
+from extproc.pipeline import (
+    Admit,
+    CapacitySignal,
+    Director,
+    Hold,
+    Identify,
+    Place,
+    Resolve,
+    Respond,
+    SnapshotSource,
+)
+from extproc.quota import QuotaStore
+from extproc.scheduling import RequestProfiler, Scheduler
+from extproc.service import ExtProcService
+from extproc.tenancy import TenantDirectory
+from poolgate.kernel.config import SchedulingSettings, TenancySettings
+
+
+def build_service(
+    scheduler: Scheduler,
+    fleet: SnapshotSource,
+    inflight: InflightTracker,
+    metrics: Metrics,
+    *,
+    max_request_bytes: int,
+    scheduling: SchedulingSettings | None = None,
+    profiler: RequestProfiler | None = None,
+    tenants: TenantDirectory | None = None,
+    quotas: QuotaStore | None = None,
+    catalogue: CatalogueSource | None = None,
+    capacity_changed: CapacitySignal | None = None,
+    genai_metrics: bool = False,
+    header_pin: bool = False,
+    clock: Callable[[], float] = time.time,
+    timer: Callable[[], float] = time.perf_counter,
+    rng: random.Random | None = None,
+) -> ExtProcService:
+    """``clock`` is the wall clock worker records are stamped with; ``timer`` the monotonic one for durations
+    and queue deadlines; ``rng`` draws catalogue traffic splits."""
+    scheduling = scheduling or SchedulingSettings()
+    tenants = tenants or TenantDirectory(TenancySettings(), ())
+    tenancy = tenants.settings
+    max_wait_s = tuple(scheduling.max_wait_s if c.max_wait_s is None else c.max_wait_s
+                       for c in tenancy.priority_classes)
+    director = Director(
+        identify=Identify(tenants, max_request_bytes),
+        resolve=Resolve(catalogue or CatalogueSource(EMPTY_CATALOGUE), profiler or RequestProfiler(scheduling),
+                        rng or random.Random()),
+        admit=Admit(quotas, tenancy, metrics),
+        hold=Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed),
+        place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer),
+        respond=Respond(metrics, genai_metrics),
+        metrics=metrics, clock=clock, timer=timer)
+    return ExtProcService(director, metrics, header_pin=header_pin)

@@ -1,0 +1,254 @@
+"""The director: one request's way through the stages, as the servicer reports what Envoy sent.
+
+    headers → identify (tenant, size) → model list | passthrough | body follows
+    body    → resolve (catalogue, parameters, profile) → admit (quota) → place now, or hold (queue) → place
+    response headers / body → respond (usage, model name, GenAI observers)
+    stream end → finish: give back the queue place, in-flight count, reservation and quota slot
+
+Stages answer outcomes (``outcomes``); the director counts how requests end (``poolgate_extproc_requests``,
+``…_rejections``) and tells the response feed about refusals. It never sees a protobuf and never raises into
+the servicer on the asynchronous steps (admission, holding): an unexpected exception there is a logged 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+from extproc.errors import internal_error, invalid_request, no_capacity
+from extproc.metrics import Metrics
+from extproc.pipeline.admit import Admit
+from extproc.pipeline.context import Arrival, RequestContext
+from extproc.pipeline.hold import Hold
+from extproc.pipeline.identify import Identify
+from extproc.pipeline.outcomes import (
+    ADMITTING,
+    Admitting,
+    Final,
+    ModelList,
+    Passthrough,
+    Placed,
+    Proceed,
+    Refused,
+    RewriteBody,
+    Routing,
+)
+from extproc.pipeline.place import Place
+from extproc.pipeline.resolve import Resolve
+from extproc.pipeline.respond import Respond
+from extproc.scheduling import Decision, NoCapacity
+
+log = logging.getLogger(__name__)
+
+INTERNAL_ERROR = Refused(internal_error())
+
+
+class Director:
+    def __init__(self, identify: Identify, resolve: Resolve, admit: Admit, hold: Hold, place: Place,
+                 respond: Respond, metrics: Metrics, clock: Callable[[], float] = time.time,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
+        self.identify = identify
+        self.resolve = resolve
+        self.admit_stage = admit
+        self.hold_stage = hold
+        self.place = place
+        self.respond = respond
+        self._metrics = metrics
+        self._clock = clock
+        self._timer = timer
+        """Monotonic timer for durations and queue deadlines."""
+        hold.attach(self)
+
+    def headers(self, context: RequestContext, headers: Iterable[tuple[str, str]], subset: frozenset[str] | None,
+                end_of_stream: bool) -> Proceed | Passthrough | ModelList | Refused:
+        head = self.identify.head(headers)
+        self.respond.arrived(context.response, head, self._timer())
+        oversized = self.identify.oversized(head.content_length)
+        if oversized is not None:
+            return self.refuse(context, oversized)
+        tenant = None
+        if head.is_api or head.is_model_list:
+            identified = self.identify.tenant(head)
+            if isinstance(identified, Refused):
+                return self.refuse(context, identified)
+            tenant = identified
+        catalogue = self.resolve.current
+        if head.is_model_list:
+            context.arrival = Arrival(head, tenant, catalogue, subset)
+            self._metrics.requests.labels("model_list").inc()
+            return self.resolve.model_list(tenant, self.place.snapshot.models, int(self._clock()))
+        if not end_of_stream:
+            observed = bool(context.response.observers)
+            watch = observed or (head.is_inference and tenant is not None and self.admit_stage.reconciles(tenant))
+            context.arrival = Arrival(head, tenant, catalogue, subset, watch)
+            return Proceed(watch, head.is_inference and (catalogue.renames or observed))
+        context.arrival = Arrival(head, tenant, catalogue, subset)
+        if head.is_inference:
+            return self.refuse(context, Refused(invalid_request("The request body must be a JSON object.",
+                                                                code="missing_body")))
+        self._metrics.requests.labels("passthrough").inc()
+        return Passthrough(head.client_routing_headers)
+
+    def body_received(self, context: RequestContext, size: int) -> Refused | None:
+        """A 413 as soon as the body received so far is too large."""
+        oversized = self.identify.oversized(size)
+        return None if oversized is None else self.refuse(context, oversized)
+
+    def body(self, context: RequestContext, raw: bytes) -> Passthrough | Admitting | Routing:
+        """The whole body arrived: resolve the request, then admit (``ADMITTING``: ask ``admit``) or route it."""
+        arrival = context.arrival
+        assert arrival is not None
+        if not arrival.head.is_inference:
+            self._metrics.requests.labels("passthrough").inc()
+            return Passthrough(arrival.head.client_routing_headers)
+        resolved = self.resolve.resolve(arrival, raw, context.response, self.place.snapshot.models)
+        if isinstance(resolved, Refused):
+            return self.refuse(context, resolved)
+        if arrival.watch_usage:
+            resolved = replace(resolved, body=self.respond.watch_usage(context.response, resolved.facts,
+                                                                       resolved.body, raw))
+        context.resolved = resolved
+        assert arrival.tenant is not None
+        if self.admit_stage.applies(arrival.tenant):
+            return ADMITTING
+        return self._route(context)
+
+    async def admit(self, context: RequestContext) -> Routing:
+        """Ask the tenant's quotas, then route. Never raises (apart from the stream's cancellation)."""
+        tenant, request = context.tenant, context.request
+        assert tenant is not None and request is not None
+        try:
+            admitted = await self.admit_stage.admit(tenant, request.total_tokens)
+        except Exception:
+            log.exception("quota admission failed (answered 500)")
+            return self.failed(context)
+        if isinstance(admitted, Refused):
+            return self.refuse(context, admitted)
+        context.ticket = admitted
+        try:
+            return self._route(context)
+        except Exception:
+            log.exception("extproc failed on a request (answered 500)")
+            return self.failed(context)
+
+    async def hold(self, context: RequestContext) -> Final:
+        """Wait in the queue until a release pass places the request, it is shed, or its class's deadline
+        passes (then one last pick, else 429). Never raises (a cancelled stream cancels it, which is fine:
+        ``finish`` takes the request out of the queue)."""
+        assert context.queued is not None
+        started = context.queued.entry.enqueued_at
+        outcome = "cancelled"  # the client went away (Envoy reset the stream) while held
+        self._metrics.held_requests.inc()
+        try:
+            final = await self.hold_stage.wait(context)
+            if final is None:
+                final = self._place(context, may_hold=False, held_since=started)
+                assert final is not None  # may not hold: placed or refused
+                if context.decision is None:
+                    self.count_rejection(context, "queue_deadline")
+            outcome = "placed" if context.decision is not None else "refused"
+            return final
+        except Exception:
+            log.exception("extproc failed while holding a request (answered 500)")
+            outcome = "refused"
+            return self.failed(context)
+        finally:
+            self._metrics.held_requests.dec()
+            self._metrics.hold_seconds.labels(outcome).observe(self._timer() - started)
+
+    def response_headers(self, context: RequestContext, status: int | None, end_of_stream: bool) -> RewriteBody | None:
+        """Asked while the GenAI metrics are on (the status tells a worker's error) or the catalogue renames
+        models (the body of a request sent under another name must be rewritten: ``RewriteBody``)."""
+        context.response.headers(status, end_of_stream, self._timer())
+        resolved, arrival = context.resolved, context.arrival
+        if resolved is None or resolved.renamed is None or context.placement is None or arrival is None:
+            return None
+        self.respond.rename(context.response, resolved.renamed)
+        return RewriteBody(body_watched=arrival.watch_usage)
+
+    def response_body(self, context: RequestContext, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        return context.response.chunk(chunk, end_of_stream, self._timer())
+
+    def finish(self, context: RequestContext) -> None:
+        """The stream ended (Envoy closes it when the HTTP request is done): release what it holds."""
+        if context.queued is not None:
+            self.hold_stage.leave(context, "cancelled")
+        placement = context.placement
+        if placement is not None:
+            self.place.release(placement)
+            context.placement = None
+        if context.ticket is not None:
+            usage = context.response.usage
+            self.admit_stage.release(context.ticket, usage.total_tokens if usage is not None else None,
+                                     ran=placement is not None)
+            context.ticket = None
+        context.response.close(self._timer())  # still waiting: the stream closed before the response's end
+        if placement is not None:
+            self.hold_stage.capacity_changed.notify()
+
+    def place_held(self, context: RequestContext) -> Final | None:
+        try:
+            return self._place(context, may_hold=True)
+        except Exception:
+            log.exception("extproc failed while releasing a request (answered 500)")
+            return self.failed(context)
+
+    def refuse(self, context: RequestContext, refused: Refused) -> Refused:
+        """The request ends in an error answer: counted by code (and by tenant and reason when it has one)."""
+        if refused.reason is not None:
+            self.count_rejection(context, refused.reason)
+        code = refused.error.code or refused.error.type
+        self._metrics.requests.labels(code).inc()
+        context.response.refused(code, self._timer())
+        return refused
+
+    def count_rejection(self, context: RequestContext, reason: str) -> None:
+        tenant = context.tenant
+        self._metrics.rejections.labels(tenant.name if tenant is not None else "unknown", reason).inc()
+
+    def failed(self, context: RequestContext) -> Refused:
+        """An unexpected exception on the request path: a 500 answer and a metric."""
+        self._metrics.internal_errors.inc()
+        return self.refuse(context, INTERNAL_ERROR)
+
+    def _route(self, context: RequestContext) -> Routing:
+        """Place an admitted request now, or queue it (behind others waiting for the same capacity)."""
+        tenant, request = context.tenant, context.request
+        assert tenant is not None and request is not None
+        self._metrics.admissions.labels(tenant.name, tenant.priority_class).inc()
+        domain = (request.model, tenant.only_pools, tenant.excluded_pools)
+        may_hold = self.hold_stage.may_hold(tenant.priority)
+        if not (may_hold and self.hold_stage.queue.has_waiting(domain)):
+            final = self._place(context, may_hold=may_hold)
+            if final is not None:
+                return final
+        return self.hold_stage.enqueue(context, domain)
+
+    def _place(self, context: RequestContext, may_hold: bool, held_since: float | None = None) -> Final | None:
+        """Pick and conclude; None when there is no capacity now and the request may be held."""
+        request, arrival = context.request, context.arrival
+        assert request is not None and arrival is not None
+        outcome = self.place.pick(request, arrival.subset)
+        if isinstance(outcome, Decision):
+            return self._commit(context, outcome)
+        if isinstance(outcome, NoCapacity):
+            if may_hold:
+                return None
+            self.place.count_no_capacity(request, outcome)
+            waited = 0.0 if held_since is None else self._timer() - held_since
+            return self.refuse(context, Refused(no_capacity(request.model, waited, outcome.retry_after_s)))
+        return self.refuse(context, outcome)
+
+    def _commit(self, context: RequestContext, decision: Decision) -> Placed:
+        resolved, tenant = context.resolved, context.tenant
+        assert resolved is not None
+        request = resolved.request
+        context.placement = self.place.commit(request, decision)
+        self._metrics.requests.labels("routed").inc()
+        context.response.placed(request)
+        named = tenant if self.identify.names_tenants else None
+        log.debug("routed to %s (%s)", decision.worker_id, decision.endpoint)
+        return Placed(decision, request.facts.client_routing_headers, self.place.headers(decision, request, named),
+                      resolved.body)

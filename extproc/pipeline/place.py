@@ -1,0 +1,116 @@
+"""The place stage: the scheduler's pick over the live snapshot, and what a placement holds until its end.
+
+The pick itself is pure (``scheduling``); around it this stage keeps the replica's own accounting that the
+snapshot cannot show yet: in-flight counts, KV and prefill reservations (settled when a newer snapshot
+arrives) and the affinity map. A placement acquires all three at once and ``release`` gives them back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+from extproc.affinity import AffinityMap
+from extproc.endpoint_picker import within
+from extproc.errors import no_worker
+from extproc.inflight import InflightTracker
+from extproc.metrics import Metrics
+from extproc.pipeline.context import Placement
+from extproc.pipeline.outcomes import Refused
+from extproc.reservations import ReservationBook
+from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, Scheduler
+from extproc.snapshot import FleetSnapshot
+from extproc.tenancy import Tenant
+from poolgate.kernel.config import SchedulingSettings
+
+DECISION_HEADER = "x-poolgate-decision"
+TENANT_HEADER = "x-poolgate-tenant"
+"""Set on the upstream request: the tenant extproc identified (client copies are stripped by Envoy)."""
+
+
+class SnapshotSource(Protocol):
+    @property
+    def snapshot(self) -> FleetSnapshot: ...
+
+
+class Place:
+    def __init__(self, scheduler: Scheduler, fleet: SnapshotSource, inflight: InflightTracker, metrics: Metrics,
+                 settings: SchedulingSettings, clock: Callable[[], float] = time.time,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
+        self.scheduler = scheduler
+        self.fleet = fleet
+        self.inflight = inflight
+        self.reservations = ReservationBook(settings.reservation_settle_s)
+        self.affinity = AffinityMap(settings.affinity_max_entries)
+        self._metrics = metrics
+        self._debug_header = settings.debug_header
+        self._clock = clock
+        """Wall clock, the one worker records are stamped with (reservations compare against it)."""
+        self._timer = timer
+        self._settled_for: FleetSnapshot | None = None
+
+    @property
+    def snapshot(self) -> FleetSnapshot:
+        return self.fleet.snapshot
+
+    def context(self) -> PickContext:
+        """The current snapshot with this replica's accounting; settles reservations on a new snapshot."""
+        snapshot = self.fleet.snapshot
+        if snapshot is not self._settled_for:
+            self.reservations.settle(snapshot)
+            self._settled_for = snapshot
+        reservations = self.reservations
+        return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, reservations.prefill_tokens,
+                           self.affinity.entries)
+
+    def pick(self, request: PickRequest, subset: frozenset[str] | None) -> Decision | NoCapacity | Refused:
+        """The scheduler's answer, among the gateway's ``subset`` of endpoints when it sent one."""
+        started = self._timer()
+        context = self.context()
+        if subset is not None:
+            fleet = context.snapshot
+            context = replace(context, snapshot=within(fleet, subset))
+            if not context.snapshot.workers_for(request.model) and request.model in fleet.models:
+                return Refused(no_worker(request.model))  # the gateway left no endpoint
+        outcome = self.scheduler.pick(request, context)
+        self._metrics.pick_seconds.observe(self._timer() - started)
+        if isinstance(outcome, Decision | NoCapacity):
+            return outcome
+        if outcome.code != "model_not_found":  # a client's unknown model names must not become label values
+            self._metrics.pick_refusals.labels(request.model, outcome.code or outcome.type).inc()
+        return Refused(outcome)
+
+    def count_no_capacity(self, request: PickRequest, outcome: NoCapacity) -> None:
+        self._metrics.pick_refusals.labels(request.model, outcome.reason).inc()
+
+    def commit(self, request: PickRequest, decision: Decision) -> Placement:
+        worker_id = decision.worker_id
+        self.inflight.acquire(worker_id)
+        reservation = self.reservations.reserve(worker_id, request.prompt_tokens, request.output_tokens,
+                                                self._clock())
+        if request.affinity_keys:
+            self.affinity.record(request.affinity_keys, worker_id)
+        self._metrics.picks.labels(decision.pool, worker_id).inc()
+        return Placement(decision, reservation)
+
+    def headers(self, decision: Decision, request: PickRequest, tenant: Tenant | None) -> tuple[tuple[str, str], ...]:
+        """Upstream headers of a placed request: the debug header when on, the tenant when one is named."""
+        extra: list[tuple[str, str]] = []
+        if self._debug_header:
+            extra.append((DECISION_HEADER, describe(decision, request)))
+        if tenant is not None:
+            extra.append((TENANT_HEADER, tenant.name))
+        return tuple(extra)
+
+    def release(self, placement: Placement) -> None:
+        self.inflight.release(placement.decision.worker_id)
+        self.reservations.release(placement.reservation)
+
+
+def describe(decision: Decision, request: PickRequest) -> str:
+    """The debug header's value: where the request went, what it was estimated to need, and why."""
+    scores = " ".join(f"{name}={score:.3f}" for name, score in decision.scores)
+    return (f"worker={decision.worker_id} pool={decision.pool} class={request.task_class} "
+            f"prompt_tokens={request.prompt_tokens} output_tokens={request.output_tokens} {scores}").rstrip()
