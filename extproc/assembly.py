@@ -14,6 +14,7 @@ from collections.abc import Callable
 from extproc.catalogue import EMPTY_CATALOGUE
 from extproc.catalogue_source import CatalogueSource
 from extproc.inflight import InflightTracker
+from extproc.kvcache.lookup import CacheLookup
 from extproc.metrics import Metrics
 from extproc.pipeline import (
     Admit,
@@ -51,6 +52,7 @@ def build_service(
     clock: Callable[[], float] = time.time,
     timer: Callable[[], float] = time.perf_counter,
     rng: random.Random | None = None,
+    prefix_cache: CacheLookup | None = None,
 ) -> ExtProcService:
     """``clock`` is the wall clock worker records are stamped with; ``timer`` the monotonic one for durations
     and queue deadlines; ``rng`` draws catalogue traffic splits."""
@@ -65,7 +67,7 @@ def build_service(
                         rng or random.Random()),
         admit=Admit(quotas, tenancy, metrics),
         hold=Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed),
-        place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer),
+        place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache),
         respond=Respond(metrics, genai_metrics),
         metrics=metrics, clock=clock, timer=timer)
     return ExtProcService(director, metrics, header_pin=header_pin)

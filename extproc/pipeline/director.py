@@ -111,14 +111,28 @@ class Director:
                                                                        resolved.body, raw))
         context.resolved = resolved
         assert arrival.tenant is not None
+        if self.place.wants_prompt(resolved.request):
+            context.prompt = resolved.body or raw  # tokenised on the asynchronous step (maybe in a thread)
+            return ADMITTING
         if self.admit_stage.applies(arrival.tenant):
             return ADMITTING
         return self._route(context)
 
     async def admit(self, context: RequestContext) -> Routing:
-        """Ask the tenant's quotas, then route. Never raises (apart from the stream's cancellation)."""
-        tenant, request = context.tenant, context.request
-        assert tenant is not None and request is not None
+        """Tokenise the prompt for cache lookups where asked, ask the tenant's quotas, then route. Never raises
+        (apart from the stream's cancellation)."""
+        tenant, request, resolved = context.tenant, context.request, context.resolved
+        assert tenant is not None and request is not None and resolved is not None
+        if context.prompt is not None:
+            body, context.prompt = context.prompt, None
+            try:
+                context.resolved = replace(resolved, request=await self.place.prepare(request, body))
+            except Exception:
+                log.exception("preparing the cache lookup failed; the scheduler estimates for this request")
+            request = context.request
+            assert request is not None
+        if not self.admit_stage.applies(tenant):
+            return self._routed_or_failed(context)
         try:
             admitted = await self.admit_stage.admit(tenant, request.total_tokens)
         except Exception:
@@ -127,6 +141,9 @@ class Director:
         if isinstance(admitted, Refused):
             return self.refuse(context, admitted)
         context.ticket = admitted
+        return self._routed_or_failed(context)
+
+    def _routed_or_failed(self, context: RequestContext) -> Routing:
         try:
             return self._route(context)
         except Exception:

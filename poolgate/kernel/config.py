@@ -42,6 +42,21 @@ class Ports(_Frozen):
     controller_http: int = Field(0, ge=0, le=65535)
 
 
+class KvEventsSettings(_Frozen):
+    """Precise prefix-cache knowledge from the workers' KV events (vLLM's ``--kv-events-config``): every extproc
+    process subscribes to every serving worker whose record names a ``kv_events_endpoint``."""
+
+    enabled: bool = True
+    pending_s: float = Field(2.0, ge=0, le=30)
+    """A placed prompt's blocks count as held by its worker for this long, until the events confirm them."""
+    max_blocks: int = Field(4_000_000, ge=1)
+    """Index bound, in (worker, block) entries over all workers (~250 bytes each)."""
+    relearn_s: float = Field(30.0, ge=0)
+    """After history that could not be replayed, a worker stays unknown (estimated) this long."""
+    replay_timeout_s: float = Field(1.0, gt=0, le=30)
+    """How long a replay request may take before the missed batches are given up."""
+
+
 class ExtprocSettings(_Frozen):
     fail_open: bool = True
     """Envoy forwards requests unprocessed to the default route when extproc is down (else 503 JSON)."""
@@ -50,6 +65,7 @@ class ExtprocSettings(_Frozen):
     snapshot_refresh_s: float = Field(0.1, gt=0, le=5)
     stale_after_s: float = Field(3.0, gt=0)
     """A worker whose live state is older than this is not picked."""
+    kv_events: KvEventsSettings = KvEventsSettings()
     endpoint_picker_mode: Literal["poolgate", "gie"] = "poolgate"
     """``gie``: also answer the picked ``ip:port`` in the ``x-gateway-destination-endpoint`` request header, for
     gateways that implement the Gateway API Inference Extension endpoint-picker protocol (an ``ORIGINAL_DST``
@@ -107,7 +123,7 @@ class TaskClassRules(_Frozen):
 
 
 DEFAULT_WEIGHTS = {"predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5,
-                   "lora_affinity": 2.0}
+                   "lora_affinity": 2.0, "cache_aware_ttft": 4.0}
 SCORER_NAMES = tuple(DEFAULT_WEIGHTS)
 """The scorers extproc's plugin registry ships, by the name ``scheduling.weights`` uses: every process
 validates the file at load without importing extproc, and a unit test holds this list to the registry. A
@@ -296,6 +312,17 @@ class KubernetesSettings(_Frozen):
     deployment_prefix: str = "poolgate-worker-"
 
 
+class PoolTokenizer(_Frozen):
+    """A local ``tokenizer.json`` (file or model directory; never downloaded) and the chat template as format
+    strings: ``prefix`` once, ``message`` per message with ``{role}`` and ``{content}``, ``reply`` to prime the
+    answer."""
+
+    path: str = Field(min_length=1)
+    message: str = Field(min_length=1)
+    reply: str = ""
+    prefix: str = ""
+
+
 class PoolSpec(_Frozen):
     """A pool is a set of interchangeable workers serving one model; it becomes one Envoy cluster."""
 
@@ -306,6 +333,9 @@ class PoolSpec(_Frozen):
     task_classes: tuple[TaskClass, ...] = ()
     """Task classes this pool takes (empty = all), e.g. ``[streaming]`` for a streaming-only pool. When no
     pool of a model takes a request's class, every pool of the model may serve it."""
+    tokenizer: PoolTokenizer | None = None
+    """How the pool's engines tokenise prompts, for cache lookups against their KV events (simulated workers
+    need none: the simulator's tokenizer is built in)."""
 
 
 class WorkerSpec(_Frozen):
