@@ -56,9 +56,8 @@ class WorkerStream:
         if last is not None and sequence <= last:
             log.info("worker %s: KV event stream restarted (%d after %d); its cache starts empty",
                      self.worker_id, sequence, last)
-            self._index.reset(self.worker_id)
-            self._recent.clear()
-            self.last = last = None
+            self.restarted()
+            last = None
         if last is None:
             return 0 if sequence > 0 else None
         if sequence == last + 1:
@@ -66,6 +65,12 @@ class WorkerStream:
         self.gaps += 1
         self._index.mark_unknown(self.worker_id)
         return last + 1
+
+    def restarted(self) -> None:
+        """A new publisher (its numbers start again at 0): forget what the worker held before."""
+        self._index.reset(self.worker_id)
+        self._recent.clear()
+        self.last = None
 
     def catch_up(self, start: int, before: int, replayed: Sequence[Frame]) -> None:
         """Apply the replayed batches ``start`` … ``before - 1``; a hole in them means history is lost."""
@@ -86,8 +91,9 @@ class WorkerStream:
         self._index.mark_unknown(self.worker_id)
 
     def idle_in_sync(self) -> None:
-        """Connected, and a replay from ``last + 1`` returned nothing: nothing was missed."""
-        if self.last is not None and self._clock() >= self._relearn_until:
+        """The replay showed nothing is missing: the same publisher still ends at the last batch applied, or
+        one that has published nothing yet (its engine stored nothing: an empty cache, known)."""
+        if self._clock() >= self._relearn_until:
             self._index.mark_known(self.worker_id)
 
     def _apply(self, frame: Frame) -> None:

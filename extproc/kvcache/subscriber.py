@@ -102,10 +102,26 @@ class Subscription:
             log.info("worker %s: KV event stream disconnected", self.record.id)
             self.stream.disconnected()
             return
-        start = 0 if self.stream.last is None else self.stream.last + 1
-        replayed = await self._replay(start)
+        await self._resync()
+
+    async def _resync(self) -> None:
+        """After a (re)connect: replay from the last batch applied. If the publisher still has that very
+        batch, it is the same stream and the rest is what was missed; if not, it is a new engine (or one
+        that moved on too far): start over from its first batch."""
+        stream = self.stream
+        if not self.record.kv_events_replay_endpoint:
+            return  # unknown until the next batch shows where the stream is
+        last = stream.last
+        replayed = await self._replay(0 if last is None else last)
+        if last is not None:
+            if replayed and replayed[0].sequence == last and stream.already_applied(replayed[0]):
+                stream.idle_in_sync()
+                replayed = replayed[1:]
+            else:
+                stream.restarted()
+                replayed = await self._replay(0)
         if not replayed:
-            self.stream.idle_in_sync()
+            stream.idle_in_sync()
         for frame in replayed:
             await self._handle(frame)
 
