@@ -31,6 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from controller.backend import PlacementRefused
+from controller.kv_events_launch import KvEventsLaunch, kv_events_launch, kv_socket_path
 from controller.placement import GpuFree, Placement, place
 from poolgate.kernel.config import Config, WorkerSpec
 from poolgate.kernel.fleet import (
@@ -87,14 +88,15 @@ def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[s
     return cmd, env
 
 
-def worker_command(config: Config, spec: WorkerSpec, port: int) -> tuple[list[str], dict[str, str]]:
+def worker_command(config: Config, spec: WorkerSpec, port: int,
+                   kv_events: KvEventsLaunch | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment that start one worker. The workers' API key goes in the
     environment (``VLLM_API_KEY``, which vLLM and the simulator read), never on a command line anyone can list."""
     pool = config.pool(spec.pool)
     key = config.worker_api_key()
     lora_args, lora_env = lora_launch(config, pool.model, spec.extra_args)
     extra_env = {**lora_env, **({WORKER_KEY_ENV: key} if key else {})}
-    extra_args = (*lora_args, *spec.extra_args)
+    extra_args = (*lora_args, *(kv_events.args if kv_events is not None else ()), *spec.extra_args)
     if spec.backend == "sim":
         cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--host", spec.host, "--port", str(port),
                "--model", pool.model, "--worker-id", spec.id, "--preset", spec.preset,
@@ -117,6 +119,8 @@ class WorkerProcess:
     stopping: bool = False
     restart_now: bool = False
     log_path: Path | None = None
+    kv_events: KvEventsLaunch | None = None
+    """Where the worker publishes its KV-cache events (``extproc.kv_events.enabled``)."""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
@@ -165,6 +169,9 @@ class LocalProcessBackend:
     def _start(self, spec: WorkerSpec) -> WorkerProcess:
         worker = WorkerProcess(spec=spec, port=spec.port or free_port(spec.host),
                                log_path=self._log_dir / f"{spec.id}.log")
+        if self._config.extproc.kv_events.enabled:
+            worker.kv_events = kv_events_launch(spec.extra_args, spec.host, kv_socket_path(self._log_dir, spec.id),
+                                                free_port(spec.host))
         self._workers[spec.id] = worker
         worker.task = asyncio.create_task(self._supervise(worker), name=f"worker-{spec.id}")
         return worker
@@ -254,7 +261,7 @@ class LocalProcessBackend:
             await self._http.close()
 
     async def _spawn(self, worker: WorkerProcess) -> None:
-        cmd, extra_env = worker_command(self._config, worker.spec, worker.port)
+        cmd, extra_env = worker_command(self._config, worker.spec, worker.port, worker.kv_events)
         assert worker.log_path is not None
         log_file = worker.log_path.open("ab")
         try:
@@ -292,7 +299,9 @@ class LocalProcessBackend:
         pool = self._config.pool(worker.spec.pool)
         return WorkerRecord(id=worker.spec.id, pool=pool.name, model=pool.model, host=worker.spec.host,
                             port=worker.port, max_model_len=pool.max_model_len, backend=worker.spec.backend,
-                            node=self._node, state=WorkerState.READY)
+                            node=self._node, state=WorkerState.READY,
+                            kv_events_endpoint=worker.kv_events.endpoint if worker.kv_events else "",
+                            kv_events_replay_endpoint=worker.kv_events.replay_endpoint if worker.kv_events else "")
 
     async def _supervise(self, worker: WorkerProcess) -> None:
         settings = self._config.controller

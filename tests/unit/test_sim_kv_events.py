@@ -87,3 +87,23 @@ def test_a_bad_kv_events_config_is_refused_with_the_field_named(text: str, capsy
     with pytest.raises(SystemExit):
         parse(["--kv-events-config", text])
     assert "--kv-events-config" in capsys.readouterr().err
+
+
+def test_workers_the_local_backend_starts_publish_where_their_record_says(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from controller.kv_events_launch import kv_events_launch, kv_socket_path
+    from controller.local_backend import worker_command
+    from poolgate.kernel.config import parse_config
+
+    config = parse_config({"pools": [{"name": "chat", "model": "m"}],
+                           "workers": [{"id": "w1", "pool": "chat", "backend": "sim", "preset": "l4-24gb"}]})
+    launch = kv_events_launch((), "127.0.0.1", kv_socket_path(Path(str(tmp_path)), "w1"), 7001)
+    command, _ = worker_command(config, config.workers[0], 8000, launch)
+    spec = cli.worker_specs(parse(command[command.index("simworker") + 1:]))[0]
+    assert spec.kv_events.publishes
+    assert (spec.kv_events.endpoint, spec.kv_events.replay_endpoint) == (launch.endpoint, launch.replay_endpoint)
+    assert launch.endpoint.startswith("ipc://") and launch.replay_endpoint == "tcp://127.0.0.1:7001"
+    given = kv_events_launch(("--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'),
+                             "10.0.0.5", Path("unused"), 1)
+    assert (given.args, given.endpoint, given.replay_endpoint) == ((), "tcp://10.0.0.5:5557", "")
