@@ -10,8 +10,12 @@ estimate for it. Never "empty": an unknown worker may hold anything.
 
 Memory is bounded: at most ``max_blocks`` (worker, block) entries in all; past it the oldest entries of the
 worker holding most are dropped (the index then under-reports that worker, which costs a cache miss,
-never a wrong "warm" guess). Cost per tracked block, measured by ``bench/kv_index.py``: about 250 bytes
-(one entry in the worker's ordered map, one in the key's holder set, a share of the set itself).
+never a wrong "warm" guess). Cost per tracked block, measured by ``bench/kv_index.py``: about 290 bytes
+(one entry in the worker's ordered map, one in the key's holder set, a share of the set itself), so the
+default bound of 4 million entries is ~1.1 GiB at most; 100 workers of 2,000 cached blocks each take 82 MiB.
+A lookup walks the prompt's keys once, with the set of workers still matching: O(blocks × workers still
+warm), 0.2 ms for a 16k-token prompt against 100 workers of which 3 hold it, 2.4 ms when all 100 do (on a
+loaded 2-CPU machine).
 
 Pending blocks: when this replica places a request, its prompt's keys count as held by the worker for
 ``pending_s`` (the events that will confirm them are a step or two away), so a burst sharing a new prefix
@@ -125,22 +129,24 @@ class PrefixIndex:
         """Leading blocks of ``keys`` each known worker among ``workers`` holds (pending ones included);
         unknown workers are absent from the answer."""
         active = {w for w in workers if self.is_known(w)}
-        depth = dict.fromkeys(active, 0)
+        depth: dict[str, int] = {}
         position = 0
         holders_of = self._holders.get
         pending_of = self._pending.get
         for key in keys:
             if not active:
                 break
-            holders: Iterable[str] = holders_of(key, _NONE)
+            holders: set[str] | frozenset[str] = holders_of(key, _NONE)
             pending = pending_of(key)
             if pending:
-                holders = set(holders) | {w for w, until in pending.items() if until > now}
+                holders = holders | {w for w, until in pending.items() if until > now}
             if not active.issubset(holders):
-                active.intersection_update(holders)
+                for worker_id in active - holders:
+                    depth[worker_id] = position
+                active &= holders
             position += 1
-            for worker_id in active:
-                depth[worker_id] = position
+        for worker_id in active:
+            depth[worker_id] = position
         return depth
 
     def stats(self) -> IndexStats:

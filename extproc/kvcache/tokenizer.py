@@ -11,9 +11,9 @@ The index keys blocks by token ids, so a lookup must tokenise exactly as the eng
   defaults) are not rendered: write the format strings the template produces for plain chat.
 
 A body that is not a plain chat or completion (tools, images, several prompts) gives None: no precise
-lookup, the scheduler estimates. Measured (``bench/kv_index.py``): the simulated tokenizer takes ~4 ms for a
-16k-token prompt, far over the 0.2 ms an event-loop step may take, so ``lookup`` tokenises long prompts in
-a worker thread.
+lookup, the scheduler estimates. Measured (``bench/kv_index.py``): the simulated tokenizer takes 5-30 ms for
+a 16k-token prompt (idle to loaded machine), far over the 0.2 ms an event-loop step may take, so ``lookup``
+tokenises long prompts in a worker thread.
 """
 
 from __future__ import annotations

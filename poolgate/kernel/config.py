@@ -50,7 +50,7 @@ class KvEventsSettings(_Frozen):
     pending_s: float = Field(2.0, ge=0, le=30)
     """A placed prompt's blocks count as held by its worker for this long, until the events confirm them."""
     max_blocks: int = Field(4_000_000, ge=1)
-    """Index bound, in (worker, block) entries over all workers (~250 bytes each)."""
+    """Index bound, in (worker, block) entries over all workers (~290 bytes each)."""
     relearn_s: float = Field(30.0, ge=0)
     """After history that could not be replayed, a worker stays unknown (estimated) this long."""
     replay_timeout_s: float = Field(1.0, gt=0, le=30)
