@@ -16,6 +16,7 @@ from extproc.catalogue_source import CatalogueSource
 from extproc.inflight import InflightTracker
 from extproc.kvcache.lookup import CacheLookup
 from extproc.metrics import Metrics
+from extproc.output_lengths import OutputLengths
 from extproc.pipeline import (
     Admit,
     CapacitySignal,
@@ -69,5 +70,13 @@ def build_service(
         hold=Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed),
         place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache),
         respond=Respond(metrics, genai_metrics),
-        metrics=metrics, clock=clock, timer=timer)
+        metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling))
     return ExtProcService(director, metrics, header_pin=header_pin)
+
+
+def _output_lengths(scheduling: SchedulingSettings) -> OutputLengths | None:
+    learned = scheduling.learned_output
+    if not learned.enabled:
+        return None
+    return OutputLengths(learned.quantile, learned.window, learned.min_samples, learned.tenant_min_samples,
+                         learned.sample_every)
