@@ -17,7 +17,7 @@ import sys
 from poolgate.kernel.shutdown import on_stop_signal
 from simworker.engine import Engine
 from simworker.faults import FaultSettings
-from simworker.presets import DEFAULT_PRESET, PRESETS
+from simworker.presets import DEFAULT_PRESET, PRESETS, STEP_JITTER
 from simworker.worker import SimWorker, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ STOP_DEADLINE_S = 10.0
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 API_KEY_ENV = "VLLM_API_KEY"
+MAX_STEP_JITTER = 0.3
+"""Cut at three deviations, this keeps every step above a tenth of its modelled time."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also export vllm:gpu_cache_usage_perc (the pre-V1 name)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="run the modelled GPU this many times faster than real time (default 1)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the simulator's own randomness: step-time jitter and the error-rate fault, "
+                             "mixed with each worker's id (default %(default)s); answer lengths depend on the "
+                             "request only")
+    parser.add_argument("--step-jitter", type=float, default=STEP_JITTER,
+                        help="relative standard deviation of each step's time, cut at three of them "
+                             "(default %(default)s; 0 for exact modelled times)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help=f"require this key on /v1 paths, as vLLM does (default: ${API_KEY_ENV})")
     lora = parser.add_argument_group("LoRA adapters")
@@ -84,6 +93,8 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         raise ValueError("--max-loras must be at least 1")
     if args.lora_load_s < 0:
         raise ValueError("--lora-load-s must be 0 or more")
+    if not 0 <= args.step_jitter <= MAX_STEP_JITTER:
+        raise ValueError(f"--step-jitter must be between 0 and {MAX_STEP_JITTER}")
     runtime_lora = os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("true", "1")
     if args.enable_lora and runtime_lora:
         log.warning("%s is set: adapters can be loaded at run time (meant for trusted use)", RUNTIME_LORA_ENV)
@@ -104,6 +115,7 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             legacy_kv_metric=args.legacy_kv_metric, time_scale=args.time_scale, faults=faults,
             enable_fault_api=args.enable_fault_api, enable_lora=args.enable_lora, max_loras=args.max_loras,
             lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
+            seed=args.seed, step_jitter=args.step_jitter,
         )
         for port, worker_id in zip(ports, ids, strict=True)
     ]

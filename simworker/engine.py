@@ -1,9 +1,9 @@
 """A pure model of one vLLM engine: FCFS continuous batching over a paged KV cache.
 
 Each ``step(now)`` plans one iteration the way vLLM V1's scheduler does and returns how long the
-GPU would take (``presets.StepCost``) and what happened. Nothing here sleeps or reads a clock: the
-caller passes ``now`` and advances it by ``duration_s``, so tests drive it with a virtual clock and
-the async driver with a real one.
+GPU would take (``presets.StepCost``, with a small seeded jitter) and what happened. Nothing here
+sleeps or reads a clock: the caller passes ``now`` and advances it by ``duration_s``, so tests drive
+it with a virtual clock and the async driver with a real one.
 
 One step:
 1. Running sequences first, in admission order: a prefilling sequence gets the next chunk of its
@@ -23,12 +23,13 @@ One step:
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
 from simworker.kv_cache import KVCache
-from simworker.presets import StepCost
+from simworker.presets import StepCost, attention_pairs, jittered
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -42,6 +43,10 @@ class EngineConfig:
     max_model_len: int
     enable_prefix_caching: bool
     cost: StepCost
+    step_jitter: float = 0.0
+    """Relative standard deviation of each step's time (``presets.jittered``); 0 keeps the cost model exact."""
+    seed: int = 0
+    """Seeds the jitter, so one seed replays the same step times."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the KV cache "
                 f"({config.num_gpu_blocks} blocks x {config.block_size} tokens); lower --max-model-len")
         self.config = config
+        self._rng = random.Random(config.seed)
         self.kv = KVCache(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -199,7 +205,9 @@ class Engine:
             self._admit_waiting(scheduled, budget, now, log)
         scheduled_tokens = sum(tokens for _, tokens in scheduled)
         context_tokens = sum(sequence.computed_tokens for sequence, _ in scheduled)
-        duration = self.config.cost.step_seconds(scheduled_tokens, context_tokens)
+        pairs = sum(attention_pairs(sequence.computed_tokens, tokens) for sequence, tokens in scheduled)
+        duration = jittered(self.config.cost.step_seconds(scheduled_tokens, context_tokens, pairs),
+                            self.config.step_jitter, self._rng)
         self._apply(scheduled, now + duration, log)
         return StepOutcome(
             start=now, duration_s=duration, scheduled_tokens=scheduled_tokens,

@@ -233,12 +233,12 @@ class WorkerApi:
 
     async def _stream(self, request: web.Request, generation: GenerationRequest, plan: GenerationPlan,
                       request_id: str, stream: TokenStream, model: str) -> web.StreamResponse:
+        """SSE as vLLM sends it: headers at once, then events as tokens come. A chat stream's role chunk
+        (``delta.role``, empty content) goes out with the first token, as vLLM's ``serving_chat`` sends it
+        on the engine's first output, so a client timing the first event measures the time to first token."""
         kind, created = generation.kind, int(time.time())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        if kind == "chat":
-            await response.write(_event(protocol.stream_chunk(kind, request_id, model, created, "", None,
-                                                              first=True)))
         sent = 0
         try:
             while True:
@@ -251,6 +251,9 @@ class WorkerApi:
                     break
                 available = stream.tokens if finished is None else finished.output_tokens
                 chunks = []
+                if kind == "chat" and sent == 0 and available:  # vLLM's role chunk comes with the first output
+                    chunks.append(_event(protocol.stream_chunk(kind, request_id, model, created, "", None,
+                                                               first=True)))
                 for index in range(sent, available):
                     reason = finished.reason if finished is not None and index == available - 1 else None
                     chunks.append(_event(protocol.stream_chunk(

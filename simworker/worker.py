@@ -22,7 +22,7 @@ from simworker.engine import Engine, EngineConfig
 from simworker.faults import FaultSettings
 from simworker.lora import AdapterTable
 from simworker.metrics import WorkerMetrics
-from simworker.presets import GpuPreset, ModelShape, default_num_gpu_blocks, step_cost
+from simworker.presets import STEP_JITTER, GpuPreset, ModelShape, default_num_gpu_blocks, step_cost
 from simworker.server import Health, ServingConfig, WorkerApi
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,14 @@ class WorkerSpec:
     """``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` was set: serve the adapter load/unload endpoints."""
     api_key: str | None = None
     """Required on ``/v1`` paths, as vLLM's ``--api-key``."""
+    seed: int = 0
+    """Seeds the worker's own randomness (step-time jitter, the error-rate fault) with its id; never the
+    answers' lengths, which depend on the request alone."""
+    step_jitter: float = STEP_JITTER
+
+    @property
+    def random_seed(self) -> int:
+        return tokens.stable_hash(f"{self.seed}/{self.worker_id}")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -69,6 +77,8 @@ class WorkerSpec:
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             cost=step_cost(self.preset, self.model),
+            step_jitter=self.step_jitter,
+            seed=self.random_seed,
         )
 
 
@@ -132,7 +142,7 @@ class SimWorker:
             api_key=spec.api_key,
         )
         adapters = AdapterTable(spec.max_loras, metrics.registry) if spec.enable_lora else None
-        api = WorkerApi(serving, driver, metrics, self, random.Random(tokens.stable_hash(spec.worker_id)), adapters)
+        api = WorkerApi(serving, driver, metrics, self, random.Random(spec.random_seed + 1), adapters)
         runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
