@@ -1,17 +1,14 @@
 """Find a fleet's capacity for one scenario: a closed-loop sweep until throughput stops growing.
 
 Each step runs ``clients`` closed-loop clients through Envoy ``least_request`` (no router knowledge) over
-the scenario's requests and measures the tokens the workers generate per model second (their own
-counters) after a warm-up, then doubles the clients; the sweep stops when a step gains less than
-``min_gain`` over the best so far (or after ``max_steps``). Token throughput settles within seconds even
-when single answers take tens of seconds, which a count of finished requests would not.
-
-Capacity in requests/s = best tokens/s ÷ the scenario's mean answer length. The workers are simulated, so
-the benchmark knows each request's answer length exactly (the simulated model's seeded natural length,
-capped by ``max_tokens``: ``simworker.protocol.plan_generation``); no router is told. The best step's
-tokens per worker are each worker's measured capacity, from which the weighted Envoy baseline takes its
-weights. Requests go in trace order (a session's turns stay in order); prefix caches are reset before
-every step.
+the scenario's requests; after a warm-up it counts first tokens (admissions) per model second, which in a
+closed loop equal completions per second; then it doubles the clients. The sweep stops when a step gains
+less than ``min_gain`` over the best so far (or after ``max_steps``); capacity is the best step's rate.
+The warm-up must outlast a typical request on the fast workers (answers of a few hundred tokens take
+seconds); requests that outlast the window on slow workers make the figure a slight underestimate. The
+best step's tokens generated per worker (the workers' own counters) are each worker's measured capacity,
+from which the weighted Envoy baseline takes its weights. Requests go in trace order (a session's turns
+stay in order); prefix caches are reset before every step.
 """
 
 from __future__ import annotations
@@ -21,38 +18,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 
 from bench.loadgen import Counters, run_closed_loop
 from bench.measure import Scrapes, counter_delta, worker_figures
 from bench.replay import Progress, with_progress
 from bench.scenarios import Trace
-from bench.sched_fleet import MODELS, POOL_MAX_MODEL_LEN, POOL_OF_ROLE, BenchFleet
-from simworker import protocol
+from bench.sched_fleet import BenchFleet
 
 GENERATED = "vllm:generation_tokens_total"
 
 
 @dataclass(frozen=True)
 class SweepPlan:
-    first_clients: int
+    clients_per_worker: int
+    """The first step's clients per worker of the fleet; each later step doubles them."""
     warmup_s: float
     window_s: float
     """Wall seconds."""
     max_steps: int = 5
     min_gain: float = 0.05
-
-
-def answer_tokens(trace: Trace) -> list[int]:
-    """Each request's answer length as the simulated model will give it."""
-    lengths = []
-    for spec, raw in zip(trace.requests, trace.bodies, strict=True):
-        body = orjson.loads(raw)
-        parse = protocol.parse_chat if "messages" in body else protocol.parse_completion
-        plan = protocol.plan_generation(parse(body), POOL_MAX_MODEL_LEN[POOL_OF_ROLE[spec.role]],
-                                        MODELS[spec.role])
-        lengths.append(plan.output_target)
-    return lengths
 
 
 async def _scrape_window(session: aiohttp.ClientSession, fleet: BenchFleet, warmup_s: float,
@@ -83,27 +67,24 @@ async def _step(session: aiohttp.ClientSession, fleet: BenchFleet, trace: Trace,
 async def sweep_capacity(session: aiohttp.ClientSession, fleet: BenchFleet, trace: Trace, plan: SweepPlan,
                          progress: Progress, label: str) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
-    clients = plan.first_clients
+    first_clients = clients = plan.clients_per_worker * len(fleet.workers)
     for _ in range(plan.max_steps):
         steps.append(await _step(session, fleet, trace, plan, clients, progress, label))
-        best_before = max((s["tokens_per_s"] for s in steps[:-1]), default=0.0)
-        if best_before and steps[-1]["tokens_per_s"] < best_before * (1 + plan.min_gain):
+        best_before = max((s["admissions_per_s"] for s in steps[:-1]), default=0.0)
+        if best_before and steps[-1]["admissions_per_s"] < best_before * (1 + plan.min_gain):
             break
         clients *= 2
     await fleet.wait_idle(session)
     progress.step()
-    best = max(steps, key=lambda s: s["tokens_per_s"])
-    lengths = answer_tokens(trace)
-    mean_answer = sum(lengths) / len(lengths)
+    best = max(steps, key=lambda s: s["admissions_per_s"])
     return {
-        "rps": best["tokens_per_s"] / mean_answer, "tokens_per_s": best["tokens_per_s"],
-        "mean_answer_tokens": mean_answer, "clients": best["clients"], "steps": steps,
+        "rps": best["admissions_per_s"], "tokens_per_s": best["tokens_per_s"], "clients": best["clients"],
+        "steps": steps,
         "worker_generation_tokens": best["worker_generation_tokens"],
         "method": (f"closed loop through Envoy least_request over the scenario's requests, clients doubled from "
-                   f"{plan.first_clients} until the workers' generated tokens per second grew by less than "
+                   f"{first_clients} until first tokens per second grew by less than "
                    f"{plan.min_gain:.0%} (each step {plan.warmup_s * fleet.time_scale:.1f} s of warm-up, then "
-                   f"{plan.window_s * fleet.time_scale:.1f} s counted, model time); capacity = best tokens/s ÷ "
-                   f"mean answer ({mean_answer:.0f} tokens)"),
+                   f"{plan.window_s * fleet.time_scale:.1f} s counted, model time)"),
     }
 
 

@@ -50,6 +50,7 @@ from bench.sched_fleet import LAYOUTS, MODELS, BenchFleet
 MAIN_ROUTERS = ("poolgate", "least_request_weighted", "vllm-router:cache_aware", "sglang-router:cache_aware")
 SWEEP_LEVELS = (0.5, 0.85, 1.0)
 TARGET_LEVEL = 0.85
+MAX_WINDOW_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class Plan:
     levels: tuple[float, ...]
     seed: int
     agent_wait_s: float
+    min_requests: int
+    """The arrival window grows (up to ``MAX_WINDOW_FACTOR`` ×) until a trace holds about this many requests."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,13 @@ def router_order(routers: Sequence[str], seed: int) -> list[str]:
     return order
 
 
+def window_for(plan: Plan, offered_rps: float) -> Window:
+    """The plan's window, longer where the rate is low, so that p99 rests on enough requests."""
+    wanted_s = plan.min_requests / offered_rps / plan.time_scale
+    window_s = min(max(plan.window.window_s, wanted_s), MAX_WINDOW_FACTOR * plan.window.window_s)
+    return Window(plan.time_scale, window_s, plan.window.drain_s)
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
@@ -113,7 +123,8 @@ async def run_cell(session: aiohttp.ClientSession, fleet: BenchFleet, cell: Cell
     class_names = [c.name for c in cell.scenario.classes]
     for level_index, level in enumerate(cell.levels):
         offered = level * capacity["rps"]
-        trace = cell.scenario.trace(offered, plan.window.window_s * plan.time_scale, seed * 100 + level_index,
+        window = window_for(plan, offered)
+        trace = cell.scenario.trace(offered, window.window_s * plan.time_scale, seed * 100 + level_index,
                                     MODELS, bursty=cell.arrivals == "bursty")
         for name in order:
             await fleet.wait_idle(session)
@@ -121,7 +132,7 @@ async def run_cell(session: aiohttp.ClientSession, fleet: BenchFleet, cell: Cell
             router = make_router(name, fleet, venv, cell.scenario.roles, run_dir)
             target = await router.start(session)
             try:
-                row = await replay(session, fleet, target, level, offered, trace.requests, trace.bodies, plan.window,
+                row = await replay(session, fleet, target, level, offered, trace.requests, trace.bodies, window,
                                    class_names, progress, f"{cell.scenario.name} {cell.arrivals} {level:.0%} {name}")
             finally:
                 await router.stop()
@@ -151,6 +162,8 @@ async def run_fleet(session: aiohttp.ClientSession, layout: str, plan: Plan, ven
                 await fleet.restart_baseline(session, capacity_weights(
                     capacities[name]["worker_generation_tokens"], pools_of(fleet)))
                 report["capacity"].append({"fleet": layout, "scenario": name, **capacities[name]})
+                progress.note(f"capacity {layout} {name}: {capacities[name]['rps']:.2f} req/s; steps " + ", ".join(
+                    f"×{s['clients']} {s['admissions_per_s']:.2f}" for s in capacities[name]["steps"]))
             summary, rows = await run_cell(session, fleet, cell, plan, venv, capacities[name], progress, run_dir,
                                            plan.seed)
             report["cells"].append(summary)
@@ -197,10 +210,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     main_routers = tuple(r for r in MAIN_ROUTERS if r not in PEER_ROUTERS or r in peers)
     return Plan(
         time_scale=args.time_scale,
-        window=Window(args.time_scale, args.window_s or (40.0 if quick else 36.0),
-                      args.drain_s or (8.0 if quick else 10.0)),
-        sweep=SweepPlan(first_clients=16, warmup_s=4.0 if quick else 5.0, window_s=6.0 if quick else 8.0,
-                        max_steps=4 if quick else 5),
+        window=Window(args.time_scale, args.window_s or (40.0 if quick else 30.0), args.drain_s or 6.0),
+        sweep=SweepPlan(clients_per_worker=6, warmup_s=14.0, window_s=14.0, max_steps=3),
+        min_requests=args.min_requests,
         fleets=tuple(args.fleets or (["heterogeneous"] if quick else list(LAYOUTS))),
         scenarios=tuple(args.scenarios or (["shared-docs"] if quick else list(SCENARIOS))),
         arrivals=tuple(args.arrivals or ["poisson"]),
@@ -232,6 +244,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scenario run with every router at every level (default %(default)s)")
     parser.add_argument("--levels", type=float, nargs="+", default=list(SWEEP_LEVELS),
                         help="shares of capacity of the sweep")
+    parser.add_argument("--min-requests", type=int, default=110,
+                        help="lengthen a cell's window towards this many requests per router (default %(default)s)")
     parser.add_argument("--seed", type=int, default=13)
 
 

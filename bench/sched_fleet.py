@@ -5,7 +5,8 @@ Two layouts (``LAYOUTS``), each with a chat and a code pool:
 
 - ``heterogeneous``: chat 6 × ``l4-24gb`` (35k KV tokens, ~68 ms decode step) + 2 × ``h100-80gb`` (450k,
   ~8 ms); code 1 × ``h100-80gb`` + 1 × ``l4-24gb``;
-- ``homogeneous``: chat 6 × ``l4-24gb``; code 2 × ``l4-24gb``.
+- ``homogeneous``: chat 3 × ``h100-80gb``; code 1 × ``h100-80gb`` (H100s rather than L4s: an all-L4 fleet
+  serves about one long-document request per second, too few for a p99 within a run that fits the host).
 
 The poolgate side is the product path (Envoy → ext_proc → pinned worker). The baseline Envoy has no
 ext_proc and STATIC clusters with the same worker addresses (see ``baseline_envoy``); it is restarted
@@ -56,13 +57,16 @@ class FleetLayout:
     """(pool, preset, count) per group of identical workers."""
 
     def describe(self) -> str:
-        return "; ".join(f"{pool}: {count} × {preset}" for pool, preset, count in self.groups)
+        pools: dict[str, list[str]] = {}
+        for pool, preset, count in self.groups:
+            pools.setdefault(pool, []).append(f"{count} × {preset}")
+        return "; ".join(f"{pool}: {' + '.join(parts)}" for pool, parts in pools.items())
 
 
 LAYOUTS = {layout.name: layout for layout in (
     FleetLayout("heterogeneous", (("chat", "l4-24gb", 6), ("chat", "h100-80gb", 2), ("code", "h100-80gb", 1),
                                   ("code", "l4-24gb", 1))),
-    FleetLayout("homogeneous", (("chat", "l4-24gb", 6), ("code", "l4-24gb", 2))),
+    FleetLayout("homogeneous", (("chat", "h100-80gb", 3), ("code", "h100-80gb", 1))),
 )}
 
 
