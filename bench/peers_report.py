@@ -184,16 +184,33 @@ def plot_goodput(report: Mapping[str, Any], axes: Any) -> None:
         axis.legend(fontsize="x-small")
 
 
+def save_grid(path: Path, panels: int, draw: Any, columns: int = 3) -> None:
+    """A PNG of ``panels`` subplots, ``columns`` to a row; ``draw(list_of_axes)`` fills them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = -(-panels // columns)
+    width = min(columns, panels)
+    figure, axes = plt.subplots(rows, width, figsize=(5.5 * width, 4.2 * rows), squeeze=False)
+    flat = [axis for line in axes for axis in line]
+    draw(flat[:panels])
+    for axis in flat[panels:]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    print("report:", path)
+
+
 def write_outputs(out: Path, report: dict[str, Any]) -> None:
-    safe = json_safe(report)
+    write_report("report", json_safe(report), None, directory=out)
     cdf_panels = len(_cells_at(report, TARGET_LEVEL))
-    write_report("report", safe, None, directory=out)
     if cdf_panels:
-        write_report("ttft_cdf", {"rows": safe["rows"]}, lambda r, a: plot_cdfs(report, a), panels=cdf_panels,
-                     directory=out)
+        save_grid(out / "ttft_cdf.png", cdf_panels, lambda axes: plot_cdfs(report, axes))
     swept = {cell_of(r) for r in report["rows"]
              if len({x["level"] for x in report["rows"] if cell_of(x) == cell_of(r)}) > 1}
     if swept:
-        write_report("goodput_vs_load", {"rows": safe["rows"]}, lambda r, a: plot_goodput(report, a),
-                     panels=len(swept), directory=out)
+        save_grid(out / "goodput_vs_load.png", len(swept), lambda axes: plot_goodput(report, axes))
     (out / "report.md").write_text(markdown(report))

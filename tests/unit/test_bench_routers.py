@@ -83,6 +83,8 @@ def test_the_full_run_covers_every_scenario_and_fleet_and_sweeps_one() -> None:
     cells = [cell for fleet in plan.fleets for cell in peers.cells_of(plan, fleet)]
     assert {(c.fleet, c.scenario.name) for c in cells} == {
         (fleet, scenario) for fleet in LAYOUTS for scenario in ("mix", "sessions", "shared-docs")}
+    assert {(c.fleet, c.scenario.name) for c in cells if c.arrivals == "bursty"} == {
+        ("heterogeneous", scenario) for scenario in ("mix", "sessions", "shared-docs")}
     swept = [c for c in cells if len(c.levels) > 1]
     assert len(swept) == 1 and swept[0].levels == (0.5, 0.85, 1.0) and len(swept[0].routers) == 7
     for cell in cells:
