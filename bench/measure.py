@@ -11,15 +11,12 @@ health is in wall time: it is about the host, not the modelled GPUs.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from bench.harness import lag_quantile
 from bench.loadgen import Outcome
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 Scrapes = Mapping[str, Mapping[str, float]]
 
 
@@ -29,36 +26,6 @@ def percentile(values: Sequence[float], share: float) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
-
-
-def cpu_times() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole host from /proc/stat."""
-    with open("/proc/stat") as stat:
-        fields = [float(x) for x in stat.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
-    return sum(fields) - idle, sum(fields)
-
-
-def tree_cpu_seconds(root_pid: int) -> float:
-    """CPU seconds (user + system) used so far by ``root_pid`` and every live descendant (Linux /proc)."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(fields[1])
-        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    tree, frontier = {root_pid}, [root_pid]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
-        tree.update(children)
-        frontier.extend(children)
-    return sum(times.get(pid, 0.0) for pid in tree)
 
 
 def counter_delta(before: Scrapes, after: Scrapes, name: str) -> float:

@@ -118,23 +118,23 @@ def git_commit() -> str:
 
 
 async def run_cell(session: aiohttp.ClientSession, fleet: BenchFleet, cell: Cell, plan: Plan, venv: PeerVenv | None,
-                   capacity: dict[str, Any], progress: Progress, run_dir: Path, seed: int) -> tuple[dict[str, Any],
-                                                                                          list[dict[str, Any]]]:
+                   capacity: dict[str, Any], progress: Progress,
+                   run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     rows: list[dict[str, Any]] = []
-    order = router_order(cell.routers, seed)
+    order = router_order(cell.routers, plan.seed)
     progress.note(f"{cell.fleet} · {cell.scenario.name} · {cell.arrivals}: router order {', '.join(order)}")
     class_names = [c.name for c in cell.scenario.classes]
     for level_index, level in enumerate(cell.levels):
         offered = level * capacity["rps"]
         window = window_for(plan, offered)
-        trace = cell.scenario.trace(offered, window.window_s * plan.time_scale, seed * 100 + level_index,
+        trace = cell.scenario.trace(offered, window.window_s * plan.time_scale, plan.seed * 100 + level_index,
                                     MODELS, bursty=cell.arrivals == "bursty")
         for name in order:
             await fleet.wait_idle(session)
             await fleet.reset_prefix_caches(session)
             router = make_router(name, fleet, venv, cell.scenario.roles, run_dir)
-            target = await router.start(session)
             try:
+                target = await router.start(session)
                 row = await replay(session, fleet, target, level, offered, trace.requests, trace.bodies, window,
                                    class_names, progress, f"{cell.scenario.name} {cell.arrivals} {level:.0%} {name}")
             finally:
@@ -167,8 +167,7 @@ async def run_fleet(session: aiohttp.ClientSession, layout: str, plan: Plan, ven
                 report["capacity"].append({"fleet": layout, "scenario": name, **capacities[name]})
                 progress.note(f"capacity {layout} {name}: {capacities[name]['rps']:.2f} req/s; steps " + ", ".join(
                     f"×{s['clients']} {s['admissions_per_s']:.2f}" for s in capacities[name]["steps"]))
-            summary, rows = await run_cell(session, fleet, cell, plan, venv, capacities[name], progress, run_dir,
-                                           plan.seed)
+            summary, rows = await run_cell(session, fleet, cell, plan, venv, capacities[name], progress, run_dir)
             report["cells"].append(summary)
             report["rows"].extend(rows)
     finally:

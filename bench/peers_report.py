@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.measure import json_safe
-from bench.report import Column, format_table, write_report
-from bench.sched_report import plot_ttft_cdf
+from bench.report import Column, format_table, plot_ttft_cdf, write_report
 
 TARGET_LEVEL = 0.85
 TARGETS = (

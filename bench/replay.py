@@ -17,8 +17,9 @@ from typing import Any, Protocol, TextIO
 
 import aiohttp
 
+from bench.harness import cpu_times, tree_cpu_seconds
 from bench.loadgen import Counters, Target, run_open_loop
-from bench.measure import Scrapes, cpu_times, summarise_run, tree_cpu_seconds
+from bench.measure import Scrapes, summarise_run
 from bench.workload import RequestSpec
 
 

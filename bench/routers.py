@@ -24,7 +24,7 @@ from typing import Protocol
 
 import aiohttp
 
-from bench.harness import ProcessGroup
+from bench.harness import ProcessGroup, answers_chat
 from bench.loadgen import Target
 from bench.peer_install import PeerVenv
 from bench.sched_fleet import MODELS, POOL_OF_ROLE, BenchFleet
@@ -84,17 +84,6 @@ def peer_command(venv: PeerVenv, project: str, policy: str, worker_urls: Sequenc
             "--worker-startup-check-interval", "1", "--log-level", "warning" if project == "vllm-router" else "warn"]
 
 
-async def _answers(session: aiohttp.ClientSession, base_url: str, model: str) -> bool:
-    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    try:
-        async with session.post(base_url + "/v1/chat/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=5)) as response:
-            await response.read()
-            return response.status == 200
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        return False
-
-
 class PeerRouter:
     """One peer process per pool the scenario uses; ``start`` returns once each answers a chat request."""
 
@@ -119,7 +108,7 @@ class PeerRouter:
             self.urls[role] = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
         for role, url in self.urls.items():
-            while not await _answers(session, url, MODELS[role]):
+            while await answers_chat(session, url, MODELS[role]) != 200:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{self.name} for {role} did not answer within {READY_TIMEOUT_S:.0f} s "
                                        f"(logs in {self.processes.log_dir})")

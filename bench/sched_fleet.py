@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from bench.baseline_envoy import BENCH_CLUSTER_HEADER, baseline_bootstrap, baseline_cluster
-from bench.harness import ProcessGroup, scrape
+from bench.harness import ProcessGroup, answers_chat, scrape
 from bench.loadgen import Target
 from bench.workload import ModelRole, RequestSpec
 from poolgate.kernel.config import load_config
@@ -260,9 +260,7 @@ class BenchFleet:
         """One tiny request per pool through the baseline Envoy."""
         for role, model in MODELS.items():
             cluster = baseline_cluster(POOL_OF_ROLE[role], "least_request")
-            body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-            async with session.post(f"http://127.0.0.1:{self.baseline_port}/v1/chat/completions", json=body,
-                                    headers={BENCH_CLUSTER_HEADER: cluster}) as response:
-                await response.read()
-                if response.status != 200:
-                    raise RuntimeError(f"baseline Envoy answered {response.status} for {model}")
+            status = await answers_chat(session, f"http://127.0.0.1:{self.baseline_port}", model,
+                                        {BENCH_CLUSTER_HEADER: cluster})
+            if status != 200:
+                raise RuntimeError(f"baseline Envoy answered {status} for {model}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.measure import json_safe
-from bench.report import Column, format_table, write_report
+from bench.report import Column, format_table, plot_ttft_cdf, write_report
 from bench.workload import MIX
 
 TARGETS = (
@@ -128,12 +128,6 @@ def plot_cdfs(report: Mapping[str, Any], axes: Any) -> None:
         axis.axvline(5.0, color="grey", linestyle=":", linewidth=1)
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize="small")
-
-
-def plot_ttft_cdf(axis: Any, samples: Sequence[float], sent: int, label: str) -> None:
-    """Share of all sent requests with a first token by time t: requests without one keep the curve below 1."""
-    if samples:
-        axis.plot(samples, [(i + 1) / max(1, sent) for i in range(len(samples))], label=label)
 
 
 def write_outputs(out: Path, report: dict[str, Any]) -> None:

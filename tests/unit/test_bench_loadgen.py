@@ -18,7 +18,7 @@ from aiohttp import web
 
 from bench.loadgen import Counters, SseTally, Target, new_session, run_open_loop
 from bench.measure import client_figures
-from bench.sched_report import plot_ttft_cdf
+from bench.report import plot_ttft_cdf
 from bench.workload import CHAT_PATH, RequestSpec
 from poolgate.procs import free_port
 
