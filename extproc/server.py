@@ -91,7 +91,7 @@ async def serve(
     service, watcher, catalogue, kv_cache = _assemble(config, client, metrics, profiler)
     server, health, bound = await _grpc_server(service, host, port, config.extproc.max_request_bytes)
     watch_task = asyncio.create_task(watcher.run(), name="fleet-watcher")
-    kv_task = (asyncio.create_task(kv_cache[1].follow(watcher), name="kv-events")
+    kv_task = (asyncio.create_task(kv_cache[1].follow(watcher, metrics=metrics), name="kv-events")
                if kv_cache is not None else None)
     ready_task = asyncio.create_task(_serving_after_first_snapshot(watcher, health), name="health-ready")
     reload_task = None

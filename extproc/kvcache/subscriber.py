@@ -22,6 +22,7 @@ from typing import Protocol
 
 import zmq
 import zmq.asyncio
+from prometheus_client import Counter, Gauge
 from zmq.utils.monitor import parse_monitor_message
 
 from extproc.kvcache.index import PrefixIndex
@@ -39,6 +40,19 @@ FOLLOW_INTERVAL_S = 0.1
 class SnapshotSource(Protocol):
     @property
     def snapshot(self) -> FleetSnapshot: ...
+
+
+class KvEventMetrics(Protocol):
+    """The three series of ``extproc.metrics.Metrics`` the subscriptions keep current."""
+
+    @property
+    def kv_event_streams(self) -> Gauge: ...
+
+    @property
+    def kv_index_blocks(self) -> Gauge: ...
+
+    @property
+    def kv_event_gaps(self) -> Counter: ...
 
 
 async def fetch_replay(context: zmq.asyncio.Context, endpoint: str, start: int, timeout_s: float) -> list[Frame]:
@@ -182,18 +196,33 @@ class KVEventSubscriptions:
                 task.add_done_callback(_log_failure)
                 self._running[worker_id] = (subscription, task)
 
-    async def follow(self, fleet: SnapshotSource, interval_s: float = FOLLOW_INTERVAL_S) -> None:
-        """Keep the subscriptions equal to the fleet until cancelled."""
+    async def follow(self, fleet: SnapshotSource, interval_s: float = FOLLOW_INTERVAL_S,
+                     metrics: KvEventMetrics | None = None) -> None:
+        """Keep the subscriptions equal to the fleet until cancelled (and the metrics current)."""
         seen: FleetSnapshot | None = None
+        counted = (0, 0)
         try:
             while True:
                 snapshot = fleet.snapshot
                 if snapshot is not seen:
                     self.sync(snapshot.workers)
                     seen = snapshot
+                if metrics is not None:
+                    counted = self._report(metrics, counted)
                 await asyncio.sleep(interval_s)
         finally:
             await self.close()
+
+    def _report(self, metrics: KvEventMetrics, counted: tuple[int, int]) -> tuple[int, int]:
+        known = sum(1 for worker_id in self._running if self.index.is_known(worker_id))
+        metrics.kv_event_streams.labels("known").set(known)
+        metrics.kv_event_streams.labels("unknown").set(len(self._running) - known)
+        metrics.kv_index_blocks.set(self.index.stats().blocks)
+        gaps = sum(s.stream.gaps for s, _ in self._running.values())
+        lost = sum(s.stream.lost for s, _ in self._running.values())
+        metrics.kv_event_gaps.labels("replayed").inc(max(0, (gaps - lost) - (counted[0] - counted[1])))
+        metrics.kv_event_gaps.labels("lost").inc(max(0, lost - counted[1]))
+        return gaps, lost
 
     async def close(self) -> None:
         tasks = [task for _, task in self._running.values()]
