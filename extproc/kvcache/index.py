@@ -24,7 +24,7 @@ lands together. They are this replica's own guess and expire; events replace the
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -61,6 +61,7 @@ class PrefixIndex:
         self._workers: dict[str, _Worker] = {}
         self._holders: dict[int, set[str]] = {}
         self._pending: dict[int, dict[str, float]] = {}
+        self._pending_log: deque[tuple[float, str, Sequence[int]]] = deque()
         self._entries = 0
 
     # -- what the streams report ------------------------------------------------------------------------
@@ -101,19 +102,26 @@ class PrefixIndex:
     # -- placements of this replica ---------------------------------------------------------------------
 
     def add_pending(self, worker_id: str, keys: Sequence[int], now: float) -> None:
+        """Count ``keys`` as held by the worker until ``now + pending_s``; expired placements are dropped
+        here, oldest first, so pending entries never outlive ``pending_s`` by more than one placement."""
+        self.expire_pending(now)
+        if self.pending_s <= 0:
+            return
         until = now + self.pending_s
         for key in keys:
             self._pending.setdefault(key, {})[worker_id] = until
-        if len(self._pending) > self.max_blocks:
-            self.expire_pending(now)
+        self._pending_log.append((until, worker_id, keys))
 
     def expire_pending(self, now: float) -> None:
-        for key in list(self._pending):
-            holders = {w: until for w, until in self._pending[key].items() if until > now}
-            if holders:
-                self._pending[key] = holders
-            else:
-                del self._pending[key]
+        log = self._pending_log
+        while log and log[0][0] <= now:
+            until, worker_id, keys = log.popleft()
+            for key in keys:
+                holders = self._pending.get(key)
+                if holders is not None and holders.get(worker_id) == until:
+                    del holders[worker_id]
+                    if not holders:
+                        del self._pending[key]
 
     # -- lookups ----------------------------------------------------------------------------------------
 
