@@ -12,8 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import redis.asyncio as aioredis
+from aiohttp import web
 from test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
+from controller.registry_api import RegistryApi
 from poolgate.kernel.config import (
     DEFAULT_WEIGHTS,
     Config,
@@ -21,8 +24,9 @@ from poolgate.kernel.config import (
     KvEventsSettings,
     PoolSpec,
     SchedulingSettings,
+    parse_config,
 )
-from poolgate.kernel.fleet import WorkerRecord, register_worker
+from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
 from poolgate.procs import free_port
 from simworker.kv_publisher import KVEventsConfig
 from simworker.presets import PRESETS
@@ -182,3 +186,28 @@ async def test_a_restarted_worker_stops_attracting_its_old_prefixes_at_its_first
 def _event_ports(spec: WorkerSpec) -> tuple[int, int]:
     assert spec.kv_events.replay_endpoint is not None
     return (int(spec.kv_events.endpoint.rpartition(":")[2]), int(spec.kv_events.replay_endpoint.rpartition(":")[2]))
+
+
+async def test_a_worker_registers_where_it_publishes_and_bad_endpoints_are_refused(redis_url: str) -> None:
+    redis = aioredis.from_url(redis_url)
+    config = parse_config({"pools": [{"name": "chat", "model": MODEL}]})
+    runner = web.AppRunner(RegistryApi(config, redis, FleetKeys("kv"), "token").app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    worker = {"id": "w1", "pool": "chat", "host": "127.0.0.1", "port": 9001,
+              "kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:5558"}
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer token"}) as http:
+            async with http.post(f"{base}/v1/workers", json=worker) as response:
+                assert response.status == 201
+            async with http.post(f"{base}/v1/workers", json={**worker, "id": "w2",
+                                                              "kv_events_endpoint": "http://x"}) as response:
+                assert response.status == 400
+        [record] = await read_fleet(redis, FleetKeys("kv"))
+        assert (record.kv_events_endpoint, record.kv_events_replay_endpoint) == (
+            "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    finally:
+        await runner.cleanup()
+        await redis.aclose()
