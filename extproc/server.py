@@ -112,6 +112,8 @@ async def serve(
         if kv_task is not None:
             kv_task.cancel()
         await asyncio.shield(_stop(server, watch_task, watcher, client, health))
+        if kv_task is not None:  # its subscriptions close their sockets as it ends
+            await asyncio.gather(kv_task, return_exceptions=True)
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()

@@ -84,8 +84,7 @@ class WorkerStream:
     def accept(self, frame: Frame) -> None:
         """A batch that follows on (after ``catch_up`` where ``replay_from`` asked for it)."""
         self._apply(frame)
-        if self._clock() >= self._relearn_until:
-            self._index.mark_known(self.worker_id)
+        self._known_unless_relearning()
 
     def disconnected(self) -> None:
         self._index.mark_unknown(self.worker_id)
@@ -93,8 +92,14 @@ class WorkerStream:
     def idle_in_sync(self) -> None:
         """The replay showed nothing is missing: the same publisher still ends at the last batch applied, or
         one that has published nothing yet (its engine stored nothing: an empty cache, known)."""
-        if self._clock() >= self._relearn_until:
-            self._index.mark_known(self.worker_id)
+        self._known_unless_relearning()
+
+    def _known_unless_relearning(self) -> None:
+        if self._clock() < self._relearn_until or self._index.is_known(self.worker_id):
+            return
+        self._index.mark_known(self.worker_id)
+        log.info("worker %s: KV events in sync at batch %s; picks use its exact cached prefixes", self.worker_id,
+                 "none yet" if self.last is None else self.last)
 
     def _apply(self, frame: Frame) -> None:
         try:
