@@ -9,11 +9,15 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import redis.asyncio as aioredis
+import yaml
 from aiohttp import web
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 from test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 from controller.registry_api import RegistryApi
@@ -27,7 +31,7 @@ from poolgate.kernel.config import (
     parse_config,
 )
 from poolgate.kernel.fleet import FleetKeys, WorkerRecord, read_fleet, register_worker
-from poolgate.procs import free_port
+from poolgate.procs import extproc_process, free_port
 from simworker.kv_publisher import KVEventsConfig
 from simworker.presets import PRESETS
 from simworker.worker import SimWorker, WorkerSpec
@@ -147,16 +151,37 @@ async def test_picks_follow_what_each_worker_really_caches(redis_url: str, redis
             assert [await pick(extproc, chat(DOC_B, f"Question {i}?")) for i in range(6)] == [fleet["c"].address] * 6
 
 
-async def test_two_extproc_replicas_pick_alike_from_the_same_event_streams(redis_url: str, redis_client: Any) -> None:
+@contextlib.asynccontextmanager
+async def extproc_processes(count: int, redis_url: str, directory: Path) -> AsyncIterator[list[Extproc]]:
+    """``count`` ``poolgate extproc`` processes, each with its own subscriptions and index."""
+    config = extproc_config()
+    path = directory / "poolgate.yaml"
+    path.write_text(yaml.safe_dump({
+        "key_prefix": config.key_prefix, "pools": [{"name": "chat", "model": MODEL, "max_model_len": 8192}],
+        "extproc": {"max_request_bytes": 1 << 20, "snapshot_refresh_s": 0.05, "stale_after_s": 3600.0,
+                    "kv_events": {"pending_s": 0.0}},
+        "scheduling": {"weights": dict(config.scheduling.weights)}}))
+    with contextlib.ExitStack() as stack:
+        ports = [(await asyncio.to_thread(stack.enter_context, extproc_process(path, redis_url)))[1]
+                 for _ in range(count)]
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for port in ports]
+        try:
+            yield [Extproc(ExternalProcessorStub(channel), port) for channel, port in zip(channels, ports, strict=True)]
+        finally:
+            for channel in channels:
+                await channel.close()
+            await asyncio.to_thread(stack.close)
+
+
+async def test_two_extproc_processes_pick_alike_from_the_same_event_streams(
+        redis_url: str, redis_client: Any, tmp_path: Path) -> None:
     async with workers() as (start, _):
         fleet = await fleet_of(["a", "b", "c"], start, redis_client)
-        await warm(fleet["a"], DOC_B)  # before either replica exists: they learn it from the replay buffer
-        async with running_extproc(redis_url, extproc_config()) as first, \
-                running_extproc(redis_url, extproc_config()) as second:
-            await asyncio.sleep(0.3)
+        await warm(fleet["a"], DOC_B)  # before either process exists: they learn it from the replay buffer
+        async with extproc_processes(2, redis_url, tmp_path) as (first, second):
             await warm(fleet["c"], DOC_A)
             for replica in (first, second):
-                await picked_within(replica, chat(DOC_A), fleet["c"].address)
+                await picked_within(replica, chat(DOC_A), fleet["c"].address, timeout_s=20.0)
             prompts = [chat(doc, f"Question {i}?") for i in range(4) for doc in (DOC_A, DOC_B)]
             picks_first = [await pick(first, p) for p in prompts]
             picks_second = [await pick(second, p) for p in prompts]
