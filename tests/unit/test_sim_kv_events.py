@@ -107,3 +107,23 @@ def test_workers_the_local_backend_starts_publish_where_their_record_says(tmp_pa
     given = kv_events_launch(("--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'),
                              "10.0.0.5", Path("unused"), 1)
     assert (given.args, given.endpoint, given.replay_endpoint) == ((), "tcp://10.0.0.5:5557", "")
+
+
+def test_kubernetes_workers_publish_as_their_manifest_says_and_their_records_follow() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from controller.kube_backend import _kv_events_endpoints
+
+    root = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+    for name in ("worker-chat.yaml", "worker-code.yaml"):
+        template = yaml.safe_load((root / name).read_text())["spec"]["template"]
+        args = template["spec"]["containers"][0]["args"]
+        events = KVEventsConfig.from_json(args[args.index("--kv-events-config") + 1])
+        annotations = template["metadata"]["annotations"]
+        assert events.publishes
+        assert _kv_events_endpoints("10.1.0.7", annotations) == {
+            "kv_events_endpoint": f"tcp://10.1.0.7:{events.endpoint.rpartition(':')[2]}",
+            "kv_events_replay_endpoint": f"tcp://10.1.0.7:{(events.replay_endpoint or '').rpartition(':')[2]}"}
+    assert _kv_events_endpoints("10.1.0.7", {"poolgate.io/port": "8000"}) == {}
