@@ -13,7 +13,9 @@ vLLM offsets the ports of its data-parallel ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass, fields, replace
 from typing import Literal
@@ -156,3 +158,6 @@ class ZmqKVEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self.config.endpoint.startswith("ipc://"):  # a bound ipc socket leaves its file behind
+            with contextlib.suppress(OSError):
+                os.unlink(self.config.endpoint.removeprefix("ipc://"))
