@@ -1,6 +1,9 @@
 """An Envoy bootstrap for the baseline policies: plain Envoy load balancing, no ext_proc, no xDS.
 
-One STATIC cluster per (pool, policy) with the known worker addresses and that policy's ``lb_policy``.
+One STATIC cluster per (pool, policy) with the known worker addresses and that policy's ``lb_policy``;
+``least_request_weighted`` gives each endpoint its ``load_balancing_weight`` (what a careful operator sets
+from each worker's measured capacity: Envoy's weighted least request then picks by
+``weight / (active_requests + 1)``), the others ignore weights.
 Plain Envoy cannot read the model from the body, so the client names the cluster in a benchmark-only
 header (``BENCH_CLUSTER_HEADER``, deliberately not one of poolgate's routing headers) and the single route
 follows it. Timeouts and circuit breakers match poolgate's Envoy so only the choice of worker differs.
@@ -17,7 +20,11 @@ from poolgate.kernel.routing import ROUTING_HEADERS
 BENCH_CLUSTER_HEADER = "x-bench-cluster"
 assert BENCH_CLUSTER_HEADER not in ROUTING_HEADERS
 
-LB_POLICIES = {"round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST", "random": "RANDOM"}
+LB_POLICIES = {"round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST", "random": "RANDOM",
+               "least_request_weighted": "LEAST_REQUEST"}
+WEIGHTED = {"least_request_weighted"}
+Endpoint = tuple[str, int, int]
+"""(host, port, weight)."""
 MAX_BODY_BYTES = 16 * 1024 * 1024 + 64 * 1024
 
 
@@ -25,7 +32,14 @@ def baseline_cluster(pool: str, policy: str) -> str:
     return f"bench-{pool}-{policy}"
 
 
-def _cluster(name: str, lb_policy: str, addresses: Sequence[tuple[str, int]]) -> dict[str, Any]:
+def _endpoint(host: str, port: int, weight: int | None) -> dict[str, Any]:
+    endpoint: dict[str, Any] = {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+    if weight is not None:
+        endpoint["load_balancing_weight"] = max(1, weight)
+    return endpoint
+
+
+def _cluster(name: str, lb_policy: str, endpoints: Sequence[Endpoint], weighted: bool) -> dict[str, Any]:
     limit = {"max_connections": CIRCUIT_LIMIT, "max_pending_requests": CIRCUIT_LIMIT,
              "max_requests": CIRCUIT_LIMIT, "max_retries": CIRCUIT_LIMIT}
     return {
@@ -36,17 +50,16 @@ def _cluster(name: str, lb_policy: str, addresses: Sequence[tuple[str, int]]) ->
         "circuit_breakers": {"thresholds": [limit]},
         "common_lb_config": {"healthy_panic_threshold": {"value": 0.0}},
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
-            for host, port in addresses
+            _endpoint(host, port, weight if weighted else None) for host, port, weight in endpoints
         ]}]},
     }
 
 
-def baseline_bootstrap(pools: Mapping[str, Sequence[tuple[str, int]]], *, listen_port: int,
+def baseline_bootstrap(pools: Mapping[str, Sequence[Endpoint]], *, listen_port: int,
                        admin_port: int) -> dict[str, Any]:
-    """``pools`` maps pool name → worker addresses; every pool gets one cluster per ``LB_POLICIES`` entry."""
-    clusters = [_cluster(baseline_cluster(pool, policy), lb, addresses)
-                for pool, addresses in pools.items() for policy, lb in LB_POLICIES.items()]
+    """``pools`` maps pool name → worker endpoints; every pool gets one cluster per ``LB_POLICIES`` entry."""
+    clusters = [_cluster(baseline_cluster(pool, policy), lb, endpoints, policy in WEIGHTED)
+                for pool, endpoints in pools.items() for policy, lb in LB_POLICIES.items()]
     route = {"match": {"prefix": "/"}, "route": {"cluster_header": BENCH_CLUSTER_HEADER, "timeout": "0s"}}
     manager = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."

@@ -1,5 +1,5 @@
 """Benchmark plumbing: child processes that always get stopped, a fixed-reply upstream, CPU time per pid,
-metric scrapes of simulated workers.
+metric scrapes of simulated workers, a one-token chat probe of a router.
 
 ``python bench/harness.py upstream PORT`` runs the upstream: an OpenAI-shaped chat completion answered at
 once, so a benchmark of the routing path measures the router and not a model.
@@ -21,10 +21,48 @@ from prometheus_client.parser import text_string_to_metric_families
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _stat_fields(stat_path: Path) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (which may hold spaces)."""
+    return stat_path.read_text().rsplit(")", 1)[1].split()
+
+
+def _cpu_of(fields: list[str]) -> float:
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return _cpu_of(_stat_fields(Path(f"/proc/{pid}/stat")))
+
+
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole host from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [float(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return sum(fields) - idle, sum(fields)
+
+
+def tree_cpu_seconds(root_pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``root_pid`` and every live descendant (Linux /proc)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = _stat_fields(entry / "stat")
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = _cpu_of(fields)
+    tree, frontier = {root_pid}, [root_pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(times.get(pid, 0.0) for pid in tree)
 
 
 async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
@@ -37,6 +75,19 @@ async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, flo
             key = f"{sample.name}|{sample.labels['le']}" if "le" in sample.labels else sample.name
             samples[key] = samples.get(key, 0.0) + sample.value
     return samples
+
+
+async def answers_chat(session: aiohttp.ClientSession, base_url: str, model: str,
+                       headers: Mapping[str, str] | None = None) -> int | None:
+    """The status of a one-token chat completion (``ping``) at ``base_url``; None when nothing answered."""
+    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    try:
+        async with session.post(base_url + "/v1/chat/completions", json=body, headers=dict(headers or {}),
+                                timeout=aiohttp.ClientTimeout(total=5)) as response:
+            await response.read()
+            return response.status
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
 
 
 def lag_quantile(before: Mapping[str, float], after: Mapping[str, float], share: float,

@@ -1,9 +1,9 @@
-"""The load generator: open-loop traces and closed-loop saturation runs over streamed OpenAI requests.
+"""Open- and closed-loop load generators for the benchmarks, with per-request client-side timings.
 
 Every request streams, so the client sees its first token: TTFT is the time from sending to the first SSE
-event that carries a token (the chat role-only opening event does not count), e2e the time to ``[DONE]``.
-The stream is read in raw chunks and events are counted by their ``data: `` marker, which keeps the
-client's CPU cost per token small. All times here are wall seconds; the caller converts to model time.
+event that carries generated text (a chat role chunk with empty content does not count), e2e the time to
+``[DONE]``. ``SseTally`` splits the stream into events and counts the ones with text. All times here are
+wall seconds; the caller converts to model time.
 
 Open loop: one dispatcher sends each request at its arrival time (``arrival_s / time_scale`` after the
 start) and records how late it was. After the arrival window the run waits for every first token (up to
@@ -14,23 +14,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.workload import CHAT_PATH, RequestSpec
+from bench.workload import RequestSpec
 
-MARKER = b"data: "
+TEXT_EVENT = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
+"""An event whose delta (chat) or text (completions) is not empty: one or more generated tokens."""
+USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def _no_headers(spec: RequestSpec) -> Mapping[str, str]:
+    return {}
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where requests go: Envoy's base URL and the extra headers a policy needs for one request."""
+    """Where requests go: the base URL for one request (a router per model, or one for all) and the extra
+    headers a router needs for it."""
 
     name: str
-    base_url: str
-    headers: Callable[[RequestSpec], Mapping[str, str]]
+    url_of: Callable[[RequestSpec], str]
+    headers: Callable[[RequestSpec], Mapping[str, str]] = _no_headers
+
+    @classmethod
+    def single(cls, name: str, base_url: str,
+               headers: Callable[[RequestSpec], Mapping[str, str]] = _no_headers) -> Target:
+        return cls(name, lambda spec: base_url, headers)
 
 
 @dataclass
@@ -43,10 +56,16 @@ class Outcome:
     e2e_s: float | None = None
     """Set when the stream ended with ``[DONE]``; for a cut request, the elapsed time at the cut."""
     tokens: int = 0
+    usage_tokens: int | None = None
+    """``completion_tokens`` of the final usage chunk, when the stream got that far."""
     status: int = 0
     error: str | None = None
     completed: bool = False
     cut: bool = False
+
+    @property
+    def refused(self) -> bool:
+        return self.status == 429
 
 
 @dataclass
@@ -64,50 +83,75 @@ class Counters:
     """Set on every first token and every finished request."""
 
 
+class SseTally:
+    """Splits a server-sent-event byte stream into events; counts text events, notes [DONE], errors, usage."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+        self.tokens = 0
+        self.done = False
+        self.error = False
+        self.usage_tokens: int | None = None
+
+    def feed(self, chunk: bytes) -> int:
+        """Take the next bytes; returns how many new text events they completed."""
+        data = self.pending + chunk
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        *events, self.pending = data.split(b"\n\n")
+        new = 0
+        for event in events:
+            payload = event[5:].strip() if event.startswith(b"data:") else b""
+            if not payload:
+                continue
+            if payload == b"[DONE]":
+                self.done = True
+            elif TEXT_EVENT.search(payload):
+                new += 1
+            elif b'"error"' in payload:
+                self.error = True
+            elif (usage := USAGE_TOKENS.search(payload)) is not None:
+                self.usage_tokens = int(usage.group(1))
+        self.tokens += new
+        return new
+
+
+def _note_tokens(outcome: Outcome, counters: Counters, new_tokens: int, now: float, started: float) -> None:
+    if outcome.ttft_s is None:
+        outcome.ttft_s = now - started
+        counters.first_tokens += 1
+        counters.first_token_times.append(now)
+        counters.progressed.set()
+    outcome.tokens += new_tokens
+    counters.tokens += new_tokens
+    if now <= counters.window_end:
+        counters.window_tokens += new_tokens
+
+
 async def stream_one(session: aiohttp.ClientSession, target: Target, spec: RequestSpec, body: bytes,
                      outcome: Outcome, counters: Counters) -> None:
     """Send one request and follow its stream; every failure ends up in ``outcome.error``."""
     loop = asyncio.get_running_loop()
     started = loop.time()
-    opening_events = 1 if spec.path == CHAT_PATH else 0
     headers = {"content-type": "application/json", **target.headers(spec)}
+    tally = SseTally()
     try:
-        async with session.post(target.base_url + spec.path, data=body, headers=headers) as response:
+        async with session.post(target.url_of(spec) + spec.path, data=body, headers=headers) as response:
             outcome.status = response.status
             if response.status != 200:
                 outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return
-            events = 0
-            tail = b""
-            done = False
             async for chunk in response.content.iter_any():
-                data = tail + chunk
-                tail = data[-(len(MARKER) - 1):]  # a marker split across chunks is counted once, next time
-                found = data.count(MARKER)
-                if not found:
-                    continue
-                events += found
-                if b"[DONE]" in data:
-                    done = True
-                if b'"error"' in data:
-                    outcome.error = "error event in the stream"
-                tokens = max(0, events - opening_events - (1 if done else 0))
-                new_tokens = tokens - outcome.tokens
-                if new_tokens > 0:
-                    now = loop.time()
-                    if outcome.ttft_s is None:
-                        outcome.ttft_s = now - started
-                        counters.first_tokens += 1
-                        counters.first_token_times.append(now)
-                        counters.progressed.set()
-                    outcome.tokens = tokens
-                    counters.tokens += new_tokens
-                    if now <= counters.window_end:
-                        counters.window_tokens += new_tokens
-            if done and outcome.error is None:
+                new_tokens = tally.feed(chunk)
+                if new_tokens:
+                    _note_tokens(outcome, counters, new_tokens, loop.time(), started)
+            outcome.usage_tokens = tally.usage_tokens
+            if tally.error:
+                outcome.error = "error event in the stream"
+            elif tally.done:
                 outcome.completed = True
                 outcome.e2e_s = loop.time() - started
-            elif outcome.error is None:
+            else:
                 outcome.error = "stream ended without [DONE]"
     except asyncio.CancelledError:
         outcome.cut = True

@@ -97,6 +97,12 @@ def save_rows(name: str, rows: Sequence[Row], columns: Sequence[Column], *, x_ke
                         panels=max(1, len(panels)))
 
 
+def plot_ttft_cdf(axis: Any, samples: Sequence[float], sent: int, label: str) -> None:
+    """Share of all sent requests with a first token by time t: requests without one keep the curve below 1."""
+    if samples:
+        axis.plot(samples, [(i + 1) / max(1, sent) for i in range(len(samples))], label=label)
+
+
 def _number(value: object) -> float:
     return float(value) if isinstance(value, int | float) else math.nan
 

@@ -1,18 +1,29 @@
-"""The scheduling benchmark's fleet: one poolgate stack and one baseline Envoy in front of the same workers.
+"""The benchmarks' fleet: simulated workers started by poolgate's own stack, and a baseline Envoy in front
+of the same workers.
 
-Ten simulated workers, started by poolgate's own controller (``Stack``) with a slowed-down clock:
+Two layouts (``LAYOUTS``), each with a chat and a code pool:
 
-- chat model: 6 × ``l4-24gb`` (35k KV tokens, ~68 ms decode step) and 2 × ``h100-80gb`` (450k, ~8 ms);
-- code model: 1 × ``h100-80gb`` and 1 × ``l4-24gb``.
+- ``heterogeneous``: chat 6 × ``l4-24gb`` (35k KV tokens, ~68 ms decode step) + 2 × ``h100-80gb`` (450k,
+  ~8 ms); code 1 × ``h100-80gb`` + 1 × ``l4-24gb``;
+- ``homogeneous``: chat 3 × ``h100-80gb``; code 1 × ``h100-80gb`` (H100s rather than L4s: an all-L4 fleet
+  serves about one long-document request per second, too few for a p99 within a run that fits the host).
 
 The poolgate side is the product path (Envoy → ext_proc → pinned worker). The baseline Envoy has no
-ext_proc and STATIC clusters with the same worker addresses (see ``baseline_envoy``). Worker ports are
-fixed in the generated config so both Envoys know them.
+ext_proc and STATIC clusters with the same worker addresses (see ``baseline_envoy``); it is restarted
+with new per-worker weights when the capacity of each worker has been measured. Worker ports are fixed in
+the generated config so every router knows them.
+
+The engines run ``time_scale`` times real speed, so every control-loop interval and time bound of
+poolgate's config is divided by it (``scaled_settings``): in model time the agent scrapes, extproc
+refreshes and holds requests exactly as often and as long as with the defaults on real GPUs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -24,7 +35,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from bench.baseline_envoy import BENCH_CLUSTER_HEADER, baseline_bootstrap, baseline_cluster
-from bench.harness import ProcessGroup, scrape
+from bench.harness import ProcessGroup, answers_chat, scrape
 from bench.loadgen import Target
 from bench.workload import ModelRole, RequestSpec
 from poolgate.kernel.config import load_config
@@ -33,9 +44,30 @@ from poolgate.procs import envoy_binary, free_port, wait_port
 from poolgate.up import Stack, StackPorts
 
 MODELS: dict[ModelRole, str] = {"chat": "llama-3.1-8b-instruct", "code": "qwen2.5-coder-7b"}
+"""Served names that are not model-hub ids, so no router looks a tokenizer up on a hub."""
 POOL_OF_ROLE: dict[ModelRole, str] = {"chat": "chat", "code": "code"}
 POOL_MAX_MODEL_LEN = {"chat": 18432, "code": 4096}
 KEY_PREFIX = "bench"
+
+
+@dataclass(frozen=True)
+class FleetLayout:
+    name: str
+    groups: tuple[tuple[str, str, int], ...]
+    """(pool, preset, count) per group of identical workers."""
+
+    def describe(self) -> str:
+        pools: dict[str, list[str]] = {}
+        for pool, preset, count in self.groups:
+            pools.setdefault(pool, []).append(f"{count} × {preset}")
+        return "; ".join(f"{pool}: {' + '.join(parts)}" for pool, parts in pools.items())
+
+
+LAYOUTS = {layout.name: layout for layout in (
+    FleetLayout("heterogeneous", (("chat", "l4-24gb", 6), ("chat", "h100-80gb", 2), ("code", "h100-80gb", 1),
+                                  ("code", "l4-24gb", 1))),
+    FleetLayout("homogeneous", (("chat", "h100-80gb", 3), ("code", "h100-80gb", 1))),
+)}
 
 
 @dataclass(frozen=True)
@@ -50,24 +82,38 @@ class WorkerPlan:
         return f"http://127.0.0.1:{self.port}"
 
 
-def plan_workers() -> list[WorkerPlan]:
-    layout = [("chat", "l4-24gb", 6), ("chat", "h100-80gb", 2), ("code", "h100-80gb", 1), ("code", "l4-24gb", 1)]
+def plan_workers(layout: FleetLayout = LAYOUTS["heterogeneous"]) -> list[WorkerPlan]:
     plans: list[WorkerPlan] = []
-    for pool, preset, count in layout:
+    for pool, preset, count in layout.groups:
         for number in range(1, count + 1):
             short = "l4" if preset.startswith("l4") else "h100"
             plans.append(WorkerPlan(f"{pool}-{short}-{number}", pool, preset, free_port()))
     return plans
 
 
+def scaled_settings(time_scale: float) -> dict[str, dict[str, float]]:
+    """poolgate's control-loop intervals and time bounds in wall seconds for engines running ``time_scale``
+    times real speed (defaults ÷ time_scale; a rate × time_scale), so they stay the defaults in model time."""
+    wall = 1.0 / time_scale
+    return {
+        "extproc": {"snapshot_refresh_s": 0.1 * wall, "stale_after_s": 3.0 * wall},
+        # Generous TTL: a loaded 2-core host must not drop workers from Envoy between heartbeats.
+        "controller": {"heartbeat_interval_s": 0.5 * wall, "heartbeat_ttl_s": 5.0 * wall},
+        "agent": {"scrape_interval_s": 0.25 * wall},
+        "health": {"probe_interval_s": 0.5 * wall, "probe_timeout_s": 1.0 * wall},
+        "scheduling": {"max_wait_s": 5.0 * wall, "ttft_reference_s": 0.5 * wall,
+                       "reservation_settle_s": 0.5 * wall, "default_prefill_tokens_per_s": 8000.0 * time_scale},
+    }
+
+
 def fleet_config(workers: list[WorkerPlan], time_scale: float) -> dict[str, object]:
     """The poolgate config of the benchmark (YAML-shaped)."""
+    settings = scaled_settings(time_scale)
     return {
         "key_prefix": KEY_PREFIX,
         "ports": {"envoy": 0},
-        # Generous TTL: a loaded 2-core host must not drop workers from Envoy between heartbeats.
-        "controller": {"heartbeat_interval_s": 0.5, "heartbeat_ttl_s": 5.0},
-        "scheduling": {"task_classes": {"code_models": [MODELS["code"]]}},
+        **{section: values for section, values in settings.items() if section != "scheduling"},
+        "scheduling": {"task_classes": {"code_models": [MODELS["code"]]}, **settings["scheduling"]},
         "pools": [{"name": pool, "model": MODELS[role], "max_model_len": POOL_MAX_MODEL_LEN[pool]}
                   for role, pool in POOL_OF_ROLE.items()],
         "workers": [{"id": w.id, "pool": w.pool, "backend": "sim", "preset": w.preset, "port": w.port,
@@ -79,12 +125,16 @@ def fleet_config(workers: list[WorkerPlan], time_scale: float) -> dict[str, obje
 class BenchFleet:
     """Owns every process of the benchmark; ``stop`` always leaves none behind."""
 
-    def __init__(self, run_dir: Path, time_scale: float) -> None:
+    def __init__(self, run_dir: Path, time_scale: float, layout: FleetLayout = LAYOUTS["heterogeneous"]) -> None:
         self.run_dir = run_dir
         self.time_scale = time_scale
-        self.workers = plan_workers()
+        self.layout = layout
+        self.workers = plan_workers(layout)
         self.baseline_port = free_port()
         self.baseline = ProcessGroup(run_dir)
+        self.helpers = ProcessGroup(run_dir)
+        """A separate agent, when the controller runs none."""
+        self.baseline_weights: dict[str, int] = {}
         config_path = run_dir / "poolgate.yaml"
         config_path.write_text(yaml.safe_dump(fleet_config(self.workers, time_scale), sort_keys=False))
         self.config = load_config(config_path)
@@ -92,31 +142,74 @@ class BenchFleet:
                            controller_http=free_port())
         self.stack = Stack(self.config, config_path, run_dir, ports, None, "127.0.0.1")
 
+    def pool_workers(self, pool: str) -> list[WorkerPlan]:
+        return [w for w in self.workers if w.pool == pool]
+
     async def start(self, session: aiohttp.ClientSession) -> None:
         await self.stack.start()
-        pools: dict[str, list[tuple[str, int]]] = {}
+        self.start_baseline({})
+        if not await wait_port("127.0.0.1", self.baseline_port, 30):
+            raise RuntimeError(f"the baseline Envoy did not start (log in {self.run_dir})")
+        await self.stack.wait_until_serving()
+
+    def start_baseline(self, weights: Mapping[str, int]) -> None:
+        """(Re)start the baseline Envoy; ``weights`` (worker id → Envoy load-balancing weight) feed the
+        weighted clusters, missing ids weigh 1."""
+        self.baseline.stop_all()
+        self.baseline_weights = dict(weights)
+        pools: dict[str, list[tuple[str, int, int]]] = {}
         for worker in self.workers:
-            pools.setdefault(worker.pool, []).append(("127.0.0.1", worker.port))
+            pools.setdefault(worker.pool, []).append(("127.0.0.1", worker.port, weights.get(worker.id, 1)))
         bootstrap_path = self.run_dir / "envoy-baseline.yaml"
         bootstrap_path.write_text(yaml.safe_dump(baseline_bootstrap(pools, listen_port=self.baseline_port,
                                                                      admin_port=free_port())))
         self.baseline.start("envoy-baseline", [str(envoy_binary()), "-c", str(bootstrap_path), "-l", "warning",
                                                "--use-dynamic-base-id", "--disable-hot-restart"])
+
+    async def restart_baseline(self, session: aiohttp.ClientSession, weights: Mapping[str, int]) -> None:
+        self.start_baseline(weights)
         if not await wait_port("127.0.0.1", self.baseline_port, 30):
-            raise RuntimeError(f"the baseline Envoy did not start (log in {self.run_dir})")
+            raise RuntimeError(f"the baseline Envoy did not restart (log in {self.run_dir})")
+        await self.check_baseline(session)
+
+    async def restart_extproc(self) -> None:
+        """A fresh extproc (no affinity map, no latency history), as every peer router starts fresh."""
+        child = next(c for c in self.stack.children if c.name == "extproc")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.process.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(child.process.wait(), 10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.process.pid, signal.SIGKILL)
+            await child.process.wait()
+        await self.stack.restart(child)
+        if not await wait_port("127.0.0.1", self.stack.ports.extproc, 30):
+            raise RuntimeError(f"extproc did not come back (log: {child.log_path})")
         await self.stack.wait_until_serving()
+
+    async def reset_prefix_caches(self, session: aiohttp.ClientSession) -> None:
+        """vLLM's ``POST /reset_prefix_cache`` on every worker (call it on an idle fleet)."""
+        async def reset(worker: WorkerPlan) -> None:
+            async with session.post(worker.url + "/reset_prefix_cache") as response:
+                await response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"{worker.id}: /reset_prefix_cache answered {response.status}")
+        await asyncio.gather(*(reset(w) for w in self.workers))
 
     async def stop(self) -> None:
         self.baseline.stop_all()
+        self.helpers.stop_all()
         await self.stack.stop()
 
     def target(self, policy: str) -> Target:
+        """poolgate, or an Envoy baseline cluster (``baseline_envoy.LB_POLICIES``)."""
         if policy == "poolgate":
-            return Target(policy, f"http://127.0.0.1:{self.stack.ports.envoy}", lambda spec: {})
+            return Target.single(policy, f"http://127.0.0.1:{self.stack.ports.envoy}")
 
         def headers(spec: RequestSpec) -> Mapping[str, str]:
             return {BENCH_CLUSTER_HEADER: baseline_cluster(POOL_OF_ROLE[spec.role], policy)}
-        return Target(policy, f"http://127.0.0.1:{self.baseline_port}", headers)
+        return Target.single(policy, f"http://127.0.0.1:{self.baseline_port}", headers)
 
     async def scrape_all(self, session: aiohttp.ClientSession) -> dict[str, dict[str, float]]:
         scrapes = await asyncio.gather(*(scrape(session, w.url) for w in self.workers))
@@ -156,7 +249,7 @@ class BenchFleet:
         if await self.wait_agent_data(wait_s):
             return "controller"
         assert self.stack.redis_url is not None
-        self.baseline.start("agent", [sys.executable, "-m", "poolgate.cli", "agent", "--config",
+        self.helpers.start("agent", [sys.executable, "-m", "poolgate.cli", "agent", "--config",
                                       str(self.stack.config_path), "--redis-url", self.stack.redis_url,
                                       "--log-level", "WARNING"])
         if await self.wait_agent_data(wait_s):
@@ -167,9 +260,7 @@ class BenchFleet:
         """One tiny request per pool through the baseline Envoy."""
         for role, model in MODELS.items():
             cluster = baseline_cluster(POOL_OF_ROLE[role], "least_request")
-            body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-            async with session.post(f"http://127.0.0.1:{self.baseline_port}/v1/chat/completions", json=body,
-                                    headers={BENCH_CLUSTER_HEADER: cluster}) as response:
-                await response.read()
-                if response.status != 200:
-                    raise RuntimeError(f"baseline Envoy answered {response.status} for {model}")
+            status = await answers_chat(session, f"http://127.0.0.1:{self.baseline_port}", model,
+                                        {BENCH_CLUSTER_HEADER: cluster})
+            if status != 200:
+                raise RuntimeError(f"baseline Envoy answered {status} for {model}")

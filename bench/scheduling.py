@@ -22,25 +22,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
 
-from bench.loadgen import Counters, new_session, run_closed_loop, run_open_loop
+from bench.loadgen import Counters, new_session, run_closed_loop
+from bench.replay import Progress, Window, replay, with_progress
 from bench.sched_fleet import MODELS, BenchFleet
-from bench.sched_report import cpu_times, evaluate_targets, summarise_run, tree_cpu_seconds, write_outputs
-from bench.workload import RequestSpec, draw_request, poisson_trace, request_body
+from bench.sched_report import evaluate_targets, write_outputs
+from bench.workload import MIX, RequestSpec, draw_request, poisson_trace, request_body
 
 POLICIES = ("poolgate", "round_robin", "least_request", "random")
 LEVELS = (0.5, 0.85, 1.0)
@@ -64,54 +63,6 @@ class Plan:
     seed: int
 
 
-class Progress:
-    """One self-rewriting status line on stderr."""
-
-    def __init__(self, total_phases: int, stream: TextIO = sys.stderr) -> None:
-        self.total = total_phases
-        self.done = 0
-        self.stream = stream
-        self.started = time.monotonic()
-        self.interactive = stream.isatty()
-        self.last_line = 0.0
-
-    def show(self, phase: str, counters: Counters | None = None, expected: int = 0) -> None:
-        filled = int(20 * self.done / max(1, self.total))
-        bar = "#" * filled + "." * (20 - filled)
-        detail = ""
-        if counters is not None:
-            detail = (f" sent {counters.sent}{f'/{expected}' if expected else ''} first-token {counters.first_tokens}"
-                      f" finished {counters.finished}")
-        now = time.monotonic()
-        line = f"[{bar}] {self.done}/{self.total} {phase:<28}{detail:<52} {now - self.started:5.0f}s"
-        if self.interactive:
-            self.stream.write("\r" + line)
-        elif now - self.last_line >= 10.0:  # a log file gets a line now and then, not a redraw every 0.5 s
-            self.stream.write(line.rstrip() + "\n")
-            self.last_line = now
-        else:
-            return
-        self.stream.flush()
-
-    def step(self) -> None:
-        self.done += 1
-        self.last_line = 0.0
-
-    def close(self) -> None:
-        if self.interactive:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-async def _with_progress(progress: Progress, phase: str, counters: Counters, expected: int,
-                         work: asyncio.Future[Any] | asyncio.Task[Any]) -> Any:
-    while not work.done():
-        progress.show(phase, counters, expected)
-        await asyncio.wait({work}, timeout=0.5)
-    progress.show(phase, counters, expected)
-    return work.result()
-
-
 async def measure_capacity(session: aiohttp.ClientSession, fleet: BenchFleet, plan: Plan,
                            progress: Progress) -> dict[str, Any]:
     rng = random.Random(plan.seed)
@@ -123,7 +74,7 @@ async def measure_capacity(session: aiohttp.ClientSession, fleet: BenchFleet, pl
     work = asyncio.ensure_future(run_closed_loop(
         session, fleet.target("least_request"), requests, bodies, concurrency=plan.capacity_clients,
         warmup_s=plan.capacity_warmup_s, window_s=plan.capacity_window_s, counters=counters))
-    admitted, outcomes = await _with_progress(progress, "capacity (least_request)", counters, 0, work)
+    admitted, outcomes = await with_progress(progress, "capacity (least_request)", counters, 0, work)
     busy_after = await fleet.scrape_all(session)
     await fleet.wait_idle(session)
     progress.step()
@@ -146,25 +97,9 @@ async def measure_capacity(session: aiohttp.ClientSession, fleet: BenchFleet, pl
 async def run_policy(session: aiohttp.ClientSession, fleet: BenchFleet, plan: Plan, policy: str, level: float,
                      offered_rps: float, trace: Sequence[RequestSpec], bodies: Sequence[bytes],
                      progress: Progress) -> dict[str, Any]:
-    if not await fleet.wait_idle(session):
-        print(f"\nwarning: fleet not idle before {policy} at {level:.0%}", file=sys.stderr)
-    before = await fleet.scrape_all(session)
-    cpu_before = cpu_times()
-    tree_before, wall_before = tree_cpu_seconds(os.getpid()), time.monotonic()
-    counters = Counters()
-    work = asyncio.ensure_future(run_open_loop(
-        session, fleet.target(policy), trace, bodies, time_scale=plan.time_scale, window_s=plan.window_s,
-        drain_s=plan.drain_s, counters=counters))
-    outcomes = await _with_progress(progress, f"{level:.0%} {policy}", counters, len(trace), work)
-    cpu_after = cpu_times()
-    bench_cores = (tree_cpu_seconds(os.getpid()) - tree_before) / (time.monotonic() - wall_before)
-    await fleet.wait_idle(session)
-    after = await fleet.scrape_all(session)
-    progress.step()
-    busy = (cpu_after[0] - cpu_before[0]) / max(1.0, cpu_after[1] - cpu_before[1])
-    return summarise_run(policy, level, offered_rps, outcomes, before, after, time_scale=plan.time_scale,
-                         window_s=plan.window_s, window_tokens=counters.window_tokens, cpu_busy_share=busy,
-                         bench_cpu_cores=bench_cores)
+    window = Window(plan.time_scale, plan.window_s, plan.drain_s)
+    return await replay(session, fleet, fleet.target(policy), level, offered_rps, trace, bodies, window,
+                        [c.name for c in MIX], progress, f"{level:.0%} {policy}")
 
 
 async def run(plan: Plan, out: Path) -> dict[str, Any]:

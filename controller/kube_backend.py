@@ -31,6 +31,9 @@ log = logging.getLogger("poolgate.controller.kubernetes")
 
 POOL_LABEL = "poolgate.io/pool"
 PORT_ANNOTATION = "poolgate.io/port"
+KV_EVENTS_PORT_ANNOTATION = "poolgate.io/kv-events-port"
+"""The port of the pod's KV-event PUB socket (``--kv-events-config`` endpoint ``tcp://*:PORT``)."""
+KV_EVENTS_REPLAY_PORT_ANNOTATION = "poolgate.io/kv-events-replay-port"
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 MERGE_PATCH = "application/merge-patch+json"
 DEFAULT_WORKER_PORT = 8000
@@ -131,6 +134,18 @@ class KubernetesBackend:
                                           port=int(annotations.get(PORT_ANNOTATION, DEFAULT_WORKER_PORT)),
                                           max_model_len=pool_spec.max_model_len, backend="kubernetes", node=node,
                                           state=WorkerState.READY)
+                    record = record.with_live(**_kv_events_endpoints(pod.status.pod_ip, annotations))
                     await self._store.register(record, ttl)
                 count += 1
         return count
+
+
+def _kv_events_endpoints(pod_ip: str, annotations: dict[str, str]) -> dict[str, str]:
+    """Where the pod publishes its KV events, from its annotations (none: it publishes none)."""
+    endpoints: dict[str, str] = {}
+    for field, annotation in (("kv_events_endpoint", KV_EVENTS_PORT_ANNOTATION),
+                              ("kv_events_replay_endpoint", KV_EVENTS_REPLAY_PORT_ANNOTATION)):
+        port = annotations.get(annotation, "")
+        if port.isdigit():
+            endpoints[field] = f"tcp://{pod_ip}:{port}"
+    return endpoints

@@ -31,6 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from controller.backend import PlacementRefused
+from controller.kv_events_launch import KvEventsLaunch, kv_events_launch, kv_socket_path
 from controller.placement import GpuFree, Placement, place
 from poolgate.kernel.config import (
     Config,
@@ -104,14 +105,16 @@ def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[s
     return cmd, env
 
 
-def worker_command(config: Config, spec: WorkerSpec, port: int) -> tuple[list[str], dict[str, str]]:
+def worker_command(config: Config, spec: WorkerSpec, port: int,
+                   kv_events: KvEventsLaunch | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment that start one worker. The workers' API key goes in the
     environment (``VLLM_API_KEY``, which vLLM and the simulator read), never on a command line anyone can list."""
     pool = config.pool(spec.pool)
     key = config.worker_api_key()
     lora_args, lora_env = lora_launch(config.catalogue.adapters, pool.model, spec.extra_args)
     extra_env = {**lora_env, **({WORKER_KEY_ENV: key} if key else {})}
-    extra_args = (*task_launch(pool.task, spec.backend, spec.extra_args), *lora_args, *spec.extra_args)
+    extra_args = (*task_launch(pool.task, spec.backend, spec.extra_args), *lora_args,
+                  *(kv_events.args if kv_events is not None else ()), *spec.extra_args)
     if spec.backend == "sim":
         cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--host", spec.host, "--port", str(port),
                "--model", pool.model, "--worker-id", spec.id, "--preset", spec.preset,
@@ -134,10 +137,12 @@ class WorkerProcess:
     stopping: bool = False
     restart_now: bool = False
     log_path: Path | None = None
+    kv_events: KvEventsLaunch | None = None
+    """Where the worker publishes its KV-cache events (``extproc.kv_events.enabled``)."""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
-WorkerCommand = Callable[[WorkerSpec, int], tuple[list[str], dict[str, str]]]
+WorkerCommand = Callable[[WorkerSpec, int, "KvEventsLaunch | None"], tuple[list[str], dict[str, str]]]
 """A worker's command line and extra environment for a port (``worker_command`` over the config)."""
 GpuFacts = Callable[[], Mapping[int, GpuFree]]
 """This node's GPUs as the agent reads them (NVML), or a simulated set."""
@@ -155,8 +160,10 @@ class LocalProcessBackend:
     def __init__(self, store: FleetStore, log_dir: Path, command: WorkerCommand, *, pools: Sequence[PoolSpec],
                  workers: Sequence[WorkerSpec], settings: ControllerSettings, placement: PlacementSettings,
                  scaling: Mapping[str, PoolScaling],
-                 max_backoff_s: float = 30.0, gpu_facts: GpuFacts | None = None) -> None:
+                 max_backoff_s: float = 30.0, gpu_facts: GpuFacts | None = None, kv_events: bool = False) -> None:
         self._command = command
+        self._kv_events = kv_events
+        """Start workers publishing their KV-cache events (``extproc.kv_events.enabled``)."""
         self._pools = {pool.name: pool for pool in pools}
         self._configured = tuple(workers)
         self._settings = settings
@@ -194,6 +201,9 @@ class LocalProcessBackend:
     def _start(self, spec: WorkerSpec) -> WorkerProcess:
         worker = WorkerProcess(spec=spec, port=spec.port or free_port(spec.host),
                                log_path=self._log_dir / f"{spec.id}.log")
+        if self._kv_events:
+            worker.kv_events = kv_events_launch(spec.extra_args, spec.host, kv_socket_path(self._log_dir, spec.id),
+                                                free_port(spec.host))
         self._workers[spec.id] = worker
         worker.task = asyncio.create_task(self._supervise(worker), name=f"worker-{spec.id}")
         return worker
@@ -286,7 +296,7 @@ class LocalProcessBackend:
             await self._http.close()
 
     async def _spawn(self, worker: WorkerProcess) -> None:
-        cmd, extra_env = self._command(worker.spec, worker.port)
+        cmd, extra_env = self._command(worker.spec, worker.port, worker.kv_events)
         assert worker.log_path is not None
         log_file = worker.log_path.open("ab")
         try:
@@ -324,7 +334,9 @@ class LocalProcessBackend:
         pool = self._pools[worker.spec.pool]
         return WorkerRecord(id=worker.spec.id, pool=pool.name, model=pool.model, host=worker.spec.host,
                             port=worker.port, max_model_len=pool.max_model_len, backend=worker.spec.backend,
-                            node=self._node, state=WorkerState.READY)
+                            node=self._node, state=WorkerState.READY,
+                            kv_events_endpoint=worker.kv_events.endpoint if worker.kv_events else "",
+                            kv_events_replay_endpoint=worker.kv_events.replay_endpoint if worker.kv_events else "")
 
     async def _supervise(self, worker: WorkerProcess) -> None:
         settings = self._settings

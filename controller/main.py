@@ -93,7 +93,8 @@ async def _instance_backend(config: Config, store: FleetStore, log_dir: Path) ->
     gpus = await asyncio.to_thread(node_gpus, config.agent.nvml)
     return LocalProcessBackend(store, log_dir, functools.partial(worker_command, config), pools=config.pools,
                                workers=config.workers, settings=config.controller, placement=config.placement,
-                               scaling=config.autoscale.pools, gpu_facts=gpus)
+                               scaling=config.autoscale.pools, gpu_facts=gpus,
+                               kv_events=config.extproc.kv_events.enabled)
 
 
 async def _serve_api(registry: RegistryApi, host: str, port: int) -> tuple[web.AppRunner, str]:

@@ -41,6 +41,9 @@ class Registration(BaseModel):
     node: str | None = Field(None, pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9])?$")
     """The node (machine) the worker runs on, as that node's agent names it (``poolgate agent --node``;
     on Kubernetes the pod's ``spec.nodeName``). Without it the agents match the worker by its address."""
+    kv_events_endpoint: str = Field("", pattern=r"^(tcp://[^\s]+:\d{1,5}|ipc://\S+)?$")
+    """Where the engine publishes KV-cache events (``--kv-events-config``), as a subscriber connects to it."""
+    kv_events_replay_endpoint: str = Field("", pattern=r"^(tcp://[^\s]+:\d{1,5}|ipc://\S+)?$")
 
 
 class Heartbeat(BaseModel):
@@ -167,6 +170,7 @@ class RegistryApi:
             id=body.id, pool=pool.name, model=body.model or pool.model, host=body.host, port=body.port,
             served_names=body.served_names, max_model_len=body.max_model_len or pool.max_model_len,
             backend=body.backend, state=body.state, node=body.node or "",
+            kv_events_endpoint=body.kv_events_endpoint, kv_events_replay_endpoint=body.kv_events_replay_endpoint,
         )
         await self._store.register(record, self._ttl_s)
         log.info("registered worker %s (%s) in pool %s", record.id, record.address, record.pool)

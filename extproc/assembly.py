@@ -14,7 +14,9 @@ from collections.abc import Callable, Mapping
 from extproc.catalogue import EMPTY_CATALOGUE
 from extproc.catalogue_source import CatalogueSource
 from extproc.inflight import InflightTracker
+from extproc.kvcache.lookup import CacheLookup
 from extproc.metrics import Metrics
+from extproc.output_lengths import OutputLengths
 from extproc.pipeline import (
     Admit,
     CapacitySignal,
@@ -52,6 +54,7 @@ def build_service(
     timer: Callable[[], float] = time.perf_counter,
     rng: random.Random | None = None,
     model_tasks: Mapping[str, PoolTask] | None = None,
+    prefix_cache: CacheLookup | None = None,
 ) -> ExtProcService:
     """``clock`` is the wall clock worker records are stamped with; ``timer`` the monotonic one for durations
     and queue deadlines; ``rng`` draws catalogue traffic splits; ``model_tasks`` says what each served model
@@ -67,7 +70,15 @@ def build_service(
                         rng or random.Random(), model_tasks),
         admit=Admit(quotas, tenancy, metrics),
         hold=Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed),
-        place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer),
+        place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache),
         respond=Respond(metrics, genai_metrics),
-        metrics=metrics, clock=clock, timer=timer)
+        metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling))
     return ExtProcService(director, metrics, header_pin=header_pin)
+
+
+def _output_lengths(scheduling: SchedulingSettings) -> OutputLengths | None:
+    learned = scheduling.learned_output
+    if not learned.enabled:
+        return None
+    return OutputLengths(learned.quantile, learned.window, learned.min_samples, learned.tenant_min_samples,
+                         learned.sample_every)

@@ -77,6 +77,17 @@ class Metrics:
             "poolgate_extproc_stale_workers", "Workers in the snapshot whose live state is too old to pick",
             registry=self.registry)
         self.workers = Gauge("poolgate_extproc_workers", "Workers in the snapshot", registry=self.registry)
+        self.kv_event_streams = Gauge(
+            "poolgate_extproc_kv_event_streams", "Workers' KV-event subscriptions by state: known (in sync, picks "
+            "use the exact cached prefix) or unknown (gone, behind or relearning: the estimate stands in)",
+            ["state"], registry=self.registry)
+        self.kv_index_blocks = Gauge(
+            "poolgate_extproc_kv_index_blocks", "(worker, block) entries in the KV-event index",
+            registry=self.registry)
+        self.kv_event_gaps = Counter(
+            "poolgate_extproc_kv_event_gaps", "Gaps in workers' KV-event streams, by outcome: replayed (the "
+            "missed batches were fetched) or lost (history gone: the worker relearns)", ["outcome"],
+            registry=self.registry)
         self.token_usage = Histogram(
             "gen_ai_client_token_usage", "Tokens per inference request as the worker reported them in its usage "
             "block, by gen_ai_token_type (input, output); requests without a reported usage are not counted "

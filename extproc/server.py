@@ -27,6 +27,9 @@ from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
 from extproc.endpoint_picker import GIE_MODE
 from extproc.inflight import InflightTracker
+from extproc.kvcache.lookup import CacheLookup
+from extproc.kvcache.subscriber import KVEventSubscriptions
+from extproc.kvcache.wiring import build_kv_cache
 from extproc.metrics import Metrics
 from extproc.pipeline import CapacitySignal
 from extproc.quota import QuotaStore
@@ -86,9 +89,11 @@ async def serve(
         metrics_server, _ = start_http_server(metrics_port, addr=host, registry=metrics.registry)
         log.info("extproc metrics on http://%s:%d/metrics", host, metrics_server.server_port)
     client = redis_client(redis_url)
-    service, watcher, catalogue = _assemble(config, client, metrics, profiler)
+    service, watcher, catalogue, kv_cache = _assemble(config, client, metrics, profiler)
     server, health, bound = await _grpc_server(service, host, port, config.extproc.max_request_bytes)
     watch_task = asyncio.create_task(watcher.run(), name="fleet-watcher")
+    kv_task = (asyncio.create_task(kv_cache[1].follow(watcher, metrics=metrics), name="kv-events")
+               if kv_cache is not None else None)
     ready_task = asyncio.create_task(_serving_after_first_snapshot(watcher, health), name="health-ready")
     reload_task = None
     if config_path is not None:
@@ -105,15 +110,23 @@ async def serve(
         ready_task.cancel()
         if reload_task is not None:
             reload_task.cancel()
+        if kv_task is not None:
+            kv_task.cancel()
         await asyncio.shield(_stop(server, watch_task, watcher, client, health))
+        if kv_task is not None:  # its subscriptions close their sockets as it ends
+            await asyncio.gather(kv_task, return_exceptions=True)
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
 
 
-def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics,
-              profiler: RequestProfiler) -> tuple[ExtProcService, FleetWatcher, CatalogueSource]:
-    """The servicer over the fleet watcher, each part given the configuration's section it reads."""
+KvCache = tuple[CacheLookup, KVEventSubscriptions]
+
+
+def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics, profiler: RequestProfiler) -> (
+        tuple[ExtProcService, FleetWatcher, CatalogueSource, KvCache | None]):
+    """The servicer over the fleet watcher, each part given the configuration's section it reads; the KV-event
+    parts raise ConfigError (before anything listens) when a pool's tokenizer cannot load."""
     inflight = InflightTracker()
     capacity_changed = CapacitySignal()
     watcher = FleetWatcher(FleetStore(client, config.key_prefix), config.pools, config.extproc, inflight, metrics,
@@ -121,15 +134,17 @@ def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics,
     quotas = (QuotaStore(client, QuotaKeys(config.key_prefix), config.tenancy.lease_s)
               if any(t.has_quota for t in config.tenants) else None)
     catalogue = CatalogueSource(Catalogue(config.catalogue))
+    kv_cache = build_kv_cache(config.extproc.kv_events, config.pools, lambda: watcher.snapshot)
     service = build_service(build_scheduler(config.scheduling), watcher, inflight, metrics,
                             max_request_bytes=config.extproc.max_request_bytes, scheduling=config.scheduling,
                             profiler=profiler, tenants=TenantDirectory(config.tenancy, config.tenants),
                             quotas=quotas, catalogue=catalogue, capacity_changed=capacity_changed,
                             genai_metrics=config.observability.genai_metrics,
                             header_pin=config.extproc.endpoint_picker_mode == GIE_MODE,
-                            model_tasks={pool.model: pool.task for pool in config.pools})
+                            model_tasks={pool.model: pool.task for pool in config.pools},
+                            prefix_cache=kv_cache[0] if kv_cache is not None else None)
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
-    return service, watcher, catalogue
+    return service, watcher, catalogue, kv_cache
 
 
 async def _grpc_server(service: ExtProcService, host: str, port: int, max_request_bytes: int) -> (

@@ -18,6 +18,7 @@ from poolgate.kernel.shutdown import on_stop_signal
 from simworker import model_tasks
 from simworker.engine import Engine
 from simworker.faults import FaultSettings
+from simworker.kv_publisher import KVEventsConfig
 from simworker.presets import DEFAULT_PRESET, PRESETS, STEP_JITTER
 from simworker.worker import SimWorker, WorkerSpec
 
@@ -51,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached prompt prefixes (default on, as in vLLM V1; "
                              "--no-enable-prefix-caching turns it off)")
+    parser.add_argument("--kv-events-config", type=_kv_events_config, default=KVEventsConfig(),
+                        help="vLLM's KV-cache events as JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                             "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'; "
+                             "with --ports each worker publishes on these ports plus its index")
     parser.add_argument("--legacy-kv-metric", action="store_true",
                         help="also export vllm:gpu_cache_usage_perc (the pre-V1 name)")
     parser.add_argument("--time-scale", type=float, default=1.0,
@@ -82,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--kv-leak-blocks-per-s", type=float, default=0.0, help="KV blocks lost per second")
     faults.add_argument("--slow-start-s", type=float, default=0.0, help="report 503 for this long after start")
     parser.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
@@ -118,10 +130,10 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             legacy_kv_metric=args.legacy_kv_metric, time_scale=args.time_scale, faults=faults,
             enable_fault_api=args.enable_fault_api, enable_lora=args.enable_lora, max_loras=args.max_loras,
             lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
-            seed=args.seed, step_jitter=args.step_jitter,
+            seed=args.seed, step_jitter=args.step_jitter, kv_events=args.kv_events_config.offset(index),
             tasks=tasks,
         )
-        for port, worker_id in zip(ports, ids, strict=True)
+        for index, (port, worker_id) in enumerate(zip(ports, ids, strict=True))
     ]
 
 

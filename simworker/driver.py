@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from simworker.engine import Engine, EngineRequest, RequestFinished, StepOutcome
@@ -38,7 +39,8 @@ class TokenStream:
 
 class EngineDriver:
     def __init__(self, engine: Engine, metrics: WorkerMetrics, *, time_scale: float = 1.0,
-                 weight_bytes: float = 0.0, kv_block_bytes: float = 0.0) -> None:
+                 weight_bytes: float = 0.0, kv_block_bytes: float = 0.0,
+                 flush_kv_events: Callable[[], None] | None = None) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         self.engine = engine
@@ -52,6 +54,8 @@ class EngineDriver:
         self._origin = self._loop.time()
         self._busy: deque[tuple[float, float]] = deque()
         self._dead = False
+        self._flush_kv_events = flush_kv_events
+        """Publishes what the cache recorded; called whenever the engine may have changed (``_publish_state``)."""
         metrics.track_utilization(self.utilization)
         self._publish_state()
 
@@ -149,6 +153,8 @@ class EngineDriver:
             self._busy.popleft()
 
     def _publish_state(self) -> None:
+        if self._flush_kv_events is not None:
+            self._flush_kv_events()
         kv = self.engine.kv
         self.metrics.record_state(
             running=self.engine.num_running, waiting=self.engine.num_waiting, kv_usage=kv.usage,

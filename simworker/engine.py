@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from simworker.kv_cache import KVCache
+from simworker.kv_events import KVEventSink
 from simworker.presets import StepCost, attention_pairs, jittered
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -58,6 +59,8 @@ class EngineRequest:
     output_target: int
     finish_reason_at_target: FinishReason
     prompt_block_hashes: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    """The prompt's token ids, for the ``BlockStored`` events of its blocks (empty: events carry none)."""
 
 
 @dataclass(frozen=True)
@@ -132,14 +135,14 @@ class _StepLog:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None) -> None:
         if config.max_model_len > config.num_gpu_blocks * config.block_size:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the KV cache "
                 f"({config.num_gpu_blocks} blocks x {config.block_size} tokens); lower --max-model-len")
         self.config = config
         self._rng = random.Random(config.seed)
-        self.kv = KVCache(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCache(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching, kv_events)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._sequences: dict[str, _Sequence] = {}
@@ -300,10 +303,14 @@ class Engine:
         if not self.config.enable_prefix_caching:
             return
         hashes = sequence.request.prompt_block_hashes
-        full_blocks = min(sequence.computed_tokens // self.config.block_size, len(hashes))
+        token_ids = sequence.request.prompt_token_ids
+        block_size = self.config.block_size
+        full_blocks = min(sequence.computed_tokens // block_size, len(hashes))
         while len(sequence.shared_hashes) < full_blocks:
-            block_hash = hashes[len(sequence.shared_hashes)]
-            self.kv.share_private_block(block_hash)
+            index = len(sequence.shared_hashes)
+            block_hash = hashes[index]
+            self.kv.share_private_block(block_hash, hashes[index - 1] if index else None,
+                                        token_ids[index * block_size:(index + 1) * block_size])
             sequence.private_blocks -= 1
             sequence.shared_hashes.append(block_hash)
 

@@ -5,6 +5,9 @@ leading run of shared blocks keyed by their chained hash. A shared block whose l
 kept as an evictable cache entry: it counts as free (vLLM's usage is ``1 - free / total``) but a
 later prompt with the same prefix reuses it until an allocation evicts it, least recently used first.
 Leaked blocks (a fault) are taken out of the pool for good.
+
+With an event sink (``kv_events.KVEventSink``) the cache reports what vLLM's block pool reports: a block
+newly published under its hash, a cached block evicted, the whole prefix cache reset.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from simworker.kv_events import KVEventSink
+
 
 class KVCache:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 events: KVEventSink | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -24,6 +30,7 @@ class KVCache:
         self._shared_refcounts: dict[int, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._leaked_blocks = 0
+        self._events = events
 
     @property
     def used_blocks(self) -> int:
@@ -72,13 +79,12 @@ class KVCache:
         """Reserve private blocks, evicting cached prefixes if needed; False if they do not fit."""
         if blocks > self.free_blocks:
             return False
-        clean_free = self.free_blocks - len(self._evictable)
-        for _ in range(max(0, blocks - clean_free)):
-            self._evictable.popitem(last=False)
+        self._evict(blocks - (self.free_blocks - len(self._evictable)))
         self._private_blocks += blocks
         return True
 
-    def share_private_block(self, block_hash: int) -> None:
+    def share_private_block(self, block_hash: int, parent_hash: int | None = None,
+                            token_ids: tuple[int, ...] = ()) -> None:
         """A sequence finished computing a full prompt block: publish it under its hash.
 
         If an equal block is already cached (two equal prompts prefilled side by side), the sequence
@@ -89,6 +95,8 @@ class KVCache:
             self.acquire_shared([block_hash])
         else:
             self._shared_refcounts[block_hash] = 1
+            if self._events is not None:
+                self._events.block_stored(block_hash, parent_hash, token_ids)
 
     def release(self, private_blocks: int, shared_hashes: Sequence[int]) -> None:
         self._private_blocks -= private_blocks
@@ -106,16 +114,23 @@ class KVCache:
         if self.used_blocks:
             return False
         self._evictable.clear()
+        if self._events is not None:
+            self._events.all_cleared()
         return True
 
     def leak(self, blocks: int) -> int:
         """Lose up to ``blocks`` free blocks for good (fault injection); returns how many were lost."""
         lost = min(blocks, self.free_blocks)
-        clean_free = self.free_blocks - len(self._evictable)
-        for _ in range(max(0, lost - clean_free)):
-            self._evictable.popitem(last=False)
+        self._evict(lost - (self.free_blocks - len(self._evictable)))
         self._leaked_blocks += lost
         return lost
+
+    def _evict(self, count: int) -> None:
+        """Drop the ``count`` least recently used cached blocks (no-op for ``count`` <= 0)."""
+        for _ in range(max(0, count)):
+            block_hash, _ = self._evictable.popitem(last=False)
+            if self._events is not None:
+                self._events.block_removed(block_hash)
 
     def _is_cached(self, block_hash: int) -> bool:
         return block_hash in self._shared_refcounts or block_hash in self._evictable

@@ -200,6 +200,7 @@ class WorkerApi:
         stream = self.driver.submit(EngineRequest(
             request_id=request_id, prompt_tokens=plan.prompt_tokens, output_target=plan.output_target,
             finish_reason_at_target=plan.finish_reason, prompt_block_hashes=hashes,
+            prompt_token_ids=tuple(tokens.token_ids(generation.prompt_tokens)) if hashes else (),
         ))
         if adapter is not None and self.adapters is not None:
             self.adapters.begin(request_id, adapter)

@@ -1,5 +1,8 @@
 """A deterministic stand-in tokenizer and the filler text the simulated model "generates".
 
+The tokenizer and chat template themselves live in ``poolgate.kernel.sim_tokenizer``, which the router
+imports too (it must make the same token ids to look prompts up in the KV-event index).
+
 Tokens are chat-template markers (``<|start|>``), runs of up to 8 word characters, or single
 punctuation marks. English prose comes out near 1.2 tokens per word (~4-5 characters per token),
 close to a BPE tokenizer, and the same text always gives the same count, which is all the simulator
@@ -13,27 +16,17 @@ role (``user``: 1, ``assistant``: 2) and the priming 4 more, like Llama-3's head
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 
-_TOKEN = re.compile(r"<\|\w+\|>|\w{1,8}|[^\w\s]")
+from poolgate.kernel.sim_tokenizer import render_chat, token_ids, tokenize
+
+__all__ = ["FILLER_WORDS", "block_hashes", "filler_token", "render_chat", "stable_hash", "token_ids", "tokenize"]
 
 FILLER_WORDS = (
     "the", "model", "answers", "with", "virtual", "tokens", "that", "carry", "no", "meaning", "but",
     "have", "a", "steady", "length", "so", "routing", "can", "be", "measured", "fairly", "across",
     "workers", "and", "policies", "while", "cache", "blocks", "fill", "up", "then", "drain", "again",
 )
-
-
-def tokenize(text: str) -> list[str]:
-    return _TOKEN.findall(text)
-
-
-def render_chat(messages: Sequence[tuple[str, str]]) -> str:
-    """The prompt text a chat request turns into (role, content) -> template."""
-    parts = [f"<|start|>{role}<|sep|>{content}<|end|>" for role, content in messages]
-    parts.append("<|start|>assistant<|sep|>")
-    return "".join(parts)
 
 
 def stable_hash(text: str) -> int:

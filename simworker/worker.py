@@ -14,12 +14,15 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq.asyncio
 from aiohttp import web
 
 from simworker import tokens
 from simworker.driver import EngineDriver
 from simworker.engine import Engine, EngineConfig
 from simworker.faults import FaultSettings
+from simworker.kv_events import KVEventRecorder
+from simworker.kv_publisher import KVEventsConfig, ZmqKVEventPublisher
 from simworker.lora import AdapterTable
 from simworker.metrics import WorkerMetrics
 from simworker.model_endpoints import install as install_model_endpoints
@@ -67,6 +70,8 @@ class WorkerSpec:
     """Seeds the worker's own randomness (step-time jitter, the error-rate fault) with its id; never the
     answers' lengths, which depend on the request alone."""
     step_jitter: float = STEP_JITTER
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    """vLLM's ``--kv-events-config``; publishes nothing by default, as vLLM."""
 
     @property
     def random_seed(self) -> int:
@@ -90,7 +95,8 @@ class SimWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.engine_config = spec.engine_config()
-        self.engine = Engine(self.engine_config)  # validates the sizing before anything listens
+        self.kv_events = KVEventRecorder(self.engine_config.block_size) if spec.kv_events.publishes else None
+        self.engine = Engine(self.engine_config, self.kv_events)  # validates the sizing before anything listens
         self.listening = asyncio.Event()
         self.crashed = asyncio.Event()
         self._faults = spec.faults
@@ -135,8 +141,13 @@ class SimWorker:
         kv_block_bytes = spec.model.kv_bytes_per_token * spec.block_size
         metrics = WorkerMetrics(spec.model_name, self._cache_config_labels(), spec.preset.memory_bytes,
                                 spec.legacy_kv_metric)
+        publisher = (ZmqKVEventPublisher(spec.kv_events, zmq.asyncio.Context.instance())
+                     if self.kv_events is not None else None)
+        recorder = self.kv_events
+        flush = (lambda: publisher.publish(recorder.take())) if publisher and recorder else None
         driver = EngineDriver(self.engine, metrics, time_scale=spec.time_scale,
-                              weight_bytes=spec.model.weight_bytes, kv_block_bytes=kv_block_bytes)
+                              weight_bytes=spec.model.weight_bytes, kv_block_bytes=kv_block_bytes,
+                              flush_kv_events=flush)
         self._driver = driver
         serving = ServingConfig(
             worker_id=spec.worker_id, model_name=spec.model_name, model_root=spec.model_root,
@@ -160,6 +171,8 @@ class SimWorker:
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(driver.run()), tasks.create_task(self._leak_loop(driver)),
                               tasks.create_task(self._crash_timer())]
+                if publisher is not None:
+                    background.append(tasks.create_task(publisher.serve_replays()))
                 await _first_of(stop.wait(), self.crashed.wait())
                 if self.crashed.is_set() and not stop.is_set():
                     await _first_of(asyncio.sleep(CRASH_LINGER_S), stop.wait())
@@ -167,6 +180,8 @@ class SimWorker:
                 for task in background:
                     task.cancel()
         finally:
+            if publisher is not None:
+                publisher.close()
             await runner.cleanup()
 
     async def _leak_loop(self, driver: EngineDriver) -> None:

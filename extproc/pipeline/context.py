@@ -68,7 +68,7 @@ class Queued:
 class RequestContext:
     """The director's record of one request; ``None`` fields are stages not reached (or given back)."""
 
-    __slots__ = ("arrival", "placement", "queued", "resolved", "response", "ticket")
+    __slots__ = ("arrival", "placement", "prompt", "queued", "resolved", "response", "ticket")
 
     def __init__(self) -> None:
         self.arrival: Arrival | None = None
@@ -77,6 +77,8 @@ class RequestContext:
         self.ticket: QuotaTicket | None = None
         """The tenant's quota this request holds until its stream ends."""
         self.queued: Queued | None = None
+        self.prompt: bytes | None = None
+        """The body, kept from the body phase to the asynchronous step that tokenises it for cache lookups."""
         self.response = ResponseFeed()
 
     @property

@@ -20,6 +20,7 @@ from dataclasses import replace
 from extproc.endpoints import path_fate
 from extproc.errors import internal_error, invalid_request, no_capacity, unknown_path
 from extproc.metrics import Metrics
+from extproc.output_lengths import OutputLengths
 from extproc.pipeline.admit import Admit
 from extproc.pipeline.context import Arrival, RequestContext
 from extproc.pipeline.hold import Hold
@@ -49,7 +50,7 @@ INTERNAL_ERROR = Refused(internal_error())
 class Director:
     def __init__(self, identify: Identify, resolve: Resolve, admit: Admit, hold: Hold, place: Place,
                  respond: Respond, metrics: Metrics, clock: Callable[[], float] = time.time,
-                 timer: Callable[[], float] = time.perf_counter) -> None:
+                 timer: Callable[[], float] = time.perf_counter, lengths: OutputLengths | None = None) -> None:
         self.identify = identify
         self.resolve = resolve
         self.admit_stage = admit
@@ -60,6 +61,8 @@ class Director:
         self._clock = clock
         self._timer = timer
         """Monotonic timer for durations and queue deadlines."""
+        self.lengths = lengths
+        """Learned output lengths (expected output below ``max_tokens``); None = the cap or the default."""
         hold.attach(self)
 
     def headers(self, context: RequestContext, headers: Iterable[tuple[str, str]], subset: frozenset[str] | None,
@@ -86,6 +89,7 @@ class Director:
         if not end_of_stream:
             observed = bool(context.response.observers)
             watch = observed or (head.is_inference and tenant is not None and self.admit_stage.reconciles(tenant))
+            watch = watch or (head.is_inference and self.lengths is not None and self.lengths.wants_sample())
             context.arrival = Arrival(head, tenant, catalogue, subset, watch)
             return Proceed(watch, head.is_inference and (catalogue.renames or observed))
         context.arrival = Arrival(head, tenant, catalogue, subset)
@@ -113,16 +117,32 @@ class Director:
         if arrival.watch_usage:
             resolved = replace(resolved, body=self.respond.watch_usage(context.response, resolved.facts,
                                                                        resolved.body, raw))
-        context.resolved = resolved
         assert arrival.tenant is not None
+        if self.lengths is not None:
+            resolved = replace(resolved, request=self.lengths.refine(resolved.request, arrival.tenant.name))
+        context.resolved = resolved
+        if self.place.wants_prompt(resolved.request):
+            context.prompt = resolved.body or raw  # tokenised on the asynchronous step (maybe in a thread)
+            return ADMITTING
         if self.admit_stage.applies(arrival.tenant):
             return ADMITTING
         return self._route(context)
 
     async def admit(self, context: RequestContext) -> Routing:
-        """Ask the tenant's quotas, then route. Never raises (apart from the stream's cancellation)."""
-        tenant, request = context.tenant, context.request
-        assert tenant is not None and request is not None
+        """Tokenise the prompt for cache lookups where asked, ask the tenant's quotas, then route. Never raises
+        (apart from the stream's cancellation)."""
+        tenant, request, resolved = context.tenant, context.request, context.resolved
+        assert tenant is not None and request is not None and resolved is not None
+        if context.prompt is not None:
+            body, context.prompt = context.prompt, None
+            try:
+                context.resolved = replace(resolved, request=await self.place.prepare(request, body))
+            except Exception:
+                log.exception("preparing the cache lookup failed; the scheduler estimates for this request")
+            request = context.request
+            assert request is not None
+        if not self.admit_stage.applies(tenant):
+            return self._routed_or_failed(context)
         try:
             admitted = await self.admit_stage.admit(tenant, request.total_tokens)
         except Exception:
@@ -131,6 +151,9 @@ class Director:
         if isinstance(admitted, Refused):
             return self.refuse(context, admitted)
         context.ticket = admitted
+        return self._routed_or_failed(context)
+
+    def _routed_or_failed(self, context: RequestContext) -> Routing:
         try:
             return self._route(context)
         except Exception:
@@ -183,6 +206,7 @@ class Director:
         if placement is not None:
             self.place.release(placement)
             context.placement = None
+            self._learn_length(context)
         if context.ticket is not None:
             usage = context.response.usage
             self.admit_stage.release(context.ticket, usage.total_tokens if usage is not None else None,
@@ -191,6 +215,12 @@ class Director:
         context.response.close(self._timer())  # still waiting: the stream closed before the response's end
         if placement is not None:
             self.hold_stage.capacity_changed.notify()
+
+    def _learn_length(self, context: RequestContext) -> None:
+        usage, request, tenant = context.response.usage, context.request, context.tenant
+        if self.lengths is None or usage is None or usage.output_tokens is None or request is None or tenant is None:
+            return
+        self.lengths.observe(request.model, request.task_class, tenant.name, usage.output_tokens)
 
     def place_held(self, context: RequestContext) -> Final | None:
         try:

@@ -16,6 +16,7 @@ from extproc.affinity import AffinityMap
 from extproc.endpoint_picker import within
 from extproc.errors import no_worker
 from extproc.inflight import InflightTracker
+from extproc.kvcache.lookup import CacheLookup
 from extproc.metrics import Metrics
 from extproc.pipeline.context import Placement
 from extproc.pipeline.outcomes import Refused
@@ -38,7 +39,7 @@ class SnapshotSource(Protocol):
 class Place:
     def __init__(self, scheduler: Scheduler, fleet: SnapshotSource, inflight: InflightTracker, metrics: Metrics,
                  settings: SchedulingSettings, clock: Callable[[], float] = time.time,
-                 timer: Callable[[], float] = time.perf_counter) -> None:
+                 timer: Callable[[], float] = time.perf_counter, prefix_cache: CacheLookup | None = None) -> None:
         self.scheduler = scheduler
         self.fleet = fleet
         self.inflight = inflight
@@ -50,6 +51,8 @@ class Place:
         """Wall clock, the one worker records are stamped with (reservations compare against it)."""
         self._timer = timer
         self._settled_for: FleetSnapshot | None = None
+        self.prefix_cache = prefix_cache
+        """The workers' KV events, where they publish them (None: no cache lookups at all)."""
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -63,7 +66,15 @@ class Place:
             self._settled_for = snapshot
         reservations = self.reservations
         return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, reservations.prefill_tokens,
-                           self.affinity.entries)
+                           self.affinity.entries, self.prefix_cache)
+
+    def wants_prompt(self, request: PickRequest) -> bool:
+        """Tokenise this request's prompt first: some worker that may take it reports its cache."""
+        return self.prefix_cache is not None and self.prefix_cache.wants(request)
+
+    async def prepare(self, request: PickRequest, body: bytes) -> PickRequest:
+        """The request with its prompt's block keys (tokenised off the loop when long)."""
+        return request if self.prefix_cache is None else await self.prefix_cache.prepare(request, body)
 
     def pick(self, request: PickRequest, subset: frozenset[str] | None) -> Decision | NoCapacity | Refused:
         """The scheduler's answer, among the gateway's ``subset`` of endpoints when it sent one."""
@@ -92,6 +103,9 @@ class Place:
                                                 self._clock())
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
+        worker = self.fleet.snapshot.by_id.get(worker_id)
+        if self.prefix_cache is not None and worker is not None:
+            self.prefix_cache.placed(worker, request)
         self._metrics.picks.labels(decision.pool, worker_id).inc()
         return Placement(decision, reservation)
 

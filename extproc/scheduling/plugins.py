@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Protocol, TypeAlias
 
 from extproc.errors import ApiError
+from extproc.kvcache.blocks import PrefixCacheView, PromptBlocks
 from extproc.request import RequestFacts
 from extproc.snapshot import FleetSnapshot
 from poolgate.kernel.config import TaskClass
@@ -45,6 +46,8 @@ class PickRequest:
     """The tenant's priority class (0 = highest); the saturation gate keeps headroom for class 0."""
     adapter: str | None = None
     """LoRA adapter the request names (``model`` is then its base); None for a plain model request."""
+    prompt_blocks: PromptBlocks | None = None
+    """The prompt as the engine tokenises it, in block keys (``kvcache.lookup``); None = not tokenised."""
 
     @property
     def model(self) -> str:
@@ -69,6 +72,8 @@ class PickContext:
     """Worker id → prompt tokens this replica placed there that the record does not show yet."""
     affinity: Mapping[Hashable, str] = field(default_factory=lambda: _NO_AFFINITY)
     """Affinity key (session or prompt prefix) → worker that last took a request with it."""
+    prefix_cache: PrefixCacheView | None = None
+    """What the workers' KV events say their caches hold; None = no worker publishes them."""
 
 
 @dataclass(frozen=True, slots=True)

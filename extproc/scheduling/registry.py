@@ -34,6 +34,7 @@ from extproc.scheduling.picker import MaxScore
 from extproc.scheduling.plugins import Filter, Picker, Scorer
 from extproc.scheduling.saturation import SaturationGate
 from extproc.scheduling.scheduler import Scheduler
+from extproc.scheduling.scorers.cache_aware_ttft import CacheAwareTtft
 from extproc.scheduling.scorers.kv_headroom import KvHeadroom
 from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.scheduling.scorers.lora_affinity import LoraAffinity
@@ -69,6 +70,7 @@ SCORERS: Mapping[str, ScorerFactory] = MappingProxyType({
     "inflight": lambda s: LeastInflight(),
     "prefix_affinity": lambda s: PrefixAffinity(),
     "lora_affinity": lambda s: LoraAffinity(),
+    "cache_aware_ttft": lambda s: CacheAwareTtft(s.default_prefill_tokens_per_s, s.ttft_reference_s),
 })
 PICKERS: Mapping[str, PickerFactory] = MappingProxyType({
     "max_score": lambda s, rng: MaxScore(rng),

@@ -69,6 +69,11 @@ class WorkerRecord:
     """LoRA adapters with requests running or waiting on the worker (``vllm:lora_requests_info``)."""
     max_loras: int = 0
     """Adapters the worker can hold at once (``max_lora`` label); 0 = LoRA not enabled or not reported."""
+    kv_events_endpoint: str = ""
+    """Where the engine publishes its KV-cache events (vLLM's ``--kv-events-config`` endpoint, as a subscriber
+    connects to it, e.g. ``tcp://10.0.0.5:5557``); "" = it publishes none, and the router estimates."""
+    kv_events_replay_endpoint: str = ""
+    """Its replay socket (``replay_endpoint``), for catching up after a gap; "" = none."""
 
     @property
     def address(self) -> str:

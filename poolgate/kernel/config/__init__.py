@@ -37,10 +37,11 @@ from poolgate.kernel.config.lifecycle import (
     WorkerTemplate,
 )
 from poolgate.kernel.config.loader import Config, load_config, load_process_config, parse_config
-from poolgate.kernel.config.pools import PoolSpec, PoolTask, WorkerSpec
+from poolgate.kernel.config.pools import PoolSpec, PoolTask, PoolTokenizer, WorkerSpec
 from poolgate.kernel.config.processes import (
     ControllerSettings,
     ExtprocSettings,
+    KvEventsSettings,
     ObservabilitySettings,
     Ports,
 )
@@ -48,6 +49,7 @@ from poolgate.kernel.config.scheduling import (
     DEFAULT_WEIGHTS,
     MAX_WAIT_LIMIT_S,
     SCORER_NAMES,
+    LearnedOutputSettings,
     SchedulingSettings,
     TaskClass,
     TaskClassRules,
@@ -72,7 +74,7 @@ __all__ = [
     "DrainSettings",
     "ExtprocSettings",
     "HealthSettings",
-    "KubernetesSettings",
+    "KubernetesSettings", "KvEventsSettings", "LearnedOutputSettings",
     "LoraAdapter",
     "ModelVersion",
     "ObservabilitySettings",
@@ -80,7 +82,7 @@ __all__ = [
     "PlacementSettings",
     "PoolScaling",
     "PoolSpec",
-    "PoolTask",
+    "PoolTask", "PoolTokenizer",
     "Ports",
     "PriorityClass",
     "PrometheusGpuSettings",

@@ -9,6 +9,18 @@ from pydantic import Field, model_validator
 from poolgate.kernel.config.base import Section
 from poolgate.kernel.config.scheduling import TaskClass
 
+
+class PoolTokenizer(Section):
+    """A local ``tokenizer.json`` (file or model directory; never downloaded) and the chat template as format
+    strings: ``prefix`` once, ``message`` per message with ``{role}`` and ``{content}``, ``reply`` to prime the
+    answer."""
+
+    path: str = Field(min_length=1)
+    message: str = Field(min_length=1)
+    reply: str = ""
+    prefix: str = ""
+
+
 PoolTask = Literal["generate", "embed", "score", "transcription"]
 """What a pool's model does, and so which endpoints it serves: ``generate`` (chat, completions, Responses API),
 ``embed`` (embeddings; score and rerank by cosine similarity), ``score`` (a cross-encoder: score and rerank),
@@ -30,6 +42,9 @@ class PoolSpec(Section):
     ``transcription`` (speech to text). Local workers start as that kind: ``vllm serve`` gets ``--runner
     pooling --convert embed`` or ``--convert classify`` (vLLM finds speech-to-text models by their architecture
     itself), a simulated worker the same flags (``--transcription`` for speech to text)."""
+    tokenizer: PoolTokenizer | None = None
+    """How the pool's engines tokenise prompts, for cache lookups against their KV events (simulated workers
+    need none: the simulator's tokenizer is built in)."""
 
 
 class WorkerSpec(Section):

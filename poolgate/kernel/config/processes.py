@@ -20,6 +20,21 @@ class Ports(Section):
     controller_http: int = Field(0, ge=0, le=65535)
 
 
+class KvEventsSettings(Section):
+    """Precise prefix-cache knowledge from the workers' KV events (vLLM's ``--kv-events-config``): every extproc
+    process subscribes to every serving worker whose record names a ``kv_events_endpoint``."""
+
+    enabled: bool = True
+    pending_s: float = Field(2.0, ge=0, le=30)
+    """A placed prompt's blocks count as held by its worker for this long, until the events confirm them."""
+    max_blocks: int = Field(4_000_000, ge=1)
+    """Index bound, in (worker, block) entries over all workers (~290 bytes each)."""
+    relearn_s: float = Field(30.0, ge=0)
+    """After history that could not be replayed, a worker stays unknown (estimated) this long."""
+    replay_timeout_s: float = Field(1.0, gt=0, le=30)
+    """How long a replay request may take before the missed batches are given up."""
+
+
 class ExtprocSettings(Section):
     fail_open: bool = True
     """Envoy forwards requests unprocessed to the default route when extproc is down (else 503 JSON)."""
@@ -28,6 +43,7 @@ class ExtprocSettings(Section):
     snapshot_refresh_s: float = Field(0.1, gt=0, le=5)
     stale_after_s: float = Field(3.0, gt=0)
     """A worker whose live state is older than this is not picked."""
+    kv_events: KvEventsSettings = KvEventsSettings()
     endpoint_picker_mode: Literal["poolgate", "gie"] = "poolgate"
     """``gie``: also answer the picked ``ip:port`` in the ``x-gateway-destination-endpoint`` request header, for
     gateways that implement the Gateway API Inference Extension endpoint-picker protocol (an ``ORIGINAL_DST``

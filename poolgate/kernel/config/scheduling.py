@@ -22,13 +22,30 @@ class TaskClassRules(Section):
 
 
 DEFAULT_WEIGHTS = {"predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5,
-                   "lora_affinity": 2.0}
+                   "lora_affinity": 2.0, "cache_aware_ttft": 4.0}
 SCORER_NAMES = tuple(DEFAULT_WEIGHTS)
 """The scorers extproc's plugin registry ships, by the name ``scheduling.weights`` uses: every process
 validates the file at load without importing extproc, and a unit test holds this list to the registry. A
 registry extended elsewhere passes its own names as the validation context ``scorer_names``."""
 MAX_WAIT_LIMIT_S = 50.0
 """Longest hold allowed: Envoy's ext_proc ``max_message_timeout`` is 60 s and the hold asks for a bit more."""
+
+
+class LearnedOutputSettings(Section):
+    """Expected output from the lengths extproc reads in responses' usage, per model and task class (and
+    tenant once it has enough of its own): the ``quantile`` of the recent ``window``, never above
+    ``max_tokens``; it sizes KV reservations and decode room instead of the cap."""
+
+    enabled: bool = True
+    quantile: float = Field(0.95, gt=0, le=1)
+    window: int = Field(1000, ge=10)
+    min_samples: int = Field(50, ge=1)
+    """Lengths of a model and class needed before they are used (until then: ``max_tokens`` or the default)."""
+    tenant_min_samples: int = Field(200, ge=1)
+    sample_every: int = Field(0, ge=0)
+    """Also read the usage of one response in this many (every one until ``min_samples`` lengths are known);
+    0 = learn only from the responses extproc reads anyway (quota reconciliation, GenAI metrics). Reading a
+    response body costs ~30-70 µs of extproc CPU per streamed chunk."""
 
 
 class SchedulingSettings(Section):
@@ -70,6 +87,7 @@ class SchedulingSettings(Section):
     affinity_max_entries: int = Field(50_000, ge=0)
     """Size of the affinity map (session or prefix → worker), least recently used out first (0 = off)."""
     task_classes: TaskClassRules = TaskClassRules()
+    learned_output: LearnedOutputSettings = LearnedOutputSettings()
     max_inflight_per_worker: int = Field(0, ge=0)
     """Saturation gate: a worker whose load, max(running + waiting, extproc's in-flight), reaches this takes no
     more requests; they wait in the priority queue, served class by class (0 = off)."""

@@ -1,0 +1,69 @@
+"""Launched workers publish their KV-cache events: the ``--kv-events-config`` flag and the record's endpoints.
+
+vLLM binds its PUB socket only for ``*``, ``::``, ``ipc://`` and ``inproc://`` endpoints (any other it
+connects to), and always binds the replay socket. A worker on this machine publishes on an ``ipc://`` socket
+in the temporary directory and replays on loopback TCP, so prompts' token ids never leave the machine. A flag the
+worker's ``extra_args`` already carry wins: its endpoints go into the record as subscribers reach them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+FLAG = "--kv-events-config"
+TOPIC = "kv-events"
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsLaunch:
+    args: tuple[str, ...]
+    """Flags to add to the worker's command line (empty when ``extra_args`` set them)."""
+    endpoint: str
+    replay_endpoint: str
+
+
+def kv_events_launch(extra_args: tuple[str, ...], host: str, socket_path: Path, replay_port: int) -> KvEventsLaunch:
+    given = _given_config(extra_args)
+    if given is not None:
+        return KvEventsLaunch((), _reachable(str(given.get("endpoint", "tcp://*:5557")), host),
+                              _reachable(str(given.get("replay_endpoint") or ""), host))
+    endpoint = f"ipc://{socket_path}"
+    replay = f"tcp://{host}:{replay_port}"
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
+              "topic": TOPIC}
+    return KvEventsLaunch((FLAG, orjson.dumps(config).decode()), endpoint, replay)
+
+
+def kv_socket_path(log_dir: Path, worker_id: str) -> Path:
+    """A short path in the temporary directory (a Unix socket's path is limited to ~100 bytes), unique per
+    log directory and worker."""
+    digest = hashlib.blake2b(f"{log_dir.resolve()}/{worker_id}".encode(), digest_size=8).hexdigest()
+    return Path(tempfile.gettempdir()) / f"poolgate-kv-{digest}.sock"
+
+
+def _given_config(extra_args: tuple[str, ...]) -> dict[str, object] | None:
+    for index, arg in enumerate(extra_args):
+        text = None
+        if arg == FLAG and index + 1 < len(extra_args):
+            text = extra_args[index + 1]
+        elif arg.startswith(FLAG + "="):
+            text = arg.split("=", 1)[1]
+        if text is not None:
+            try:
+                parsed = orjson.loads(text)
+            except orjson.JSONDecodeError:
+                return {}
+            return parsed if isinstance(parsed, dict) and parsed.get("enable_kv_cache_events") else {}
+    return None
+
+
+def _reachable(endpoint: str, host: str) -> str:
+    """A bound ``tcp://*:P`` as a subscriber connects to it."""
+    if endpoint.startswith("tcp://*:") or endpoint.startswith("tcp://0.0.0.0:"):
+        return f"tcp://{host}:{endpoint.rpartition(':')[2]}"
+    return endpoint

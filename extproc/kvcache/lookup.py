@@ -1,0 +1,114 @@
+"""From a request body to what the scheduler needs: the prompt's block keys, and the index's answers.
+
+``prepare`` tokenises the prompt with the served model's tokenizer (the pool's configured one, else the
+simulator's for simulated workers, else none: the scheduler estimates) and computes its block keys for
+every block size among the model's publishing workers. Bodies longer than ``inline_bytes`` are tokenised
+in a worker thread, so the event loop never stalls on a long prompt. ``placed`` marks the prompt's blocks
+pending on the chosen worker; ``cached_tokens`` is the view picks read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from extproc.kvcache.blocks import PromptBlocks
+from extproc.kvcache.index import PrefixIndex
+from extproc.kvcache.keys import prompt_keys
+from extproc.kvcache.tokenizer import PromptTokenizer, SimTokenizer, prompt_token_ids
+from extproc.scheduling.plugins import PickRequest
+from extproc.snapshot import FleetSnapshot
+from poolgate.kernel.fleet import WorkerRecord
+
+log = logging.getLogger(__name__)
+
+INLINE_BYTES = 2048
+"""Below this a body is tokenised on the loop (~0.1 ms with the simulated tokenizer); above, in a thread."""
+SIMULATED_BACKEND = "sim"
+
+
+class CacheLookup:
+    def __init__(self, index: PrefixIndex, snapshot: Callable[[], FleetSnapshot],
+                 pool_tokenizers: Mapping[str, PromptTokenizer] | None = None, inline_bytes: int = INLINE_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = index
+        self._snapshot = snapshot
+        self._pool_tokenizers = dict(pool_tokenizers or {})
+        self._sim = SimTokenizer()
+        self._inline_bytes = inline_bytes
+        self._clock = clock
+
+    def wants(self, request: PickRequest) -> bool:
+        """Worth tokenising: some worker of the model publishes its cache and we know how to tokenise."""
+        return self._plan(request) is not None
+
+    async def prepare(self, request: PickRequest, body: bytes) -> PickRequest:
+        plan = self._plan(request)
+        if plan is None:
+            return request
+        tokenizer, block_sizes = plan
+        if len(body) > self._inline_bytes:
+            blocks = await asyncio.to_thread(_prompt_blocks, body, tokenizer, block_sizes, request.adapter)
+        else:
+            blocks = _prompt_blocks(body, tokenizer, block_sizes, request.adapter)
+        return request if blocks is None else replace(request, prompt_blocks=blocks)
+
+    def placed(self, worker: WorkerRecord, request: PickRequest) -> None:
+        blocks = request.prompt_blocks
+        if blocks is None:
+            return
+        keys = blocks.keys.get(self._block_size(worker))
+        if keys:
+            self.index.add_pending(worker.id, keys, self._clock())
+
+    def cached_tokens(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord]) -> Mapping[str, int]:
+        now = self._clock()
+        by_size: dict[int, list[str]] = {}
+        for worker in candidates:
+            by_size.setdefault(self._block_size(worker), []).append(worker.id)
+        cached: dict[str, int] = {}
+        for block_size, worker_ids in by_size.items():
+            keys = blocks.keys.get(block_size)
+            if keys is None:
+                continue
+            for worker_id, depth in self.index.cached_blocks(keys, worker_ids, now).items():
+                cached[worker_id] = min(depth * block_size, max(0, blocks.token_count - 1))
+        return cached
+
+    def _block_size(self, worker: WorkerRecord) -> int:
+        return self.index.block_size(worker.id) or worker.kv_block_size
+
+    def _plan(self, request: PickRequest) -> tuple[PromptTokenizer, tuple[int, ...]] | None:
+        workers = [w for w in self._snapshot().workers_for(request.model) if w.kv_events_endpoint]
+        if not workers:
+            return None
+        tokenizer = next((self._pool_tokenizers[w.pool] for w in workers if w.pool in self._pool_tokenizers), None)
+        if tokenizer is None and any(w.backend == SIMULATED_BACKEND for w in workers):
+            tokenizer = self._sim
+        if tokenizer is None:
+            return None
+        return tokenizer, tuple(sorted({self._block_size(w) for w in workers}))
+
+
+def _prompt_blocks(body: bytes, tokenizer: PromptTokenizer, block_sizes: tuple[int, ...],
+                   adapter: str | None) -> PromptBlocks | None:
+    try:
+        data: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        token_ids = prompt_token_ids(data, tokenizer)
+    except Exception:  # a tokenizer library failing on odd text must not fail the request
+        log.exception("tokenising a prompt failed; the scheduler estimates for it")
+        return None
+    if token_ids is None:
+        return None
+    return PromptBlocks(len(token_ids), {size: prompt_keys(token_ids, size, adapter) for size in block_sizes})
