@@ -28,6 +28,7 @@ from extproc.catalogue_source import CatalogueSource
 from extproc.endpoint_picker import GIE_MODE
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
+from extproc.peers import PeerExchange, PeerKeys
 from extproc.pipeline import CapacitySignal
 from extproc.quota import QuotaKeys, QuotaStore
 from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
@@ -127,6 +128,8 @@ def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics,
                             genai_metrics=config.observability.genai_metrics,
                             header_pin=config.extproc.endpoint_picker_mode == GIE_MODE)
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
+    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
+                                            service.director.place.reservations))
     return service, watcher, catalogue
 
 
@@ -168,6 +171,7 @@ async def _stop(server: grpc.aio.Server, watch_task: asyncio.Task[None], watcher
         log.exception("fleet watcher failed")
     try:
         await asyncio.wait_for(watcher.flush(), timeout=1.0)
+        await asyncio.wait_for(watcher.leave(), timeout=1.0)
     except Exception:  # best effort: counters of a stopped replica are released by the streams ending
         log.debug("final in-flight flush failed", exc_info=True)
     await client.aclose()

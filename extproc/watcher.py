@@ -5,7 +5,9 @@ listen (pub/sub on the events channel, wakes refresh) and flush (writes in-fligh
 queue depth per pool for the autoscaler: ``{prefix}:queued:{pool}`` field = this replica's id, value = the
 requests it holds for the pool, rewritten when it changes and at least every ``QUEUED_REFRESH_S`` with an
 expiry of ``QUEUED_TTL_S``, so the count of a replica that died fades within seconds).
-If Redis is away the last snapshot keeps serving; that shows once in the log and in ``redis_up``.
+With ``share_reservations`` the flush also publishes this replica's KV reservations and the refresh reads
+the other replicas' (``peers``). If Redis is away the last snapshot keeps serving; that shows once in the
+log and in ``redis_up``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from redis.exceptions import RedisError
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
+from extproc.peers import PeerExchange
 from extproc.snapshot import FleetSnapshot, build_snapshot, empty_snapshot
 from poolgate.kernel.config import ExtprocSettings, PoolSpec
 from poolgate.kernel.fleet import FleetKeys, read_fleet, read_inflight
@@ -78,6 +81,7 @@ class FleetWatcher:
         self.replica_id = replica_id or os.urandom(6).hex()
         """This extproc replica's field in the ``queued`` hashes."""
         self._held: Callable[[], Mapping[Hashable, int]] | None = None
+        self._peers: PeerExchange | None = None
         self._published: dict[str, int] = {}
         self._published_at = float("-inf")
         self._wake = asyncio.Event()
@@ -104,6 +108,10 @@ class FleetWatcher:
             async with self._io_lock:
                 totals = await read_inflight(self._redis, self._keys, [r.id for r in records])
                 self._inflight.apply_remote(totals)
+                if self._peers is not None:
+                    pipe = self._redis.pipeline(transaction=False)
+                    apply_peers = self._peers.queue_reads(pipe, [r.id for r in records])
+                    apply_peers(await pipe.execute())
         except _REDIS_ERRORS as exc:
             self._set_redis_ok(False, exc)
             return False
@@ -132,6 +140,19 @@ class FleetWatcher:
         """Publish the queue depth that ``held`` reports (domain → requests held) with each flush."""
         self._held = held
 
+    def share_reservations(self, peers: PeerExchange) -> None:
+        """Publish this replica's reservations and read the others' through ``peers``."""
+        self._peers = peers
+
+    async def leave(self) -> None:
+        """A clean stop: the other replicas stop counting this one and its reservations at once."""
+        if self._peers is None:
+            return
+        async with self._io_lock:
+            pipe = self._redis.pipeline(transaction=False)
+            self._peers.queue_leave(pipe)
+            await pipe.execute()
+
     def _queued_changes(self) -> dict[str, int]:
         """Pools whose held count must be written now: changed, or due for the periodic refresh."""
         if self._held is None:
@@ -146,12 +167,13 @@ class FleetWatcher:
         next try on failure."""
         deltas = self._inflight.take_pending()
         queued = self._queued_changes()
-        if not deltas and not queued:
+        pipe = self._redis.pipeline(transaction=False)
+        published = self._peers.queue_writes(pipe) if self._peers is not None else None
+        if not deltas and not queued and published is None:
             return True
         ttl_ms = int(QUEUED_TTL_S * 1000)
         try:
             async with self._io_lock:
-                pipe = self._redis.pipeline(transaction=False)
                 for worker_id, delta in deltas.items():
                     pipe.incrby(self._keys.inflight(worker_id), delta)
                 for pool, count in queued.items():
@@ -163,6 +185,8 @@ class FleetWatcher:
                         pipe.hdel(key, self.replica_id)
                 await pipe.execute()
                 self._inflight.mark_flushed(deltas)
+                if published is not None:
+                    published()
         except _REDIS_ERRORS as exc:
             self._inflight.restore_pending(deltas)
             self._set_redis_ok(False, exc)

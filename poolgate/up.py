@@ -1,4 +1,6 @@
-"""``poolgate up``: the whole stack on one machine — Redis, controller (+ workers), extproc, Envoy.
+"""``poolgate up``: the whole stack on one machine — Redis, controller (+ workers), extproc (one process per
+core: ``extproc.processes``; process i on ``ports.extproc`` + i and metrics on ``extproc_metrics_port`` + i
+when those are set), Envoy.
 
 It owns every child's lifecycle: each runs in its own process group and dies with ``up`` (parent-death
 signal), so SIGINT/SIGTERM, a crashed child or a failed start leave no orphan process behind.
@@ -56,7 +58,8 @@ class Child:
 class StackPorts:
     envoy: int
     admin: int
-    extproc: int
+    extproc: tuple[int, ...]
+    """One port per extproc process (``extproc.processes``)."""
     xds: int
     controller_http: int
 
@@ -132,9 +135,13 @@ class Stack:
              "--http-port", str(self.ports.controller_http), "--log-dir", str(self.run_dir / "workers")],
             env={self.config.controller.token_env: self.token},
         )
-        extproc = await self._spawn("extproc", [*python, "extproc", *common, "--port", str(self.ports.extproc)])
+        metrics = self.config.observability.extproc_metrics_port
+        extprocs = [await self._spawn(f"extproc-{i}" if i else "extproc", [
+            *python, "extproc", *common, "--port", str(port),
+            *(["--metrics-port", str(metrics + i)] if metrics else [])]) for i, port in enumerate(self.ports.extproc)]
         await self._await_port(controller, self.ports.xds, 30)
-        await self._await_port(extproc, self.ports.extproc, 30)
+        for extproc, port in zip(extprocs, self.ports.extproc, strict=True):
+            await self._await_port(extproc, port, 30)
         from controller.xds.bootstrap import render_bootstrap
 
         bootstrap = render_bootstrap(self.config, node_id="poolgate-local", listen_port=self.ports.envoy,
@@ -262,7 +269,8 @@ def _resolve_ports(config: Config, args: argparse.Namespace) -> StackPorts:
     return StackPorts(
         envoy=args.port if args.port is not None else (ports.envoy or free_port()),
         admin=args.admin_port if args.admin_port is not None else (ports.envoy_admin or free_port()),
-        extproc=ports.extproc or free_port(),
+        extproc=tuple(ports.extproc + i if ports.extproc else free_port()
+                      for i in range(config.extproc.process_count())),
         xds=ports.xds or free_port(),
         controller_http=ports.controller_http or free_port(),
     )

@@ -61,6 +61,13 @@ class RunningStack:
     def children(self) -> dict[str, int]:
         return {k: int(v) for k, v in json.loads((self.run_dir / "children.json").read_text()).items()}
 
+    def extproc_metrics(self) -> str:
+        """The Prometheus pages of every extproc process ``poolgate up`` started (process i serves on
+        ``extproc_metrics_port`` + i), one after the other: summing a series over them counts all requests."""
+        port = int(self.config["observability"]["extproc_metrics_port"])
+        count = sum(1 for name in self.children() if name == "extproc" or name.startswith("extproc-"))
+        return "".join(httpx.get(f"http://127.0.0.1:{port + i}/metrics", timeout=5).text for i in range(count))
+
     def record(self, worker_id: str) -> dict[str, str]:
         client = redis.Redis.from_url(self.redis_url)
         try:
