@@ -1,6 +1,7 @@
 """Several extproc processes behind one Envoy (``extproc.processes``), started by ``poolgate up``: streams
 spread over all of them, their KV reservations add up across processes (a burst split over four processes
-never overcommits one small worker), and fail-open holds with any process killed."""
+never overcommits one small worker), a tenant's requests-per-minute quota holds over all of them, and
+fail-open holds with any process killed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.tenancy import key_digest
 from poolgate.procs import free_port
 from tests.conftest import RedisServer
 from tests.e2e.conftest import RunningStack, poolgate_up
@@ -23,6 +25,7 @@ BURST = 200
 PROMPT_CHARS = 1600  # ~400 tokens at the default 4 characters per token
 OUTPUT_TOKENS = 200
 KV_BLOCKS, BLOCK = 256, 16  # 4,096 tokens: about six of these requests at once
+CAPPED_KEY, CAPPED_RPM = "pg-capped-key", 10
 
 
 def config(metrics_port: int) -> dict[str, Any]:
@@ -32,6 +35,8 @@ def config(metrics_port: int) -> dict[str, Any]:
         "extproc": {"processes": PROCESSES, "max_request_bytes": 1048576},
         "observability": {"extproc_metrics_port": metrics_port},
         "scheduling": {"max_wait_s": 50},
+        "tenants": [{"name": "capped", "api_key_sha256": [key_digest(CAPPED_KEY)],
+                     "requests_per_minute": CAPPED_RPM}],
         "pools": [{"name": "small", "model": "small-model", "max_model_len": 2048}],
         "workers": [{"id": "small-1", "pool": "small", "extra_args": [
             "--num-gpu-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK), "--time-scale", "20",
@@ -57,11 +62,12 @@ def worker_metric(stack: RunningStack, name: str) -> float:
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
-async def burst(base_url: str, count: int) -> list[int]:
+async def burst(base_url: str, count: int, key: str | None = None, output_tokens: int = OUTPUT_TOKENS) -> list[int]:
     body = {"model": "small-model", "messages": [{"role": "user", "content": "word " * (PROMPT_CHARS // 5)}],
-            "max_tokens": OUTPUT_TOKENS, "ignore_eos": True}
+            "max_tokens": output_tokens, "ignore_eos": True}
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(timeout=120, limits=limits, headers=headers) as http:
         responses = await asyncio.gather(*(http.post(f"{base_url}/chat/completions", json=body)
                                            for _ in range(count)))
     return [r.status_code for r in responses]
@@ -88,6 +94,11 @@ def test_a_burst_split_over_four_processes_never_overcommits_one_small_worker(st
     assert sum(spread) >= BURST and all(n > 0 for n in spread), spread  # Envoy spread the streams over all
     held_now = sum(process_metric(stack, i, "poolgate_extproc_hold_seconds_count") for i in range(PROCESSES))
     assert held_now - held > BURST / 2, "the burst never had to wait: it did not test the worker's limit"
+
+
+def test_a_requests_per_minute_quota_holds_across_the_processes(stack: RunningStack) -> None:
+    statuses = asyncio.run(burst(stack.base_url, 4 * CAPPED_RPM, key=CAPPED_KEY, output_tokens=4))
+    assert statuses.count(200) == CAPPED_RPM and statuses.count(429) == 3 * CAPPED_RPM, statuses
 
 
 def test_fail_open_with_any_process_killed(stack: RunningStack) -> None:
