@@ -62,11 +62,11 @@ class RunningStack:
         return {k: int(v) for k, v in json.loads((self.run_dir / "children.json").read_text()).items()}
 
     def extproc_metrics(self) -> str:
-        """The Prometheus pages of every extproc process ``poolgate up`` started (process i serves on
-        ``extproc_metrics_port`` + i), one after the other: summing a series over them counts all requests."""
-        port = int(self.config["observability"]["extproc_metrics_port"])
-        count = sum(1 for name in self.children() if name == "extproc" or name.startswith("extproc-"))
-        return "".join(httpx.get(f"http://127.0.0.1:{port + i}/metrics", timeout=5).text for i in range(count))
+        """The Prometheus pages of every extproc process ``poolgate up`` started (``extproc.json`` in its run
+        directory lists their ports), one after the other: summing a series over them counts all requests."""
+        listed = json.loads((self.run_dir / "extproc.json").read_text())
+        return "".join(httpx.get(f"http://127.0.0.1:{p['metrics_port']}/metrics", timeout=5).text
+                       for p in listed.values())
 
     def record(self, worker_id: str) -> dict[str, str]:
         client = redis.Redis.from_url(self.redis_url)

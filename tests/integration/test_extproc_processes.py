@@ -6,6 +6,7 @@ fail-open holds with any process killed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -51,7 +52,8 @@ def stack(redis_server: RedisServer) -> Any:
 
 
 def process_metric(stack: RunningStack, index: int, name: str, **labels: str) -> float:
-    port = int(stack.config["observability"]["extproc_metrics_port"]) + index
+    listed = json.loads((stack.run_dir / "extproc.json").read_text())
+    port = listed[f"extproc-{index}" if index else "extproc"]["metrics_port"]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                if s.name == name and labels.items() <= s.labels.items())
