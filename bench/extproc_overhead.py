@@ -1,15 +1,20 @@
-"""What extproc costs: Envoy alone vs Envoy + extproc in front of the same upstream, side by side.
+"""What extproc costs: Envoy alone vs Envoy + extproc (1 and N processes) in front of the same upstream.
 
-Two Envoys run at once from the same rendered bootstrap; one has the ext_proc filter removed (it serves
-through the default route), the other asks extproc, which parses the body and pins the worker. The
-upstream answers a fixed completion at once, so the difference is the extproc hop. Runs alternate
-(A, B, A, B, …) and the report quotes medians over rounds, so machine noise hits both sides alike.
+Envoys run at once from the same rendered bootstrap: ``alone`` has the ext_proc filter removed (it serves
+through the default route), ``one`` asks a single extproc process, ``many`` asks N processes (one endpoint
+each of the ext_proc cluster), ``observed`` asks one process that reads the response (GenAI metrics on).
+The upstream answers a fixed completion at once (or 64 paced SSE chunks), so the difference is the extproc
+hop. Runs alternate (alone, one, many, …) and the report quotes medians over rounds, so machine noise hits
+every side alike. One run reports, side by side:
 
-Load comes from ``wrk`` (Debian package ``wrk``), which measures each request's latency; extproc's own CPU
-time over the run (from /proc) gives requests per extproc CPU-second, i.e. what one process sustains
-on one core.
+- latency and req/s at each concurrency (default 1, 16, 64, 256) for alone / one / many;
+- the body-size sweep (4 KB, 64 KB, 256 KB, 1 MB prompts) at one client, alone vs one;
+- streamed responses: extproc CPU per SSE chunk while it observes them, and the stream's latency;
+- routed requests per extproc CPU-second (all processes' CPU from /proc).
 
-    .venv/bin/python bench/extproc_overhead.py [--seconds 5] [--rounds 3]
+Load comes from ``wrk`` (Debian package ``wrk``).
+
+    .venv/bin/python bench/extproc_overhead.py [--seconds 3] [--rounds 2] [--processes N]
 """
 
 from __future__ import annotations
@@ -28,26 +33,34 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import ProcessGroup, cpu_seconds
+from bench.harness import STREAM_CHUNKS, ProcessGroup, cpu_seconds
 from bench.report import write_report
 from poolgate.envoy_bootstrap import render_bootstrap
-from poolgate.kernel.config import parse_config
+from poolgate.kernel.config import Config, parse_config
 from poolgate.procs import envoy_binary, free_port, wait_port
 
 MODEL = "bench-model"
-BODY = ('{"model": "bench-model", "messages": [{"role": "user", "content": "Hello there, how are you today?"}], '
-        '"max_tokens": 8}')
 TOKEN = "bench-token"
+BODY_SIZES = (4 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024)
+LOAD_SIDES = ("alone", "one", "many")
 
-WRK_SCRIPT = f"""
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.body = '{BODY}'
-"""
+
+def chat_body(content_chars: int = 32, stream: bool = False) -> bytes:
+    """A chat request whose one message has ``content_chars`` characters (``"stream": true`` first, which the
+    upstream looks for)."""
+    words = ("lorem ipsum dolor sit amet " * (content_chars // 27 + 1))[:content_chars]
+    return orjson.dumps({"stream": stream, "model": MODEL, "messages": [{"role": "user", "content": words}],
+                         "max_tokens": 8})
+
+
+def wrk_script(body_path: Path) -> str:
+    return (f'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+            f'local f = io.open("{body_path}", "rb")\nwrk.body = f:read("*a")\nf:close()\n')
 
 
 def parse_wrk(output: str) -> dict[str, float]:
@@ -98,13 +111,13 @@ def without_ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
     return bootstrap
 
 
-async def wait_serving(url: str, timeout_s: float = 60) -> None:
+async def wait_serving(url: str, routed: bool, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
         while time.monotonic() < deadline:
             try:
-                async with http.post(url, data=BODY, headers={"content-type": "application/json"}) as r:
-                    if r.status == 200 and r.headers.get("x-poolgate-worker"):
+                async with http.post(url, data=chat_body(), headers={"content-type": "application/json"}) as r:
+                    if r.status == 200 and (not routed or r.headers.get("x-poolgate-worker")):
                         return
             except aiohttp.ClientError:
                 pass
@@ -112,132 +125,220 @@ async def wait_serving(url: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"{url} never served")
 
 
-async def bench(seconds: float, rounds: int, concurrencies: list[int]) -> dict[str, Any]:
+class Bench:
+    """The processes of one run and the measurements taken against them."""
+
+    def __init__(self, run_dir: Path, processes: int, seconds: float, rounds: int) -> None:
+        self.run_dir = run_dir
+        self.group = ProcessGroup(run_dir)
+        self.processes = processes
+        self.seconds = seconds
+        self.rounds = rounds
+        self.urls: dict[str, str] = {}
+        self.extproc_pids: dict[str, list[int]] = {}
+        """Side → the pids of the extproc processes it asks (none for ``alone``)."""
+        self.ports = {name: free_port() for name in ("redis", "upstream", "xds", "api")}
+        self.redis_url = f"redis://127.0.0.1:{self.ports['redis']}/0"
+
+    def config(self, observed: bool) -> Config:
+        return parse_config({"pools": [{"name": "bench", "model": MODEL}], "controller": {"token": TOKEN},
+                             "observability": {"genai_metrics": observed}})
+
+    async def start_fleet(self) -> None:
+        redis_server = shutil.which("redis-server")
+        if redis_server is None:
+            raise SystemExit("redis-server is needed: apt-get install redis-server")
+        ports, python = self.ports, [sys.executable, "-m", "poolgate.cli"]
+        self.group.start("redis", [redis_server, "--port", str(ports["redis"]), "--save", "", "--appendonly", "no"])
+        await wait_port("127.0.0.1", ports["redis"], 10)
+        config_path = self.write_config("plain", self.config(observed=False))
+        self.group.start("upstream", [sys.executable, str(Path(__file__).parent / "harness.py"), "upstream",
+                                      str(ports["upstream"])])
+        self.group.start("controller", [*python, "controller", "--config", str(config_path), "--redis-url",
+                                        self.redis_url, "--xds-port", str(ports["xds"]), "--http-port",
+                                        str(ports["api"]), "--no-workers"])
+        for port in ("upstream", "api", "xds"):
+            if not await wait_port("127.0.0.1", ports[port], 30):
+                raise RuntimeError(f"{port} did not start; logs in {self.run_dir}")
+
+    def write_config(self, name: str, config: Config) -> Path:
+        path = self.run_dir / f"config-{name}.yaml"
+        path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+        return path
+
+    async def start_side(self, side: str, processes: int, observed: bool = False) -> None:
+        """An Envoy asking ``processes`` extproc processes (none: Envoy alone)."""
+        config = self.config(observed)
+        config_path = self.write_config(side, config)
+        extproc_ports = [free_port() for _ in range(processes)]
+        pids = []
+        for index, port in enumerate(extproc_ports):
+            child = self.group.start(f"extproc-{side}-{index}", [
+                sys.executable, "-m", "poolgate.cli", "extproc", "--config", str(config_path), "--redis-url",
+                self.redis_url, "--port", str(port)])
+            pids.append(child.pid)
+        for port in extproc_ports:
+            if not await wait_port("127.0.0.1", port, 30):
+                raise RuntimeError(f"extproc of {side} did not start; logs in {self.run_dir}")
+        listen, admin = free_port(), free_port()
+        bootstrap = render_bootstrap(config, node_id=f"bench-{side}", listen_port=listen, admin_port=admin,
+                                     extproc_port=extproc_ports or [free_port()], xds_port=self.ports["xds"])
+        if not processes:
+            bootstrap = without_ext_proc(bootstrap)
+        path = self.run_dir / f"envoy-{side}.yaml"
+        path.write_text(yaml.safe_dump(bootstrap))
+        self.group.start(f"envoy-{side}", [str(envoy_binary()), "-c", str(path), "-l", "error",
+                                           "--use-dynamic-base-id", "--disable-hot-restart", "--concurrency", "1"])
+        self.urls[side] = f"http://127.0.0.1:{listen}/v1/chat/completions"
+        self.extproc_pids[side] = pids
+        await wait_serving(self.urls[side], routed=processes > 0)
+
+    def script(self, name: str, body: bytes) -> Path:
+        body_path = self.run_dir / f"body-{name}.json"
+        body_path.write_bytes(body)
+        path = self.run_dir / f"wrk-{name}.lua"
+        path.write_text(wrk_script(body_path))
+        return path
+
+    def extproc_cpu(self, side: str) -> float:
+        return sum(cpu_seconds(pid) for pid in self.extproc_pids[side])
+
+    async def measure(self, sides: tuple[str, ...], concurrency: int, script: Path) -> (
+            dict[str, list[dict[str, float]]]):
+        """``rounds`` alternating wrk runs per side after a one-second warm-up each."""
+        for side in sides:
+            await asyncio.to_thread(run_wrk, self.urls[side], concurrency, 1, script)
+        samples: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+        for _ in range(self.rounds):
+            for side in sides:
+                before = self.extproc_cpu(side)
+                result = await asyncio.to_thread(run_wrk, self.urls[side], concurrency, self.seconds, script)
+                result["extproc_cpu_s"] = self.extproc_cpu(side) - before
+                samples[side].append(result)
+        return samples
+
+
+def med(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r.get(key, 0.0) for r in runs)
+
+
+def side_figures(runs: list[dict[str, float]]) -> dict[str, float]:
+    requests = sum(r["requests"] for r in runs)
+    cpu = sum(r.get("extproc_cpu_s", 0.0) for r in runs)
+    return {"p50_ms": med(runs, "p50_ms"), "p99_ms": med(runs, "p99_ms"), "rps": med(runs, "rps"),
+            "cpu_us_per_request": 1e6 * cpu / requests if requests and cpu else 0.0,
+            "requests_per_cpu_s": requests / cpu if cpu else 0.0,
+            "errors": sum(r["non_2xx"] for r in runs)}
+
+
+def load_row(concurrency: int, samples: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"concurrency": concurrency}
+    for side, runs in samples.items():
+        row.update({f"{side}_{key}": value for key, value in side_figures(runs).items()})
+    for side in samples:
+        if side != "alone":
+            row[f"{side}_added_p50_ms"] = row[f"{side}_p50_ms"] - row["alone_p50_ms"]
+            row[f"{side}_added_p99_ms"] = row[f"{side}_p99_ms"] - row["alone_p99_ms"]
+    return row
+
+
+async def stream_row(bench: Bench, concurrency: int = 16) -> dict[str, Any]:
+    """Streamed responses through ``alone`` and ``observed``: extproc CPU per chunk is the observed side's CPU
+    per streamed request less its CPU per plain request, over the chunks of one stream."""
+    plain = await bench.measure(("observed",), concurrency, bench.script("plain", chat_body()))
+    streamed = await bench.measure(("alone", "observed"), concurrency, bench.script("stream", chat_body(stream=True)))
+    per_plain = side_figures(plain["observed"])["cpu_us_per_request"]
+    observed = side_figures(streamed["observed"])
+    chunks = STREAM_CHUNKS + 1  # the [DONE] event
+    return {"concurrency": concurrency, "chunks_per_stream": chunks,
+            "alone_stream_p50_ms": med(streamed["alone"], "p50_ms"),
+            "observed_stream_p50_ms": observed["p50_ms"],
+            "added_stream_p50_ms": observed["p50_ms"] - med(streamed["alone"], "p50_ms"),
+            "cpu_us_per_stream": observed["cpu_us_per_request"],
+            "cpu_us_per_chunk": (observed["cpu_us_per_request"] - per_plain) / chunks,
+            "chunks_per_cpu_s": 1e6 * chunks / observed["cpu_us_per_request"] if observed["cpu_us_per_request"] else 0,
+            "errors": observed["errors"]}
+
+
+async def bench_all(seconds: float, rounds: int, concurrencies: list[int], processes: int,
+                    body_sizes: list[int]) -> dict[str, Any]:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is needed: apt-get install wrk")
-    redis_server = shutil.which("redis-server")
-    if redis_server is None:
-        raise SystemExit("redis-server is needed: apt-get install redis-server")
-    run_dir = Path(tempfile.mkdtemp(prefix="poolgate-bench-"))
-    ports = {name: free_port() for name in ("redis", "upstream", "xds", "api", "extproc", "envoy_a", "admin_a",
-                                            "envoy_b", "admin_b")}
-    config = parse_config({"pools": [{"name": "bench", "model": MODEL}],
-                           "controller": {"token": TOKEN}})
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    redis_url = f"redis://127.0.0.1:{ports['redis']}/0"
-    python = [sys.executable, "-m", "poolgate.cli"]
-    group = ProcessGroup(run_dir)
+    bench = Bench(Path(tempfile.mkdtemp(prefix="poolgate-bench-")), processes, seconds, rounds)
     stop_heartbeats = asyncio.Event()
     try:
-        group.start("redis", [redis_server, "--port", str(ports["redis"]), "--save", "", "--appendonly", "no"])
-        await wait_port("127.0.0.1", ports["redis"], 10)
-        group.start("upstream", [sys.executable, str(Path(__file__).parent / "harness.py"), "upstream",
-                                 str(ports["upstream"])])
-        group.start("controller", [*python, "controller", "--config", str(run_dir / "config.yaml"), "--redis-url",
-                                   redis_url, "--xds-port", str(ports["xds"]), "--http-port", str(ports["api"]),
-                                   "--no-workers"])
-        extproc = group.start("extproc", [*python, "extproc", "--config", str(run_dir / "config.yaml"),
-                                          "--redis-url", redis_url, "--port", str(ports["extproc"])])
-        for port in ("upstream", "api", "xds", "extproc"):
-            if not await wait_port("127.0.0.1", ports[port], 30):
-                raise RuntimeError(f"{port} did not start; logs in {run_dir}")
-        heartbeats = asyncio.create_task(register_upstream(f"http://127.0.0.1:{ports['api']}", ports["upstream"],
-                                                           stop_heartbeats))
-        urls = {}
-        for side, strip in (("with_extproc", False), ("envoy_alone", True)):
-            suffix = "a" if side == "with_extproc" else "b"
-            bootstrap = render_bootstrap(config, node_id=f"bench-{suffix}", listen_port=ports[f"envoy_{suffix}"],
-                                         admin_port=ports[f"admin_{suffix}"], extproc_port=ports["extproc"],
-                                         xds_port=ports["xds"])
-            if strip:
-                bootstrap = without_ext_proc(bootstrap)
-            path = run_dir / f"envoy-{suffix}.yaml"
-            path.write_text(yaml.safe_dump(bootstrap))
-            group.start(f"envoy-{suffix}", [str(envoy_binary()), "-c", str(path), "-l", "error",
-                                            "--use-dynamic-base-id", "--disable-hot-restart", "--concurrency", "1"])
-            urls[side] = f"http://127.0.0.1:{ports[f'envoy_{suffix}']}/v1/chat/completions"
-        for url in urls.values():
-            await wait_serving(url)
-        script = run_dir / "post.lua"
-        script.write_text(WRK_SCRIPT)
-        samples: dict[str, dict[int, list[dict[str, float]]]] = {s: {c: [] for c in concurrencies} for s in urls}
-        for concurrency in concurrencies:
-            run_wrk(urls["with_extproc"], concurrency, 1, script)  # warm-up
-            run_wrk(urls["envoy_alone"], concurrency, 1, script)
-            for _ in range(rounds):
-                for side, url in urls.items():
-                    cpu_before = cpu_seconds(extproc.pid)
-                    result = await asyncio.to_thread(run_wrk, url, concurrency, seconds, script)
-                    result["extproc_cpu_s"] = cpu_seconds(extproc.pid) - cpu_before
-                    samples[side][concurrency].append(result)
+        await bench.start_fleet()
+        heartbeats = asyncio.create_task(register_upstream(f"http://127.0.0.1:{bench.ports['api']}",
+                                                           bench.ports["upstream"], stop_heartbeats))
+        for side, count in (("alone", 0), ("one", 1), ("many", processes)):
+            await bench.start_side(side, count)
+        await bench.start_side("observed", 1, observed=True)
+        small = bench.script("small", chat_body())
+        rows = [load_row(c, await bench.measure(LOAD_SIDES, c, small)) for c in concurrencies]
+        body_rows = []
+        for size in body_sizes:
+            row = load_row(1, await bench.measure(("alone", "one"), 1, bench.script(f"b{size}", chat_body(size))))
+            body_rows.append({"body_bytes": size, **row})
+        stream = await stream_row(bench)
         stop_heartbeats.set()
         heartbeats.cancel()
     finally:
-        group.stop_all()
-    return summarise(samples, seconds, rounds)
+        bench.group.stop_all()
+    return {"seconds_per_run": seconds, "rounds": rounds, "cores": os.cpu_count(), "processes": processes,
+            "rows": rows, "body_rows": body_rows, "stream": stream}
 
 
-def summarise(samples: dict[str, dict[int, list[dict[str, float]]]], seconds: float, rounds: int) -> dict[str, Any]:
-    rows = []
-    for concurrency in samples["with_extproc"]:
-        alone = samples["envoy_alone"][concurrency]
-        routed = samples["with_extproc"][concurrency]
-
-        def med(runs: list[dict[str, float]], key: str) -> float:
-            return statistics.median(r.get(key, 0.0) for r in runs)
-
-        requests = sum(r["requests"] for r in routed)
-        cpu = sum(r["extproc_cpu_s"] for r in routed)
-        rows.append({
-            "concurrency": concurrency,
-            "alone_p50_ms": med(alone, "p50_ms"), "alone_p99_ms": med(alone, "p99_ms"),
-            "alone_rps": med(alone, "rps"),
-            "extproc_p50_ms": med(routed, "p50_ms"), "extproc_p99_ms": med(routed, "p99_ms"),
-            "extproc_rps": med(routed, "rps"),
-            "added_p50_ms": med(routed, "p50_ms") - med(alone, "p50_ms"),
-            "added_p99_ms": med(routed, "p99_ms") - med(alone, "p99_ms"),
-            "extproc_cpu_us_per_request": 1e6 * cpu / requests if requests else 0.0,
-            "requests_per_extproc_cpu_second": requests / cpu if cpu else 0.0,
-            "errors": sum(r["non_2xx"] for r in alone + routed),
-        })
-    return {"seconds_per_run": seconds, "rounds": rounds, "cores": os.cpu_count(), "rows": rows}
+def print_report(report: dict[str, Any]) -> None:
+    n = report["processes"]
+    print(f"latency (ms) and throughput; 'one' = 1 extproc process, 'many' = {n}")
+    print(f"{'c':>4} {'alone p50':>9} {'one +p50':>9} {'many +p50':>9} {'alone p99':>9} {'one +p99':>9} "
+          f"{'many +p99':>9} {'alone rps':>9} {'one rps':>8} {'many rps':>8} {'one r/cpu-s':>11} {'many r/cpu-s':>12}")
+    for r in report["rows"]:
+        print(f"{r['concurrency']:>4} {r['alone_p50_ms']:>9.2f} {r['one_added_p50_ms']:>9.2f} "
+              f"{r['many_added_p50_ms']:>9.2f} {r['alone_p99_ms']:>9.2f} {r['one_added_p99_ms']:>9.2f} "
+              f"{r['many_added_p99_ms']:>9.2f} {r['alone_rps']:>9.0f} {r['one_rps']:>8.0f} {r['many_rps']:>8.0f} "
+              f"{r['one_requests_per_cpu_s']:>11.0f} {r['many_requests_per_cpu_s']:>12.0f}")
+    print("\nbody size at one client (alone vs one process)")
+    print(f"{'bytes':>8} {'alone p50':>9} {'+ext p50':>9} {'added p50':>9} {'ext µs/req':>10}")
+    for r in report["body_rows"]:
+        print(f"{r['body_bytes']:>8} {r['alone_p50_ms']:>9.2f} {r['one_p50_ms']:>9.2f} {r['one_added_p50_ms']:>9.2f} "
+              f"{r['one_cpu_us_per_request']:>10.0f}")
+    s = report["stream"]
+    print(f"\nstreamed responses, c={s['concurrency']}, {s['chunks_per_stream']} chunks: alone p50 "
+          f"{s['alone_stream_p50_ms']:.1f} ms, observed p50 {s['observed_stream_p50_ms']:.1f} ms "
+          f"(added {s['added_stream_p50_ms']:+.2f}); extproc {s['cpu_us_per_chunk']:.1f} µs CPU per chunk "
+          f"beyond the request, {s['chunks_per_cpu_s']:.0f} chunks per extproc CPU-second overall")
 
 
-def print_table(report: dict[str, Any]) -> None:
-    header = (f"{'c':>3} {'alone p50':>10} {'+ext p50':>9} {'added p50':>10} {'alone p99':>10} {'+ext p99':>9} "
-              f"{'added p99':>10} {'alone rps':>10} {'+ext rps':>9} {'ext µs/req':>11} {'req/ext-cpu-s':>14}")
-    print(header)
-    for row in report["rows"]:
-        print(f"{row['concurrency']:>3} {row['alone_p50_ms']:>9.2f}m {row['extproc_p50_ms']:>8.2f}m "
-              f"{row['added_p50_ms']:>9.2f}m {row['alone_p99_ms']:>9.2f}m {row['extproc_p99_ms']:>8.2f}m "
-              f"{row['added_p99_ms']:>9.2f}m {row['alone_rps']:>10.0f} {row['extproc_rps']:>9.0f} "
-              f"{row['extproc_cpu_us_per_request']:>11.0f} {row['requests_per_extproc_cpu_second']:>14.0f}")
-
-
-def plot(report: dict[str, Any], axes: Any) -> None:
-    rows = report["rows"]
-    labels = [f"c={r['concurrency']}" for r in rows]
-    xs = range(len(rows))
-    width = 0.2
-    axes.bar([x - 1.5 * width for x in xs], [r["alone_p50_ms"] for r in rows], width, label="Envoy alone p50")
-    axes.bar([x - 0.5 * width for x in xs], [r["extproc_p50_ms"] for r in rows], width, label="+ extproc p50")
-    axes.bar([x + 0.5 * width for x in xs], [r["alone_p99_ms"] for r in rows], width, label="Envoy alone p99")
-    axes.bar([x + 1.5 * width for x in xs], [r["extproc_p99_ms"] for r in rows], width, label="+ extproc p99")
-    axes.set_xticks(list(xs), labels)
-    axes.set_ylabel("latency (ms)")
-    axes.set_title("Envoy alone vs Envoy + extproc, same upstream")
-    axes.legend()
+def plot(report: dict[str, Any], axes: list[Any]) -> None:
+    rows, n = report["rows"], report["processes"]
+    xs = [str(r["concurrency"]) for r in rows]
+    for side, label in (("alone", "Envoy alone"), ("one", "+ 1 extproc"), ("many", f"+ {n} extprocs")):
+        axes[0].plot(xs, [r[f"{side}_p50_ms"] for r in rows], marker="o", label=f"{label} p50")
+        axes[1].plot(xs, [r[f"{side}_rps"] for r in rows], marker="o", label=label)
+    axes[0].set(xlabel="clients", ylabel="latency (ms)", yscale="log", title="median latency")
+    axes[1].set(xlabel="clients", ylabel="requests/s", title="throughput")
+    body = report["body_rows"]
+    kb = [f"{r['body_bytes'] // 1024}K" for r in body]
+    axes[2].plot(kb, [r["alone_p50_ms"] for r in body], marker="o", label="Envoy alone")
+    axes[2].plot(kb, [r["one_p50_ms"] for r in body], marker="o", label="+ extproc")
+    axes[2].set(xlabel="body", ylabel="p50 latency (ms)", title="body size, one client")
+    for axis in axes:
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize="small")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of one wrk run")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per side and concurrency")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of one wrk run")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs per side and setting")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--processes", type=int, default=os.cpu_count() or 2, help="N of the 'many' side")
+    parser.add_argument("--body-bytes", type=int, nargs="+", default=list(BODY_SIZES))
     args = parser.parse_args(argv)
-    report = asyncio.run(bench(args.seconds, args.rounds, args.concurrency))
-    print_table(report)
-    write_report("extproc_overhead", report, plot)
+    report = asyncio.run(bench_all(args.seconds, args.rounds, args.concurrency, args.processes, args.body_bytes))
+    print_report(report)
+    write_report("extproc_overhead", report, plot, panels=3)
     return 0
 
 

@@ -2,7 +2,8 @@
 metric scrapes of simulated workers, a one-token chat probe of a router.
 
 ``python bench/harness.py upstream PORT`` runs the upstream: an OpenAI-shaped chat completion answered at
-once, so a benchmark of the routing path measures the router and not a model.
+once (or, for a body starting with ``{"stream":true``, ``STREAM_CHUNKS`` paced SSE chunks), so a benchmark
+of the routing path measures the router and not a model.
 """
 
 from __future__ import annotations
@@ -140,24 +141,47 @@ class ProcessGroup:
             process.wait()
 
 
+STREAM_CHUNKS = 64
+"""A request whose body starts with ``"stream": true`` is answered with this many SSE chunks."""
+STREAM_CHUNK_GAP_S = 0.002
+STREAM_CHUNK = (b'data: {"id":"cmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench-model",'
+                b'"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n')
+
+
 def run_upstream(port: int) -> None:
+    import asyncio
+
     from aiohttp import web
 
     body = (b'{"id":"cmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":'
             b'[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
             b'"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}')
 
-    async def reply(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=body, content_type="application/json",
-                            headers={"x-poolgate-worker": "upstream-1"})
+    async def reply(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if not raw.startswith((b'{"stream":true', b'{"stream": true')):
+            return web.Response(body=body, content_type="application/json",
+                                headers={"x-poolgate-worker": "upstream-1"})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream",
+                                               "x-poolgate-worker": "upstream-1"})
+        await response.prepare(request)
+        for _ in range(STREAM_CHUNKS):  # paced like tokens, so Envoy forwards each as its own body chunk
+            await response.write(STREAM_CHUNK)
+            await asyncio.sleep(STREAM_CHUNK_GAP_S)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def health(request: web.Request) -> web.Response:
         return web.Response()
 
-    app = web.Application()
+    async def models(request: web.Request) -> web.Response:  # the controller's health probe asks for it
+        return web.json_response({"object": "list", "data": [{"id": "bench-model", "object": "model"}]})
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # the body-size sweep sends up to 1 MB
     app.router.add_post("/v1/chat/completions", reply)
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 

@@ -9,8 +9,15 @@ the same free KV and pile onto one worker. So each placement reserves its footpr
 - after that, the expected output stays reserved as decode room until the request's stream ends: a stream
   (in particular a long-lived SSE one) keeps growing its KV while the record shows only what it holds now.
 
-Everything is released at stream end. Reservations are per replica; other replicas' placements show once
-the agent reports them.
+Everything is released at stream end. Other replicas' reservations come from Redis (``extproc/peers.py``,
+folded in with ``apply_peers``), and so that replicas picking at the same moment cannot each promise the same
+free room, a replica may use only its share of the room nobody has reserved yet (``settle``):
+
+    headroom(w) = capacity × (1 − kv_reserve_fraction − usage) − own(w) − others(w)
+    held back   = headroom(w) × (replicas − 1) / replicas       (fixed until the next snapshot)
+
+so N replicas together place at most the whole headroom between two snapshots, and each sees the others'
+placements at its next one.
 """
 
 from __future__ import annotations
@@ -34,21 +41,42 @@ class Reservation:
 
 
 class ReservationBook:
-    def __init__(self, settle_s: float) -> None:
+    def __init__(self, settle_s: float, reserve_fraction: float = 0.0) -> None:
         self.settle_s = settle_s
+        self.reserve_fraction = reserve_fraction
         self._unsettled: set[Reservation] = set()
         self._kv: dict[str, int] = {}
         self._prefill: dict[str, int] = {}
+        self._peer_kv: Mapping[str, int] = {}
+        self._peer_prefill: Mapping[str, int] = {}
+        self._replicas = 1
+        self._view_kv: dict[str, int] = {}
+        self._view_prefill: dict[str, int] = {}
 
     @property
     def kv_tokens(self) -> Mapping[str, int]:
-        """Worker id → reserved KV tokens (what a pick reads)."""
-        return self._kv
+        """Worker id → KV tokens a pick must treat as taken: this replica's, the other replicas' and the
+        other replicas' share of the free room (what a pick reads)."""
+        return self._view_kv
 
     @property
     def prefill_tokens(self) -> Mapping[str, int]:
-        """Worker id → placed prompt tokens the record does not show yet."""
+        """Worker id → placed prompt tokens the record does not show yet (this and other replicas)."""
+        return self._view_prefill
+
+    @property
+    def own_kv_tokens(self) -> Mapping[str, int]:
+        """This replica's reservations alone (what it publishes)."""
+        return self._kv
+
+    @property
+    def own_prefill_tokens(self) -> Mapping[str, int]:
         return self._prefill
+
+    def apply_peers(self, kv: Mapping[str, int], prefill: Mapping[str, int], replicas: int) -> None:
+        """The other replicas' reservations and how many replicas share the fleet (this one included); the
+        pick sees them from the next ``settle``."""
+        self._peer_kv, self._peer_prefill, self._replicas = kv, prefill, max(1, replicas)
 
     def reserve(self, worker_id: str, prompt_tokens: int, output_tokens: int, placed_at: float) -> Reservation:
         reservation = Reservation(worker_id, prompt_tokens + output_tokens, prompt_tokens, output_tokens,
@@ -64,7 +92,24 @@ class ReservationBook:
         self._unsettled.discard(reservation)
 
     def settle(self, snapshot: FleetSnapshot) -> None:
-        """Shrink reservations to their decode room once the worker's facts are newer than placement + settle."""
+        """Shrink reservations to their decode room once the worker's facts are newer than placement + settle;
+        then rebuild the pick's view with the other replicas' reservations and their share of the room."""
+        self._settle(snapshot)
+        view_kv = dict(self._peer_kv)
+        if self._replicas > 1:
+            others = (self._replicas - 1) / self._replicas
+            usable = 1.0 - self.reserve_fraction
+            for worker in snapshot.workers:
+                if worker.kv_capacity_tokens <= 0:
+                    continue
+                taken = self._kv.get(worker.id, 0) + view_kv.get(worker.id, 0)
+                headroom = worker.kv_capacity_tokens * (usable - worker.kv_usage) - taken
+                if headroom > 0:
+                    view_kv[worker.id] = view_kv.get(worker.id, 0) + int(headroom * others)
+        self._view_kv = _merged(view_kv, self._kv)
+        self._view_prefill = _merged(self._peer_prefill, self._prefill)
+
+    def _settle(self, snapshot: FleetSnapshot) -> None:
         if not self._unsettled:
             return
         by_id = snapshot.by_id
@@ -80,13 +125,22 @@ class ReservationBook:
             self._unsettled.discard(reservation)
 
     def _add(self, worker_id: str, kv_delta: int, prefill_delta: int) -> None:
-        kv = self._kv.get(worker_id, 0) + kv_delta
-        prefill = self._prefill.get(worker_id, 0) + prefill_delta
-        if kv:
-            self._kv[worker_id] = kv
-        else:
-            self._kv.pop(worker_id, None)
-        if prefill:
-            self._prefill[worker_id] = prefill
-        else:
-            self._prefill.pop(worker_id, None)
+        _bump(self._kv, worker_id, kv_delta)
+        _bump(self._prefill, worker_id, prefill_delta)
+        _bump(self._view_kv, worker_id, kv_delta)
+        _bump(self._view_prefill, worker_id, prefill_delta)
+
+
+def _bump(counts: dict[str, int], worker_id: str, delta: int) -> None:
+    value = counts.get(worker_id, 0) + delta
+    if value:
+        counts[worker_id] = value
+    else:
+        counts.pop(worker_id, None)
+
+
+def _merged(base: Mapping[str, int], own: Mapping[str, int]) -> dict[str, int]:
+    merged = dict(base)
+    for worker_id, tokens in own.items():
+        merged[worker_id] = merged.get(worker_id, 0) + tokens
+    return merged

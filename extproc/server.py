@@ -31,6 +31,7 @@ from extproc.kvcache.lookup import CacheLookup
 from extproc.kvcache.subscriber import KVEventSubscriptions
 from extproc.kvcache.wiring import build_kv_cache
 from extproc.metrics import Metrics
+from extproc.peers import PeerExchange, PeerKeys
 from extproc.pipeline import CapacitySignal
 from extproc.quota import QuotaStore
 from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
@@ -144,6 +145,8 @@ def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics, pro
                             model_tasks={pool.model: pool.task for pool in config.pools},
                             prefix_cache=kv_cache[0] if kv_cache is not None else None)
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
+    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
+                                            service.director.place.reservations))
     return service, watcher, catalogue, kv_cache
 
 
@@ -185,6 +188,7 @@ async def _stop(server: grpc.aio.Server, watch_task: asyncio.Task[None], watcher
         log.exception("fleet watcher failed")
     try:
         await asyncio.wait_for(watcher.flush(), timeout=1.0)
+        await asyncio.wait_for(watcher.leave(), timeout=1.0)
     except Exception:  # best effort: counters of a stopped replica are released by the streams ending
         log.debug("final in-flight flush failed", exc_info=True)
     await client.aclose()

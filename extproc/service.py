@@ -158,14 +158,15 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
     def _on_body(self, state: RequestState, chunk: bytes, end_of_stream: bool) -> ProcessingResponse:
         if state.phase is not Phase.BODY:
             raise ProtocolError(f"request body while {state.phase.value}")
-        state.body += chunk
-        oversized = self.director.body_received(state.context, len(state.body))
+        oversized = self.director.body_received(state.context, len(state.body) + len(chunk))
         if oversized is not None:
             return self._answer(state, oversized)
         if not end_of_stream:
+            state.body += chunk
             return answers.continue_body()
         state.phase = Phase.DONE
-        raw = bytes(state.body)
+        # BUFFERED sends the whole body in one message: use it as it is (a 1 MB prompt costs two copies less).
+        raw = bytes(state.body + chunk) if state.body else chunk
         state.body = bytearray()
         outcome = self.director.body(state.context, raw)
         if isinstance(outcome, Passthrough):

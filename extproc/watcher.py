@@ -5,7 +5,9 @@ Three loops under one TaskGroup: refresh (on a change notification or every ``sn
 listen (the store's change feed, wakes refresh) and flush (writes in-flight deltas, batched, and the queue
 depth per pool for the autoscaler: this replica's count of requests it holds for each pool, rewritten when
 it changes and at least every ``QUEUED_REFRESH_S``; the store lets it expire, so the count of a replica
-that died fades within seconds). If Redis is away the last snapshot keeps serving; that shows once in the
+that died fades within seconds). With ``share_reservations`` the flush also publishes this replica's KV
+reservations and the refresh reads the other replicas' (``peers``). If Redis is away the last snapshot keeps
+serving; that shows once in the
 log and in ``redis_up``.
 """
 
@@ -17,9 +19,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
+from extproc.peers import PeerExchange
 from extproc.snapshot import FleetSnapshot, build_snapshot, empty_snapshot
 from poolgate.kernel.config import ExtprocSettings, PoolSpec
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog, ReturnGrace
@@ -74,6 +78,7 @@ class FleetWatcher:
         self.replica_id = replica_id or os.urandom(6).hex()
         """This extproc replica's field in the ``queued`` hashes."""
         self._held: Callable[[], Mapping[Hashable, int]] | None = None
+        self._peers: PeerExchange | None = None
         self._published: dict[str, int] = {}
         self._published_at = float("-inf")
         self._wake = asyncio.Event()
@@ -102,6 +107,9 @@ class FleetWatcher:
             async with self._io_lock:
                 totals = await self._store.read_inflight([r.id for r in records])
                 self._inflight.apply_remote(totals)
+                peers = self._peers
+                if peers is not None:
+                    await self._store.exchange(lambda pipe: peers.queue_reads(pipe, [r.id for r in records]))
         except REDIS_ERRORS as exc:
             self._redis_link.down(exc)
             return False
@@ -121,6 +129,23 @@ class FleetWatcher:
         """Publish the queue depth that ``held`` reports (domain → requests held) with each flush."""
         self._held = held
 
+    def share_reservations(self, peers: PeerExchange) -> None:
+        """Publish this replica's reservations and read the others' through ``peers``."""
+        self._peers = peers
+
+    async def leave(self) -> None:
+        """A clean stop: the other replicas stop counting this one and its reservations at once."""
+        if self._peers is None:
+            return
+        peers = self._peers
+
+        def queue_leave(pipe: Any) -> Callable[[list[Any]], None]:
+            peers.queue_leave(pipe)
+            return lambda _results: None
+
+        async with self._io_lock:
+            await self._store.exchange(queue_leave)
+
     def _queued_changes(self) -> dict[str, int]:
         """Pools whose held count must be written now: changed, or due for the periodic refresh."""
         if self._held is None:
@@ -135,12 +160,21 @@ class FleetWatcher:
         next try on failure."""
         deltas = self._inflight.take_pending()
         queued = self._queued_changes()
-        if not deltas and not queued:
+        if not deltas and not queued and (self._peers is None or not self._peers.has_writes()):
             return True
         try:
             async with self._io_lock:
-                await self._store.add_counts(deltas, queued, self.replica_id)
+                published: Callable[[], None] | None = None
+
+                def queue_peer_writes(pipe: Any) -> None:
+                    nonlocal published
+                    if self._peers is not None:
+                        published = self._peers.queue_writes(pipe)
+
+                await self._store.add_counts(deltas, queued, self.replica_id, also=queue_peer_writes)
                 self._inflight.mark_flushed(deltas)
+                if published is not None:
+                    published()
         except REDIS_ERRORS as exc:
             self._inflight.restore_pending(deltas)
             self._redis_link.down(exc)

@@ -14,6 +14,7 @@ documented example is ``python -m poolgate.envoy_bootstrap deploy/local.yaml > e
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -25,6 +26,7 @@ from envoy.config.core.v3 import (
     base_pb2,
     config_source_pb2,
     grpc_service_pb2,
+    health_check_pb2,
     protocol_pb2,
     substitution_format_string_pb2,
 )
@@ -59,6 +61,8 @@ HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 EXTPROC_MESSAGE_TIMEOUT_S = 3
 """How long Envoy waits for one ext_proc answer; extproc's parse and pick take about a millisecond."""
+EXTPROC_HEALTH_INTERVAL_S = 0.5
+"""How often Envoy asks each extproc process for its grpc.health.v1 status (several processes only)."""
 EXTPROC_MAX_MESSAGE_TIMEOUT_S = 60
 """Upper bound for ``override_message_timeout``: the longest extproc may hold a request in its queue."""
 STREAM_IDLE_TIMEOUT_S = 600
@@ -109,8 +113,9 @@ def _typed(name: str, config: message.Message) -> dict[str, Any]:
     return {"name": name, "typed_config": packed}
 
 
-def _local_cluster(name: str, port: int) -> cluster_pb2.Cluster:
-    """A static HTTP/2 cluster on localhost (gRPC needs HTTP/2; Envoy's default upstream is HTTP/1.1)."""
+def _local_cluster(name: str, ports: Sequence[int]) -> cluster_pb2.Cluster:
+    """A static HTTP/2 cluster on localhost (gRPC needs HTTP/2; Envoy's default upstream is HTTP/1.1), one
+    endpoint per port."""
     cluster = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.STATIC,
@@ -121,12 +126,33 @@ def _local_cluster(name: str, port: int) -> cluster_pb2.Cluster:
         ),
         load_assignment=endpoint_pb2.ClusterLoadAssignment(cluster_name=name),
     )
-    endpoint = cluster.load_assignment.endpoints.add().lb_endpoints.add().endpoint
-    endpoint.address.socket_address.address = "127.0.0.1"
-    endpoint.address.socket_address.port_value = port
+    locality = cluster.load_assignment.endpoints.add()
+    for port in ports:
+        endpoint = locality.lb_endpoints.add().endpoint
+        endpoint.address.socket_address.address = "127.0.0.1"
+        endpoint.address.socket_address.port_value = port
     options = http_protocol_options_pb2.HttpProtocolOptions()
     options.explicit_http_config.http2_protocol_options.CopyFrom(protocol_pb2.Http2ProtocolOptions())
     cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(options)
+    return cluster
+
+
+def _extproc_cluster(ports: Sequence[int]) -> cluster_pb2.Cluster:
+    """One endpoint per extproc process. Envoy balances each ext_proc stream (one per HTTP request) over the
+    endpoints, so several processes share the load evenly (measured: ``bench/extproc_overhead.py``);
+    ``LEAST_REQUEST`` keeps a process holding many queued streams from getting more. With several processes
+    a grpc.health.v1 check takes a killed or starting one out within ``EXTPROC_HEALTH_INTERVAL_S`` (its
+    streams meanwhile fail open); every endpoint unhealthy means panic routing to all, i.e. fail-open."""
+    cluster = _local_cluster(EXTPROC_CLUSTER, ports)
+    if len(ports) > 1:
+        cluster.lb_policy = cluster_pb2.Cluster.LEAST_REQUEST
+        cluster.health_checks.append(health_check_pb2.HealthCheck(
+            timeout=_duration(EXTPROC_HEALTH_INTERVAL_S),
+            interval=_duration(EXTPROC_HEALTH_INTERVAL_S),
+            unhealthy_threshold=UInt32Value(value=1),
+            healthy_threshold=UInt32Value(value=1),
+            grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(),
+        ))
     return cluster
 
 
@@ -330,19 +356,20 @@ def build_bootstrap(
     node_id: str,
     listen_port: int,
     admin_port: int,
-    extproc_port: int,
+    extproc_port: int | Sequence[int],
     xds_port: int,
     access_log_path: str | None = None,
     listen_host: str = "127.0.0.1",
     access_log: bool = False,
 ) -> bootstrap_pb2.Bootstrap:
-    """The bootstrap as a protobuf message (``render_bootstrap`` gives the dict Envoy reads)."""
+    """The bootstrap as a protobuf message (``render_bootstrap`` gives the dict Envoy reads); ``extproc_port``
+    may list one port per extproc process."""
     log = _access_log(access_log_path) if (access_log or access_log_path) else None
     bootstrap = bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id=node_id, cluster="poolgate"),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
             listeners=[_listener(config, listen_host, listen_port, log)],
-            clusters=[_local_cluster(EXTPROC_CLUSTER, extproc_port), _local_cluster(XDS_CLUSTER, xds_port)],
+            clusters=[_extproc_cluster(_ports(extproc_port)), _local_cluster(XDS_CLUSTER, [xds_port])],
         ),
         dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
             ads_config=config_source_pb2.ApiConfigSource(
@@ -369,7 +396,7 @@ def render_bootstrap(
     node_id: str,
     listen_port: int,
     admin_port: int,
-    extproc_port: int,
+    extproc_port: int | Sequence[int],
     xds_port: int,
     access_log_path: str | None = None,
     listen_host: str = "127.0.0.1",
@@ -388,6 +415,10 @@ def render_bootstrap(
         json_format.MessageToJson(bootstrap, preserving_proto_field_name=True, sort_keys=True)  # stable text
     )
     return rendered  # via JSON text: MessageToDict leaves OrderedDicts inside Any fields, which YAML refuses
+
+
+def _ports(port: int | Sequence[int]) -> list[int]:
+    return [port] if isinstance(port, int) else list(port)
 
 
 EXAMPLE_HEADER = (

@@ -1,4 +1,6 @@
-"""``poolgate up``: the whole stack on one machine — Redis, controller (+ workers), extproc, Envoy.
+"""``poolgate up``: the whole stack on one machine — Redis, controller (+ workers), extproc (one process per
+core: ``extproc.processes``; process i on ``ports.extproc`` + i when that is set; the first serves its
+metrics on ``extproc_metrics_port``, the others on free ports listed in ``extproc.json``), Envoy.
 
 It owns every child's lifecycle: each runs in its own process group and dies with ``up`` (parent-death
 signal), so SIGINT/SIGTERM, a crashed child or a failed start leave no orphan process behind.
@@ -56,9 +58,12 @@ class Child:
 class StackPorts:
     envoy: int
     admin: int
-    extproc: int
+    extproc: tuple[int, ...]
+    """One port per extproc process (``extproc.processes``)."""
     xds: int
     controller_http: int
+    extproc_metrics: tuple[int, ...] = ()
+    """The extproc processes' metrics ports (none when ``observability.extproc_metrics_port`` is unset)."""
 
 
 class Stack:
@@ -132,9 +137,10 @@ class Stack:
              "--http-port", str(self.ports.controller_http), "--log-dir", str(self.run_dir / "workers")],
             env={self.config.controller.token_env: self.token},
         )
-        extproc = await self._spawn("extproc", [*python, "extproc", *common, "--port", str(self.ports.extproc)])
+        extprocs = await self._spawn_extprocs([*python, "extproc", *common])
         await self._await_port(controller, self.ports.xds, 30)
-        await self._await_port(extproc, self.ports.extproc, 30)
+        for extproc, port in zip(extprocs, self.ports.extproc, strict=True):
+            await self._await_port(extproc, port, 30)
         from poolgate.envoy_bootstrap import render_bootstrap
 
         bootstrap = render_bootstrap(self.config, node_id="poolgate-local", listen_port=self.ports.envoy,
@@ -146,6 +152,17 @@ class Stack:
         envoy = await self._spawn("envoy", [str(envoy_binary()), "-c", str(bootstrap_path), "-l", "warning",
                                             "--use-dynamic-base-id", "--disable-hot-restart"])
         await self._await_port(envoy, self.ports.admin, 30)
+
+    async def _spawn_extprocs(self, command: list[str]) -> list[Child]:
+        """One extproc per port; ``extproc.json`` in the run directory names each one's ports."""
+        names = [f"extproc-{i}" if i else "extproc" for i in range(len(self.ports.extproc))]
+        metrics = self.ports.extproc_metrics or (None,) * len(names)
+        listed = {name: {"port": port, "metrics_port": metrics_port}
+                  for name, port, metrics_port in zip(names, self.ports.extproc, metrics, strict=True)}
+        (self.run_dir / "extproc.json").write_bytes(orjson.dumps(listed))
+        return [await self._spawn(name, [*command, "--port", str(port),
+                                         *(["--metrics-port", str(m)] if m else [])])
+                for name, port, m in zip(names, self.ports.extproc, metrics, strict=True)]
 
     async def wait_until_serving(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until one chat completion per model succeeds through Envoy (workers load, xDS arrives)."""
@@ -259,10 +276,12 @@ async def demo_load(base_url: str, models: list[str], requests: int = 48, concur
 
 def _resolve_ports(config: Config, args: argparse.Namespace) -> StackPorts:
     ports = config.ports
+    processes, metrics = config.extproc.process_count(), config.observability.extproc_metrics_port
     return StackPorts(
         envoy=args.port if args.port is not None else (ports.envoy or free_port()),
         admin=args.admin_port if args.admin_port is not None else (ports.envoy_admin or free_port()),
-        extproc=ports.extproc or free_port(),
+        extproc=tuple(ports.extproc + i if ports.extproc else free_port() for i in range(processes)),
+        extproc_metrics=(metrics, *(free_port() for _ in range(processes - 1))) if metrics else (),
         xds=ports.xds or free_port(),
         controller_http=ports.controller_http or free_port(),
     )

@@ -43,7 +43,7 @@ class Place:
         self.scheduler = scheduler
         self.fleet = fleet
         self.inflight = inflight
-        self.reservations = ReservationBook(settings.reservation_settle_s)
+        self.reservations = ReservationBook(settings.reservation_settle_s, settings.kv_reserve_fraction)
         self.affinity = AffinityMap(settings.affinity_max_entries)
         self._metrics = metrics
         self._debug_header = settings.debug_header

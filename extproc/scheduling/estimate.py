@@ -97,6 +97,24 @@ def classify(prompt_tokens: int, output_tokens: int, facts: RequestFacts, rules:
     return "short_chat"
 
 
+def _leading_text(parts: tuple[str, ...], limit: int) -> str:
+    """The parts joined by ``\x1f``, only as far as the first ``limit`` characters need (a 1 MB prompt is
+    not copied to hash its leading chunks)."""
+    if len(parts) == 1:
+        return parts[0]
+    pieces: list[str] = []
+    size = 0
+    for index, part in enumerate(parts):
+        if index:
+            pieces.append("\x1f")
+            size += 1
+        pieces.append(part[:limit - size] if size < limit else "")
+        size += len(part)
+        if size >= limit:
+            break
+    return "".join(pieces)
+
+
 def prefix_keys(facts: RequestFacts, chunk_chars: int, max_chunks: int) -> tuple[Hashable, ...]:
     """Chained hashes of the prompt's leading whole chunks, longest prefix first, after the session key.
 
@@ -107,7 +125,7 @@ def prefix_keys(facts: RequestFacts, chunk_chars: int, max_chunks: int) -> tuple
     keys: list[Hashable] = []
     if facts.session_id:
         keys.append(("session", facts.model, facts.session_id))
-    text = "\x1f".join(facts.prompt_parts) if len(facts.prompt_parts) != 1 else facts.prompt_parts[0]
+    text = _leading_text(facts.prompt_parts, chunk_chars * max_chunks)
     chunks = min(len(text) // chunk_chars, max_chunks)
     if chunks:
         chained: list[Hashable] = []

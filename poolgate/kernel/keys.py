@@ -50,6 +50,17 @@ class QuotaKeys:
         return f"{self.tenant(name)}:tpm:{minute}"
 
 
+class PeerKeys:
+    """What extproc replicas tell each other (``extproc/peers.py``): who is alive, and each one's reservations."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.replicas = f"{prefix}:extproc:replicas"
+
+    def reserved(self, worker_id: str) -> str:
+        return f"{self.prefix}:reserved:{worker_id}"
+
+
 class RedisKeys:
     """Key names under one prefix: the fleet's here, the tenants' quotas in ``quota``."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, TypeAlias
@@ -203,6 +203,13 @@ class FleetStore:
             await pipe.execute()
         return [WorkerRecord.from_redis(data) for data in raw if data]
 
+    async def exchange(self, queue: Callable[[Any], Callable[[list[Any]], None]]) -> None:
+        """Run the commands ``queue`` puts on one pipeline and hand their results to the callback it returns:
+        the read side of extproc's peer exchange, whose keys ``RedisKeys.peers`` names."""
+        pipe = self._redis.pipeline(transaction=False)
+        apply = queue(pipe)
+        apply(await pipe.execute())
+
     async def read_inflight(self, worker_ids: Sequence[str]) -> dict[str, int]:
         """Requests extproc replicas have in flight per worker (0 when none)."""
         return await self._counts([self.keys.inflight(w) for w in worker_ids], worker_ids)
@@ -234,10 +241,12 @@ class FleetStore:
         await pipe.execute()
 
     async def add_counts(self, inflight_deltas: Mapping[str, int], queued: Mapping[str, int],
-                         replica_id: str) -> None:
+                         replica_id: str, also: Callable[[Any], object] | None = None) -> None:
         """One pipeline: add in-flight deltas per worker, and set this replica's held count per pool (0 removes
-        its field)."""
+        its field); ``also`` queues more writes of the same flush on it (extproc's peer exchange)."""
         pipe = self._redis.pipeline(transaction=False)
+        if also is not None:
+            also(pipe)
         for worker_id, delta in inflight_deltas.items():
             pipe.incrby(self.keys.inflight(worker_id), delta)
         for pool, count in queued.items():

@@ -61,6 +61,13 @@ class RunningStack:
     def children(self) -> dict[str, int]:
         return {k: int(v) for k, v in json.loads((self.run_dir / "children.json").read_text()).items()}
 
+    def extproc_metrics(self) -> str:
+        """The Prometheus pages of every extproc process ``poolgate up`` started (``extproc.json`` in its run
+        directory lists their ports), one after the other: summing a series over them counts all requests."""
+        listed = json.loads((self.run_dir / "extproc.json").read_text())
+        return "".join(httpx.get(f"http://127.0.0.1:{p['metrics_port']}/metrics", timeout=5).text
+                       for p in listed.values())
+
     def record(self, worker_id: str) -> dict[str, str]:
         client = redis.Redis.from_url(self.redis_url)
         try:

@@ -43,10 +43,9 @@ def test_access_log_names_pool_worker_and_request(stack: RunningStack) -> None:
 
 def test_gateway_genai_metrics_without_tenants(stack: RunningStack) -> None:
     """No tenant reads usage here: the GenAI metrics alone make Envoy pass the streamed response to extproc."""
-    port = stack.config["observability"]["extproc_metrics_port"]
 
     def series(name: str) -> float:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        text = stack.extproc_metrics()
         return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                    if sample.name == name and sample.labels.get("gen_ai_request_model") == "code-model")
 

@@ -129,8 +129,7 @@ def test_stream_usage_is_charged_and_the_extra_chunk_hidden(tenancy_stack: Runni
 
 def genai_series(stack: RunningStack, name: str, **labels: str) -> float:
     """The sum of extproc's ``name`` samples for chat-model whose labels include ``labels``."""
-    port = stack.config["observability"]["extproc_metrics_port"]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    text = stack.extproc_metrics()
     wanted = {"gen_ai_request_model": "chat-model", **labels}
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == name and wanted.items() <= sample.labels.items())

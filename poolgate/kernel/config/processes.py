@@ -49,6 +49,15 @@ class ExtprocSettings(Section):
     gateways that implement the Gateway API Inference Extension endpoint-picker protocol (an ``ORIGINAL_DST``
     cluster reading that header). ``poolgate`` pins through dynamic metadata only, so a header cannot be used
     by a client to pin itself; use ``gie`` only behind a gateway that strips the client's copy first."""
+    processes: int = Field(0, ge=0, le=256)
+    """extproc processes ``poolgate up`` starts, each on its own port (``ports.extproc`` + i when that port is
+    set; the first one's metrics on ``observability.extproc_metrics_port``, the others' on free ports that
+    ``extproc.json`` in the run directory lists) as one endpoint of Envoy's ext_proc cluster; 0 means one
+    per CPU core. They share in-flight counts and KV reservations through Redis (``docs/architecture.md``,
+    several processes)."""
+
+    def process_count(self) -> int:
+        return self.processes or os.cpu_count() or 1
 
 
 class ControllerSettings(Section):

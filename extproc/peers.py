@@ -1,0 +1,132 @@
+"""What extproc replicas tell each other through Redis so their picks agree: who is alive, and the KV and
+prefill reservations each holds per worker (in-flight counts travel as deltas: ``inflight``).
+
+Keys (named in ``poolgate.kernel.keys.PeerKeys``; the store runs the pipelines):
+
+- ``{prefix}:extproc:replicas`` hash: replica id → wall-clock time of its last write. A replica writes it at
+  least every ``PRESENCE_REFRESH_S``; readers count replicas seen within ``PRESENCE_TTL_S`` (a killed one
+  stops counting after that), and a replica that stops cleanly removes itself.
+- ``{prefix}:reserved:{worker}`` hash: replica id → ``"kv prefill stamp"``, the replica's whole current
+  reservation on that worker (absolute, so a lost or repeated write heals at the next one). Written when it
+  changes (batched with the in-flight deltas), removed at zero; a field older than ``PRESENCE_TTL_S`` is
+  ignored (its replica died holding it) and the key expires after it unless renewed.
+
+Nothing here runs on the pick: the watcher's flush loop writes, its refresh reads (one pipeline each).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from extproc.reservations import ReservationBook
+from poolgate.kernel.keys import PeerKeys
+
+PRESENCE_REFRESH_S = 1.0
+PRESENCE_TTL_S = 5.0
+
+
+class PeerExchange:
+    """This replica's side of the exchange over one ``ReservationBook``."""
+
+    def __init__(self, keys: PeerKeys, replica_id: str, book: ReservationBook,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._keys = keys
+        self.replica_id = replica_id
+        self._book = book
+        self._clock = clock
+        self._published: dict[str, tuple[int, int]] = {}
+        self._present_at = float("-inf")
+        self.replicas = 1
+        """Live replicas at the last read, this one included."""
+
+    def _pending(self) -> tuple[float, dict[str, tuple[int, int]], dict[str, tuple[int, int]], list[str], bool]:
+        """Now, the current reservations, those changed since the last write, those gone, presence beat due."""
+        now = self._clock()
+        kv, prefill = self._book.own_kv_tokens, self._book.own_prefill_tokens
+        current = {w: (kv.get(w, 0), prefill.get(w, 0)) for w in {*kv, *prefill}}
+        changed = {w: v for w, v in current.items() if self._published.get(w) != v}
+        gone = [w for w in self._published if w not in current]
+        return now, current, changed, gone, now - self._present_at >= PRESENCE_REFRESH_S
+
+    def has_writes(self) -> bool:
+        """Whether ``queue_writes`` would write anything now."""
+        _, _, changed, gone, due = self._pending()
+        return bool(changed or gone or due)
+
+    def queue_writes(self, pipe: Any) -> Callable[[], None] | None:
+        """Queue the changed reservations (and the presence beat when due) on ``pipe``; None when nothing is
+        to write, else a callback to run once the pipeline succeeded."""
+        now, current, changed, gone, due = self._pending()
+        if not (changed or gone or due):
+            return None
+        ttl_ms = int(PRESENCE_TTL_S * 1000)
+        for worker_id, (kv_tokens, prefill_tokens) in (current.items() if due else changed.items()):
+            key = self._keys.reserved(worker_id)
+            pipe.hset(key, self.replica_id, f"{kv_tokens} {prefill_tokens} {now:.3f}")
+            pipe.pexpire(key, ttl_ms)
+        for worker_id in gone:
+            pipe.hdel(self._keys.reserved(worker_id), self.replica_id)
+        if due:
+            pipe.hset(self._keys.replicas, self.replica_id, f"{now:.3f}")
+
+        def written() -> None:
+            self._published = current
+            if due:
+                self._present_at = now
+        return written
+
+    def queue_reads(self, pipe: Any, worker_ids: Iterable[str]) -> Callable[[list[Any]], None]:
+        """Queue the reads of the replicas and the workers' reservations; the callback takes the pipeline's
+        results for them (in order) and hands the other replicas' totals to the book."""
+        ids = list(worker_ids)
+        pipe.hgetall(self._keys.replicas)
+        for worker_id in ids:
+            pipe.hgetall(self._keys.reserved(worker_id))
+
+        def apply(results: list[Any]) -> None:
+            oldest = self._clock() - PRESENCE_TTL_S
+            replicas = {_text(r) for r, at in results[0].items() if _stamp(at) >= oldest}
+            replicas.add(self.replica_id)
+            kv: dict[str, int] = {}
+            prefill: dict[str, int] = {}
+            for worker_id, fields in zip(ids, results[1:], strict=True):
+                for replica, value in fields.items():
+                    if _text(replica) == self.replica_id:
+                        continue
+                    parsed = _reservation(value, oldest)
+                    if parsed is not None:
+                        kv[worker_id] = kv.get(worker_id, 0) + parsed[0]
+                        prefill[worker_id] = prefill.get(worker_id, 0) + parsed[1]
+            self.replicas = len(replicas)
+            self._book.apply_peers(kv, prefill, self.replicas)
+        return apply
+
+    def queue_leave(self, pipe: Any) -> None:
+        """Remove this replica's presence and reservations (a clean stop; a killed one fades by TTL)."""
+        pipe.hdel(self._keys.replicas, self.replica_id)
+        for worker_id in self._published:
+            pipe.hdel(self._keys.reserved(worker_id), self.replica_id)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _stamp(value: bytes | str) -> float:
+    try:
+        return float(_text(value))
+    except ValueError:
+        return float("-inf")
+
+
+def _reservation(value: bytes | str, oldest: float) -> tuple[int, int] | None:
+    """``"kv prefill stamp"`` written since ``oldest``, else None (also for a malformed value)."""
+    parts = _text(value).split()
+    try:
+        kv, prefill, stamp = int(parts[0]), int(parts[1]), float(parts[2])
+    except (IndexError, ValueError):
+        return None
+    return (max(0, kv), max(0, prefill)) if stamp >= oldest else None
+

@@ -1,0 +1,97 @@
+"""KV reservations shared between extproc replicas: the book's view with the others' share held back, and
+the exchange through a real Redis (what one replica publishes, another reads; a dead one's fades)."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from extproc.peers import PRESENCE_TTL_S, PeerExchange, PeerKeys
+from extproc.reservations import ReservationBook
+from extproc.snapshot import FleetSnapshot, build_snapshot
+from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.fleet import WorkerRecord
+
+POOLS = (PoolSpec(name="chat", model="llama"),)
+
+
+def snapshot(usage: float = 0.0, at: float = 100.0) -> FleetSnapshot:
+    record = WorkerRecord(id="w", pool="chat", model="llama", host="h", port=1, updated_at=at, metrics_at=at,
+                          kv_capacity_tokens=10_000, kv_usage=usage)
+    return build_snapshot([record], POOLS, taken_at=at, stale_after_s=3.0)
+
+
+def test_alone_a_replica_may_use_all_the_free_room() -> None:
+    book = ReservationBook(settle_s=0.5)
+    book.settle(snapshot())
+    assert book.kv_tokens == {}
+
+
+def test_each_of_four_replicas_may_take_a_quarter_of_the_unreserved_room() -> None:
+    book = ReservationBook(settle_s=0.5)
+    book.apply_peers({"w": 2_000}, {"w": 500}, replicas=4)
+    book.settle(snapshot(usage=0.2))  # free 8,000, of which others reserved 2,000: 6,000 unclaimed
+    assert book.kv_tokens == {"w": 2_000 + 4_500}  # the other three replicas' share is held back
+    assert book.prefill_tokens == {"w": 500}
+    book.reserve("w", prompt_tokens=1_000, output_tokens=500, placed_at=100.0)  # 1,500 of its own 1,500
+    assert book.kv_tokens == {"w": 8_000} and book.own_kv_tokens == {"w": 1_500}
+    book.settle(snapshot(usage=0.2, at=100.1))  # next snapshot: a quarter of what is left unclaimed
+    assert book.kv_tokens == {"w": 1_500 + 2_000 + 3_375}
+
+
+def test_four_replicas_picking_at_once_never_promise_more_than_the_free_room() -> None:
+    books = [ReservationBook(settle_s=0.5) for _ in range(4)]
+    for book in books:
+        book.apply_peers({}, {}, replicas=4)
+        book.settle(snapshot())
+    placed = 0
+    for book in books:  # each fills what its view allows, none seeing the others' placements yet
+        while 10_000 - book.kv_tokens.get("w", 0) >= 600:
+            book.reserve("w", 400, 200, placed_at=100.0)
+            placed += 600
+    assert placed <= 10_000
+
+
+async def test_one_replica_reads_what_another_published_and_a_dead_ones_fades(redis_client: aioredis.Redis) -> None:
+    now = [1_000.0]
+    keys = PeerKeys("peers-test")
+    books = {name: ReservationBook(settle_s=0.5) for name in ("a", "b")}
+    peers = {name: PeerExchange(keys, name, book, clock=lambda: now[0]) for name, book in books.items()}
+    books["a"].reserve("w", 300, 100, placed_at=now[0])
+
+    async def exchange(name: str) -> None:
+        pipe = redis_client.pipeline(transaction=False)
+        written = peers[name].queue_writes(pipe)
+        await pipe.execute()
+        if written is not None:
+            written()
+        pipe = redis_client.pipeline(transaction=False)
+        apply = peers[name].queue_reads(pipe, ["w"])
+        apply(await pipe.execute())
+
+    await exchange("a")
+    await exchange("b")
+    assert peers["b"].replicas == 2
+    books["b"].settle(snapshot(at=now[0]))
+    assert books["b"].prefill_tokens == {"w": 300}
+    assert books["b"].kv_tokens["w"] == 400 + (10_000 - 400) // 2  # a's 400, and a's half of the rest
+    now[0] += PRESENCE_TTL_S + 1  # a was killed: no more writes
+    await exchange("b")
+    books["b"].settle(snapshot(at=now[0]))
+    assert peers["b"].replicas == 1 and books["b"].kv_tokens == {}
+
+
+async def test_a_clean_stop_removes_the_replica_at_once(redis_client: aioredis.Redis) -> None:
+    keys = PeerKeys("peers-test")
+    book = ReservationBook(settle_s=0.5)
+    book.reserve("w", 300, 100, placed_at=0.0)
+    peer = PeerExchange(keys, "a", book)
+    pipe = redis_client.pipeline(transaction=False)
+    written = peer.queue_writes(pipe)
+    await pipe.execute()
+    assert written is not None
+    written()
+    pipe = redis_client.pipeline(transaction=False)
+    peer.queue_leave(pipe)
+    await pipe.execute()
+    assert await redis_client.hgetall(keys.replicas) == {}
+    assert await redis_client.hgetall(keys.reserved("w")) == {}
