@@ -183,6 +183,9 @@ class Fleet:
         self.counters = Counters()
         self.state: dict[str, str] = {}
         """State a worker reports in its next heartbeat (one-change phase)."""
+        self.registered: set[str] = set()
+        """Workers whose first registration went through: only they heartbeat (a worker beats once it
+        has registered)."""
 
     async def register(self, worker: Worker) -> bool:
         """One registration; a refusal or error is counted (the caller retries, as a worker would)."""
@@ -190,6 +193,7 @@ class Fleet:
             async with self._http.post(f"{self._api}/v1/workers", json=registration(worker)) as r:
                 await r.read()
                 if r.status == 201:
+                    self.registered.add(worker.id)
                     return True
         except aiohttp.ClientError:
             pass
@@ -212,6 +216,8 @@ class Fleet:
         return len(self.workers) / (time.monotonic() - started)
 
     async def heartbeat(self, worker: Worker) -> None:
+        if worker.id not in self.registered:
+            return
         body = {"state": self.state[worker.id]} if worker.id in self.state else {}
         try:
             async with self._http.post(f"{self._api}/v1/workers/{worker.id}/heartbeat", json=body) as r:
@@ -230,6 +236,9 @@ class Fleet:
             self.counters.failed += 1
 
     async def heartbeat_node(self, group: Sequence[Worker]) -> None:
+        group = [w for w in group if w.id in self.registered]
+        if not group:
+            return
         beats = [{"id": w.id, **({"state": self.state[w.id]} if w.id in self.state else {})} for w in group]
         try:
             async with self._http.post(f"{self._api}/v1/heartbeats", json={"workers": beats}) as r:

@@ -31,6 +31,10 @@ PROBE_CONCURRENCY = 256
 """Probes in flight at once; more wait for a slot."""
 PROBE_SPREAD = 0.5
 """Share of the probe interval over which a round's probes start (the rest is room for slow answers)."""
+PROBES_PER_S = 1000.0
+"""A round starts at most this many probes per second: past ``PROBES_PER_S × PROBE_SPREAD × interval``
+workers a round takes longer than the interval, so a large fleet costs the controller a bounded probe
+rate (at 1,000 workers and 0.5 s: a round per second, a dead worker Failed after about three)."""
 
 
 class Prober(Protocol):
@@ -97,7 +101,7 @@ class HealthMonitor:
         await self._view.sync()
         records = self._view.workers()
         passive = await self._store.read_passive_failures([r.id for r in records])
-        step = self._spread_s / len(records) if records else 0.0
+        step = max(self._spread_s / len(records), 1 / PROBES_PER_S) if records else 0.0
         probes = await asyncio.gather(*(self._probe(record, i * step) for i, record in enumerate(records)))
         self.stats.rounds += 1
         now = self._clock()

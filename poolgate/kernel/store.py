@@ -157,14 +157,15 @@ class FleetStore:
         ``updated_at`` is stamped now, so a record built earlier (and re-sent after an expiry) is not stale."""
         now = time.time()
         record = replace(record, updated_at=now, registered_at=record.registered_at or now)
-        await self._register(args=[self.keys.prefix, record.id, _ttl_ms(ttl_s),
+        await self._register(client=self._redis, args=[self.keys.prefix, record.id, _ttl_ms(ttl_s),
                                    *(p for pair in record.to_redis().items() for p in pair)])
 
     async def heartbeat(self, worker_id: str, ttl_s: float, announce: bool = False, **facts: Any) -> bool:
         """Refresh a worker's TTL and the given facts in one round trip; False means it is not registered
         (expired): register again. A changed ``state`` is announced; other facts only with ``announce``."""
         facts.setdefault("updated_at", time.time())
-        return bool(await self._write_facts(args=self._facts_args(worker_id, _ttl_ms(ttl_s), announce, facts)))
+        return bool(await self._write_facts(client=self._redis,
+                                             args=self._facts_args(worker_id, _ttl_ms(ttl_s), announce, facts)))
 
     async def heartbeat_many(self, beats: Mapping[str, Mapping[str, Any]], ttl_s: float) -> list[str]:
         """Heartbeats of many workers (a node agent's) in one pipeline; returns the ids not registered."""
@@ -183,7 +184,7 @@ class FleetStore:
         return [self.keys.prefix, worker_id, ttl_ms, flag, *_pairs(facts)]
 
     async def deregister(self, worker_id: str) -> None:
-        await self._deregister(args=[self.keys.prefix, worker_id])
+        await self._deregister(client=self._redis, args=[self.keys.prefix, worker_id])
 
     # Observed facts and states: the agent's and the health monitor's.
 
@@ -191,7 +192,7 @@ class FleetStore:
         """Write observed facts (the agent's) without touching the TTL: liveness stays the registrant's job,
         so a worker whose heartbeats stop still leaves even while its /metrics answers. False = not
         registered."""
-        return bool(await self._write_facts(args=self._facts_args(worker_id, 0, announce, live)))
+        return bool(await self._write_facts(client=self._redis, args=self._facts_args(worker_id, 0, announce, live)))
 
     async def set_state(self, worker_id: str, state: WorkerState) -> bool:
         """Change a registered worker's state and announce it; False when it is not registered."""
@@ -234,7 +235,7 @@ class FleetStore:
         """Ids changed since version ``since`` (expiring workers whose TTL ran out first); see ``ChangePoll``.
         More than ``limit`` changes in one log also means: read everything."""
         epoch, version, _, changed, changed_live = await self._poll(
-            args=[self.keys.prefix, since, int(live), limit])
+            client=self._redis, args=[self.keys.prefix, since, int(live), limit])
 
         def ids(values: list[bytes] | None) -> frozenset[str] | None:
             return None if values is None or len(values) >= limit else frozenset(_text(v) for v in values)
