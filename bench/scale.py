@@ -67,6 +67,8 @@ class Counters:
     failed: int = 0
     reregistered: int = 0
     registration_errors: int = 0
+    latencies: list[float] = field(default_factory=list)
+    """Seconds per heartbeat call (the steady phase's quantiles are reported)."""
 
     @property
     def success(self) -> float:
@@ -219,10 +221,12 @@ class Fleet:
         if worker.id not in self.registered:
             return
         body = {"state": self.state[worker.id]} if worker.id in self.state else {}
+        sent = time.monotonic()
         try:
             async with self._http.post(f"{self._api}/v1/workers/{worker.id}/heartbeat", json=body) as r:
                 status = r.status
                 await r.read()
+            self.counters.latencies.append(time.monotonic() - sent)
         except aiohttp.ClientError:
             self.counters.failed += 1
             return
@@ -240,10 +244,12 @@ class Fleet:
         if not group:
             return
         beats = [{"id": w.id, **({"state": self.state[w.id]} if w.id in self.state else {})} for w in group]
+        sent = time.monotonic()
         try:
             async with self._http.post(f"{self._api}/v1/heartbeats", json={"workers": beats}) as r:
                 status = r.status
                 answer = await r.json() if status == 200 else {}
+            self.counters.latencies.append(time.monotonic() - sent)
         except aiohttp.ClientError:
             self.counters.failed += len(group)
             return
@@ -325,7 +331,8 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
     pids = {**stack.pids, "load": os.getpid()}
     before_cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
     before_ops = await redis_commands(stack.redis_port)
-    counters_before = Counters(**vars(fleet_.counters))
+    counters_before = Counters(**{k: v for k, v in vars(fleet_.counters).items() if k != "latencies"})
+    fleet_.counters.latencies.clear()
     started = time.monotonic()
     ages = []
     while time.monotonic() - started < seconds:
@@ -339,6 +346,8 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
     await asyncio.sleep(0)
     row: dict[str, Any] = {"heartbeat_success": delta.success, "reregistrations": delta.reregistered,
                            "registration_errors": now.registration_errors,
+                           "heartbeat_p50_s": quantile(now.latencies, 0.5),
+                           "heartbeat_p99_s": quantile(now.latencies, 0.99),
                            "redis_ops_s": ops / wall, "snapshot_age_p50_s": quantile(ages, 0.5),
                            "snapshot_age_p99_s": quantile(ages, 0.99),
                            "extproc_answered": sum(1 for a in ages if a == a) / max(1, len(ages))}

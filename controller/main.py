@@ -119,8 +119,9 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
     adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader)
     loops: list[Coroutine[object, object, object]] = [
-        # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
-        run_agent(config, store),
+        # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us):
+        # workers that name another node have that node's agent, even at an address that looks local.
+        run_agent(config, store, node=socket.gethostname()),
         run_monitor(monitor, health.probe_interval_s, stop),
         run_adapter_loader(adapters, config.catalogue.adapter_sync_s, stop),
     ]
