@@ -365,15 +365,17 @@ async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, 
     """A worker reports Draining (the healthy count drops by one), then Ready again (it comes back).
 
     The latency counts from the heartbeat that carries the state, sent at once: a worker reports a state
-    change when it happens, not at its next beat."""
+    change when it happens, not at its next beat. A change not seen within 5 s counts as NaN (missed)."""
     latencies = []
     for index in range(changes):
         worker = fleet_.workers[-1 - index % max(1, len(fleet_.workers) // 2)]
-        for state, expected in (("Draining", n - 1), ("Ready", n)):
+        for state, step in (("Draining", -1), ("Ready", 1)):
+            start = min((await healthy_counts(http, stack, pools)).values())
             fleet_.state[worker.id] = state
             sent = time.monotonic()
             await fleet_.heartbeat(worker)
-            reached = await wait_counts(http, stack, pools, lambda c, e=expected: c == e, timeout_s=30, poll_s=0.005)
+            reached = await wait_counts(http, stack, pools, lambda c, e=start + step: c == e, timeout_s=5,
+                                        poll_s=0.005)
             latencies.append(time.monotonic() - sent if reached is not None else float("nan"))
         fleet_.state.pop(worker.id, None)
         await asyncio.sleep(interval_s)
