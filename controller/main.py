@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
-import redis.asyncio as aioredis
 import uvloop
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -48,7 +47,7 @@ from poolgate.kernel.config import Config, ConfigError, load_process_config
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
-from poolgate.kernel.store import FleetStore
+from poolgate.kernel.store import FleetStore, connect
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -121,8 +120,9 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
     adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader)
     loops: list[Coroutine[object, object, object]] = [
-        # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us).
-        run_agent(config, store),
+        # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us):
+        # workers that name another node have that node's agent, even at an address that looks local.
+        run_agent(config, store, node=socket.gethostname()),
         run_monitor(monitor, health.probe_interval_s, stop),
         run_adapter_loader(adapters, config.catalogue.adapter_sync_s, stop),
     ]
@@ -139,7 +139,7 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
 
 async def run_controller(config: Config, redis_url: str, *, host: str, xds_port: int, http_port: int,
                          token: str, log_dir: Path, start_workers: bool = True) -> None:
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     store = FleetStore(redis, config.key_prefix)
     stop = asyncio.Event()
     lease = LeaderLease(store, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",

@@ -1,9 +1,11 @@
 """The health monitor: probes every registered worker each interval and writes the verdicts to Redis.
 
-Reads the fleet and the data path's failure counters, probes all workers concurrently (one hung worker
-delays a round by at most the probe timeout), judges each (``controller.health``), writes only the states
-that differ from what Redis holds (so EDS changes once per transition), and hands remedies to the
-instance controller. Only the leader acts; a follower keeps quiet.
+Keeps its own copy of the fleet (``FleetView``: only changed records are re-read), reads the data path's
+failure counters, probes the workers spread over the first half of the interval with at most
+``PROBE_CONCURRENCY`` in flight (a large fleet is not probed in one burst; one hung worker holds one slot
+for at most the probe timeout), judges each (``controller.health``), writes the states that differ from
+what Redis holds in one batch with one announcement (so a mass failure costs readers one read, not one per
+worker), and hands remedies to the instance controller. Only the leader acts; a follower keeps quiet.
 """
 
 from __future__ import annotations
@@ -19,10 +21,20 @@ from controller.health import HealthMemory, ProbeResult, Remedy, Verdict, initia
 from controller.periodic import every
 from poolgate.kernel.config import HealthSettings
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.fleet_view import FleetView
 from poolgate.kernel.outage import OutageLog
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.health")
+
+PROBE_CONCURRENCY = 256
+"""Probes in flight at once; more wait for a slot."""
+PROBE_SPREAD = 0.5
+"""Share of the probe interval over which a round's probes start (the rest is room for slow answers)."""
+PROBES_PER_S = 1000.0
+"""A round starts at most this many probes per second: past ``PROBES_PER_S × PROBE_SPREAD × interval``
+workers a round takes longer than the interval, so a large fleet costs the controller a bounded probe
+rate (at 1,000 workers and 0.5 s: a round per second, a dead worker Failed after about three)."""
 
 
 class Prober(Protocol):
@@ -42,6 +54,8 @@ class MonitorStats:
     probe_failures: int = 0
     transitions: dict[str, int] = field(default_factory=dict)
     """``"Ready->Failed"`` → count."""
+    batches: int = 0
+    """State writes (each carries every change of one round)."""
     remedies: dict[str, int] = field(default_factory=dict)
 
 
@@ -58,7 +72,8 @@ class HealthMonitor:
 
     def __init__(self, store: FleetStore, settings: HealthSettings, stale_after_s: float, prober: Prober,
                  remediator: Remediator | None = None, *, is_leader: Callable[[], bool] = lambda: True,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 spread_s: float | None = None) -> None:
         self._settings = settings
         self._stale_after_s = stale_after_s
         self._store = store
@@ -68,6 +83,9 @@ class HealthMonitor:
         self._clock = clock
         self._wall_clock = wall_clock
         self._seen: dict[str, _Seen] = {}
+        self._view = FleetView(store, live=True)
+        self._spread_s = settings.probe_interval_s * PROBE_SPREAD if spread_s is None else spread_s
+        self._slots = asyncio.Semaphore(PROBE_CONCURRENCY)
         self.stats = MonitorStats()
 
     def memory(self, worker_id: str) -> HealthMemory | None:
@@ -78,16 +96,18 @@ class HealthMonitor:
         """One probe of every worker and the writes and remedies that follow."""
         if not self._is_leader():
             self._seen.clear()  # a new leader starts from what Redis says
+            self._view.mark_stale()
             return
-        records = await self._store.read_fleet()
+        await self._view.sync()
+        records = self._view.workers()
         passive = await self._store.read_passive_failures([r.id for r in records])
-        probes = await asyncio.gather(*(self._prober.probe(r) for r in records))
+        step = max(self._spread_s / len(records), 1 / PROBES_PER_S) if records else 0.0
+        probes = await asyncio.gather(*(self._probe(record, i * step) for i, record in enumerate(records)))
         self.stats.rounds += 1
         now = self._clock()
         wall = self._wall_clock()
-        present = set()
+        verdicts = []
         for record, probe in zip(records, probes, strict=True):
-            present.add(record.id)
             self.stats.probes += 1
             self.stats.probe_failures += 0 if probe.ok else 1
             registration = (record.address, record.registered_at)
@@ -101,17 +121,34 @@ class HealthMonitor:
             fresh = record.metrics_at > 0 and wall - record.metrics_at <= self._stale_after_s
             verdict = judge(seen.memory, record, probe, new_failures, self._settings, now, fresh)
             seen.memory = verdict.memory
-            await self._apply(record, verdict)
-        for gone in set(self._seen) - present:
+            verdicts.append((record, verdict))
+        for gone in set(self._seen) - {r.id for r in records}:
             del self._seen[gone]
+        await self._write_states(verdicts)
+        for record, verdict in verdicts:
+            await self._remedy(record, verdict)
 
-    async def _apply(self, record: WorkerRecord, verdict: Verdict) -> None:
-        if verdict.state != record.state:
-            if await self._store.set_state(record.id, verdict.state):
-                key = f"{record.state.value}->{verdict.state.value}"
-                self.stats.transitions[key] = self.stats.transitions.get(key, 0) + 1
-                log.info("worker %s: %s -> %s (%s)", record.id, record.state.value, verdict.state.value,
-                         verdict.reason or "probe ok")
+    async def _probe(self, record: WorkerRecord, delay_s: float) -> ProbeResult:
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        async with self._slots:
+            return await self._prober.probe(record)
+
+    async def _write_states(self, verdicts: list[tuple[WorkerRecord, Verdict]]) -> None:
+        """The round's state changes in one batch (one announcement for all of them)."""
+        changes = {record.id: (record, verdict) for record, verdict in verdicts if verdict.state != record.state}
+        if not changes:
+            return
+        written = await self._store.set_states({worker_id: v.state for worker_id, (_, v) in changes.items()})
+        self.stats.batches += 1
+        for worker_id in written:
+            record, verdict = changes[worker_id]
+            key = f"{record.state.value}->{verdict.state.value}"
+            self.stats.transitions[key] = self.stats.transitions.get(key, 0) + 1
+            log.info("worker %s: %s -> %s (%s)", record.id, record.state.value, verdict.state.value,
+                     verdict.reason or "probe ok")
+
+    async def _remedy(self, record: WorkerRecord, verdict: Verdict) -> None:
         if verdict.remedy is not Remedy.NONE:
             self.stats.remedies[verdict.remedy.value] = self.stats.remedies.get(verdict.remedy.value, 0) + 1
             log.warning("worker %s: %s (%s)", record.id, verdict.remedy.value, verdict.reason)

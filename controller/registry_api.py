@@ -46,6 +46,10 @@ class Registration(BaseModel):
     kv_events_replay_endpoint: str = Field("", pattern=r"^(tcp://[^\s]+:\d{1,5}|ipc://\S+)?$")
 
 
+MAX_BATCH = 1000
+"""Workers one batch heartbeat may carry (a node has a few to a few hundred)."""
+
+
 class Heartbeat(BaseModel):
     """The live facts a worker may report (a subset of ``LIVE_FIELDS``; extra fields are refused)."""
 
@@ -63,6 +67,20 @@ class Heartbeat(BaseModel):
     gpu_memory_total_mib: float | None = None
     gpu_memory_free_mib: float | None = None
     gpu_utilization: float | None = None
+
+
+class NodeHeartbeat(Heartbeat):
+    """One worker's part of a batch heartbeat: its id and the facts it reports."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class HeartbeatBatch(BaseModel):
+    """A node agent's heartbeat for all the workers of its node at once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: list[NodeHeartbeat] = Field(max_length=MAX_BATCH)
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
@@ -121,6 +139,7 @@ class RegistryApi:
         app.router.add_get("/v1/workers", self._list)
         app.router.add_post("/v1/workers", self._register)
         app.router.add_post("/v1/workers/{worker_id}/heartbeat", self._heartbeat)
+        app.router.add_post("/v1/heartbeats", self._heartbeats)
         app.router.add_delete("/v1/workers/{worker_id}", self._deregister)
         app.router.add_post("/v1/workers/{worker_id}/drain", self._drain)
         app.router.add_post("/v1/pools/{pool}/scale", self._scale)
@@ -182,12 +201,22 @@ class RegistryApi:
             body = Heartbeat.model_validate(await self._body(request) if request.can_read_body else {})
         except (ValidationError, web.HTTPBadRequest) as exc:
             return _error(400, str(exc), "invalid_heartbeat")
-        live = body.model_dump(exclude_none=True)
-        alive = await self._store.heartbeat(worker_id, self._ttl_s, announce="state" in live, **live)
+        alive = await self._store.heartbeat(worker_id, self._ttl_s, **body.model_dump(exclude_none=True))
         if not alive:
             return _error(404, f"worker {worker_id!r} is not registered (expired?); register again",
                           "not_registered")
         return _json({"ok": True})
+
+    async def _heartbeats(self, request: web.Request) -> web.Response:
+        """Heartbeats of many workers in one call (one Redis round trip); the answer names the workers that
+        are not registered (expired), which must register again."""
+        try:
+            body = HeartbeatBatch.model_validate(await self._body(request))
+        except (ValidationError, web.HTTPBadRequest) as exc:
+            return _error(400, str(exc), "invalid_heartbeat")
+        beats = {beat.id: beat.model_dump(exclude_none=True, exclude={"id"}) for beat in body.workers}
+        missing = await self._store.heartbeat_many(beats, self._ttl_s)
+        return _json({"ok": len(beats) - len(missing), "not_registered": missing})
 
     async def _deregister(self, request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]

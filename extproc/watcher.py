@@ -1,8 +1,10 @@
 """Keeps the fleet snapshot and the in-flight counters in step with Redis, through the ``FleetStore``; with
 the quota store, extproc's only Redis user.
 
-Three loops under one TaskGroup: refresh (on a change notification or every ``snapshot_refresh_s``),
-listen (the store's change feed, wakes refresh) and flush (writes in-flight deltas, batched, and the queue
+Three loops under one TaskGroup: refresh (on a change notification or every ``snapshot_refresh_s``; it
+re-reads only the workers changed since the last refresh, through a ``FleetView``, and builds a new
+snapshot only when something changed or the freshness of a worker moved), listen (the store's change feed,
+wakes refresh) and flush (writes in-flight deltas, batched, and the queue
 depth per pool for the autoscaler: this replica's count of requests it holds for each pool, rewritten when
 it changes and at least every ``QUEUED_REFRESH_S``; the store lets it expire, so the count of a replica
 that died fades within seconds). With ``share_reservations`` the flush also publishes this replica's KV
@@ -19,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from extproc.inflight import InflightTracker
@@ -26,10 +29,15 @@ from extproc.metrics import Metrics
 from extproc.peers import PeerExchange
 from extproc.snapshot import FleetSnapshot, build_snapshot, empty_snapshot
 from poolgate.kernel.config import ExtprocSettings, PoolSpec
+from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.fleet_view import FleetView
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog, ReturnGrace
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger(__name__)
+
+RESYNC_S = 30.0
+"""The snapshot's view reads the whole fleet at least this often, whatever the change log says."""
 
 QUEUED_REFRESH_S = 1.0
 """A replica's queue count is rewritten at least this often while non-zero (and at once when it changes);
@@ -87,6 +95,10 @@ class FleetWatcher:
                                 "redis reachable again; fleet snapshot is live", up_level=logging.WARNING,
                                 on_change=lambda up: metrics.redis_up.set(1 if up else 0))
         self._after_outage = ReturnGrace(settings.stale_after_s)
+        self._view = FleetView(store, live=True, resync_s=RESYNC_S)
+        self._alive: dict[str, WorkerRecord] = {}
+        """The view's records with ``updated_at`` moved on to the last time the registry vouched for them."""
+        self._built_at = float("-inf")
         self.snapshot: FleetSnapshot = empty_snapshot(self._pools, settings.stale_after_s)
         """The current snapshot; replaced whole, never mutated, so a pick always sees one consistent view."""
         self.refreshed = asyncio.Event()
@@ -100,10 +112,11 @@ class FleetWatcher:
             group.create_task(self._flush_loop())
 
     async def refresh(self) -> bool:
-        """Read the fleet and the in-flight totals once; False (snapshot kept) when Redis fails."""
+        """Take the fleet's changes and the in-flight totals once; False (snapshot kept) when Redis fails."""
         try:
-            records = await self._store.read_fleet()
+            delta = await self._view.sync()
             taken_at = self._clock()
+            records = self._vouched(taken_at, delta.full, delta.changed)
             async with self._io_lock:
                 totals = await self._store.read_inflight([r.id for r in records])
                 self._inflight.apply_remote(totals)
@@ -124,6 +137,27 @@ class FleetWatcher:
         if self._on_refresh is not None:
             self._on_refresh()
         return True
+
+    def _vouched(self, now: float, full: bool, changed: frozenset[str]) -> list[WorkerRecord]:
+        """The view's workers, each ``updated_at`` at least as recent as half the staleness bound ago.
+
+        A worker in the view is alive: its record would have expired (and the view's sync, which first writes
+        expiries, would have dropped it) had its heartbeats stopped for a TTL. Heartbeats are not re-read one
+        by one, so the time they prove is carried here; a record is copied at most once per half bound."""
+        records = self._view.records
+        if full:
+            self._alive = {}
+        for worker_id in changed:
+            self._alive.pop(worker_id, None)
+        for worker_id in set(self._alive) - set(records):
+            del self._alive[worker_id]
+        oldest = now - self._settings.stale_after_s / 2
+        for worker_id, record in records.items():
+            alive = self._alive.get(worker_id, record)
+            if alive.updated_at < oldest:
+                alive = replace(alive, updated_at=now)
+            self._alive[worker_id] = alive
+        return [self._alive[worker_id] for worker_id in sorted(self._alive)]
 
     def publish_queue(self, held: Callable[[], Mapping[Hashable, int]]) -> None:
         """Publish the queue depth that ``held`` reports (domain → requests held) with each flush."""

@@ -173,6 +173,29 @@ def build_endpoints(
     unknown pools, bad ports, and hosts that are not IP literals (EDS rejects names, and the pin compares
     ``ip:port``) are left out with a warning: Envoy would reject the whole update (NACK) for one of them.
     """
+    usable = usable_workers(pools, workers)
+    assignments = [pool_assignment(pool.name, (w for w in usable if w.pool == pool.name)) for pool in pools]
+    assignments.append(fallback_assignment(usable))
+    return assignments
+
+
+def pool_assignment(pool: str, workers: Iterable[WorkerRecord]) -> endpoint_pb2.ClusterLoadAssignment:
+    """One pool's load assignment, from its usable workers in (pool, id) order."""
+    return _assignment(cluster_name(pool), workers)
+
+
+def fallback_assignment(usable: Sequence[WorkerRecord]) -> endpoint_pb2.ClusterLoadAssignment:
+    """The fail-open route's assignment: every usable worker of every pool."""
+    return _assignment(FALLBACK_CLUSTER, usable)
+
+
+def endpoint_key(worker: WorkerRecord) -> tuple[str, str, int, str]:
+    """What of a worker Envoy sees: a change here (and only here) changes its pool's load assignment."""
+    return worker.id, worker.host, worker.port, worker.state.value
+
+
+def usable_workers(pools: Sequence[PoolSpec], workers: Sequence[WorkerRecord]) -> list[WorkerRecord]:
+    """The workers Envoy may take, sorted by (pool, id); the others are logged and left out."""
     known = {pool.name for pool in pools}
     usable: list[WorkerRecord] = []
     for worker in sorted(workers, key=lambda w: (w.pool, w.id)):
@@ -184,8 +207,4 @@ def build_endpoints(
             log.warning("worker %s host %r is not an IP address; not sent to Envoy", worker.id, worker.host)
         else:
             usable.append(worker)
-    assignments = [
-        _assignment(cluster_name(pool.name), (w for w in usable if w.pool == pool.name)) for pool in pools
-    ]
-    assignments.append(_assignment(FALLBACK_CLUSTER, usable))
-    return assignments
+    return usable

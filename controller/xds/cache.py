@@ -1,7 +1,10 @@
 """Versioned snapshots of xDS resources, one per type URL. Holds data only; it never talks to Envoy.
 
 A version is a hash of the content, so rebuilding an unchanged fleet yields the same version and nothing is
-pushed. Versions are compared for equality only; they carry no order.
+pushed. Each resource has its own version too, so a stream can send an Envoy only the load assignments
+that changed (EDS answers need not repeat the others), and a snapshot with a few resources replaced
+(``replaced``) costs the size of those, not of the fleet. Versions are compared for equality only; they
+carry no order.
 """
 
 from __future__ import annotations
@@ -25,13 +28,20 @@ def resource_name(resource: Message) -> str:
     raise ValueError(f"{type(resource).__name__} has no resource name")
 
 
-def content_version(resources: Mapping[str, Message]) -> str:
+def resource_version(resource: Message) -> str:
+    return hashlib.sha256(resource.SerializeToString(deterministic=True)).hexdigest()[:VERSION_CHARS]
+
+
+def combined_version(versions: Mapping[str, str]) -> str:
+    """One version for a set of resources, from theirs (cheap: no resource is serialized again)."""
     digest = hashlib.sha256()
-    for name in sorted(resources):
-        payload = resources[name].SerializeToString(deterministic=True)
-        digest.update(f"{name}\0{len(payload)}\0".encode())
-        digest.update(payload)
+    for name in sorted(versions):
+        digest.update(f"{name}\0{versions[name]}\0".encode())
     return digest.hexdigest()[:VERSION_CHARS]
+
+
+def content_version(resources: Mapping[str, Message]) -> str:
+    return combined_version({name: resource_version(resource) for name, resource in resources.items()})
 
 
 @dataclass(frozen=True)
@@ -41,18 +51,34 @@ class Snapshot:
     type_url: str
     version: str
     resources: Mapping[str, Message] = field(default_factory=dict)
+    versions: Mapping[str, str] = field(default_factory=dict)
+    """Resource name → its own content version."""
 
     @classmethod
     def of(cls, type_url: str, resources: Sequence[Message]) -> Snapshot:
         by_name = {resource_name(r): r for r in resources}
         if len(by_name) != len(resources):
             raise ValueError(f"{type_url}: two resources share a name")
-        return cls(type_url, content_version(by_name), MappingProxyType(by_name))
+        versions = {name: resource_version(r) for name, r in by_name.items()}
+        return cls(type_url, combined_version(versions), MappingProxyType(by_name), MappingProxyType(versions))
+
+    def replaced(self, resources: Sequence[Message]) -> Snapshot:
+        """This snapshot with ``resources`` added or replaced (by name); only those are serialized."""
+        by_name = dict(self.resources)
+        versions = dict(self.versions)
+        for resource in resources:
+            name = resource_name(resource)
+            by_name[name] = resource
+            versions[name] = resource_version(resource)
+        return Snapshot(self.type_url, combined_version(versions), MappingProxyType(by_name),
+                        MappingProxyType(versions))
 
     def select(self, names: frozenset[str] | None) -> list[Message]:
         """The resources a subscriber asked for, sorted by name; ``None`` means all (wildcard)."""
-        wanted = sorted(self.resources) if names is None else sorted(n for n in names if n in self.resources)
-        return [self.resources[n] for n in wanted]
+        return [self.resources[n] for n in self.selected_names(names)]
+
+    def selected_names(self, names: frozenset[str] | None) -> list[str]:
+        return sorted(self.resources) if names is None else sorted(n for n in names if n in self.resources)
 
 
 class SnapshotCache:

@@ -1,8 +1,12 @@
 """The ADS server: speaks state-of-the-world xDS (CDS + EDS) to any number of Envoys.
 
 ``update`` builds resources from the fleet (``build``), stores them as versioned snapshots (``cache``), and
-wakes every connected stream; each stream (``AdsStream``) decides what its Envoy still needs. Envoy keeps
-its last resources while the controller is away, so this server is never in a request's path.
+wakes every connected stream; each stream (``AdsStream``) decides what its Envoy still needs. Only the
+pools whose endpoints changed (``endpoint_key``) are built again, and a stream sends its Envoy only the
+load assignments whose version differs from the one it sent (an EDS answer need not repeat the others; a
+CDS answer always holds every cluster). ``update_off_loop`` does the build in a worker thread, so a large
+rebuild does not stall the registry API on the same event loop. Envoy keeps its last resources while the
+controller is away, so this server is never in a request's path.
 """
 
 from __future__ import annotations
@@ -10,14 +14,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import TypeAlias
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2
 
-from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, build_clusters, build_endpoints
+from controller.xds.build import (
+    CLUSTER_TYPE_URL,
+    ENDPOINT_TYPE_URL,
+    build_clusters,
+    endpoint_key,
+    fallback_assignment,
+    pool_assignment,
+    usable_workers,
+)
 from controller.xds.cache import Snapshot, SnapshotCache
 from poolgate.kernel.config import PoolSpec
 from poolgate.kernel.fleet import WorkerRecord
@@ -42,6 +54,8 @@ class Subscription:
     names: frozenset[str] | None
     """``None`` = wildcard (every resource)."""
     sent_version: str = ""
+    sent_resources: dict[str, str] = field(default_factory=dict)
+    """EDS: resource name → the version last sent on this stream."""
     sent_nonce: str = ""
     acked_version: str = ""
     last_error: str = ""
@@ -76,6 +90,7 @@ class AdsStream:
             return []  # answers an older response; the newer one is already on its way
         if request.HasField("error_detail"):
             subscription.last_error = request.error_detail.message
+            subscription.sent_resources.clear()  # not taken: the next version offers every resource again
             log.error("xds: node %s rejected %s version %s (keeps %r): %s", self.node_id, _short(type_url),
                       subscription.sent_version, request.version_info, request.error_detail.message)
         elif request.response_nonce:
@@ -93,7 +108,7 @@ class AdsStream:
             subscription = self.subscriptions.get(type_url)
             snapshot = self._cache.get(type_url)
             if type_url in type_urls and subscription and snapshot and snapshot.version != subscription.sent_version:
-                responses.extend(self._respond(type_url))
+                responses.extend(self._respond(type_url, changed_only=type_url == ENDPOINT_TYPE_URL))
         return responses
 
     @staticmethod
@@ -103,18 +118,27 @@ class AdsStream:
             return None
         return frozenset(requested)
 
-    def _respond(self, type_url: str) -> list[discovery_pb2.DiscoveryResponse]:
+    def _respond(self, type_url: str, changed_only: bool = False) -> list[discovery_pb2.DiscoveryResponse]:
+        """The subscribed resources at the cache's version; ``changed_only`` (EDS pushes) leaves out those
+        this stream already sent at their current version, and sends nothing when none is left."""
         snapshot = self._cache.get(type_url)
         if snapshot is None:
             return []
         subscription = self.subscriptions[type_url]
+        names = snapshot.selected_names(subscription.names)
+        if changed_only:
+            names = [n for n in names if subscription.sent_resources.get(n) != snapshot.versions.get(n)]
+            if not names:
+                subscription.sent_version = snapshot.version
+                return []
         self._nonce += 1
         subscription.sent_version = snapshot.version
         subscription.sent_nonce = str(self._nonce)
+        subscription.sent_resources.update((n, snapshot.versions.get(n, "")) for n in names)
         response = discovery_pb2.DiscoveryResponse(
             version_info=snapshot.version, type_url=type_url, nonce=subscription.sent_nonce
         )
-        for resource in snapshot.select(subscription.names):
+        for resource in (snapshot.resources[n] for n in names):
             packed = any_pb2.Any()
             packed.Pack(resource)
             response.resources.append(packed)
@@ -185,6 +209,12 @@ class XdsServer:
         self._cache = SnapshotCache()
         self._streams: dict[AdsStream, asyncio.Queue[_Event]] = {}
         self._server: grpc.aio.Server | None = None
+        self._keys: dict[str, tuple[tuple[str, str, int, str], ...]] | None = None
+        """Per pool, what Envoy saw of its workers at the last build."""
+        self.pools_built = 0
+        """Pool load assignments built so far (a one-worker change builds one)."""
+        self._clusters = Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools))
+        """The pools' clusters: fixed by the config, built once (re-offered by each update)."""
         self.update(())  # clusters with no endpoints yet, so a connecting Envoy is never left waiting
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -205,14 +235,39 @@ class XdsServer:
         return bound
 
     def update(self, workers: Sequence[WorkerRecord]) -> str:
-        """Rebuild resources from the fleet, cache them, push changes; returns the snapshot version.
+        """Rebuild the pools whose endpoints changed, cache them, push changes; returns the snapshot version.
 
         Call it from the event loop the server runs on (it wakes streams without awaiting).
         """
-        return self._publish([
-            Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools)),
-            Snapshot.of(ENDPOINT_TYPE_URL, build_endpoints(self._pools, workers)),
-        ])
+        endpoints, keys = self._build(workers)
+        return self._apply(endpoints, keys)
+
+    async def update_off_loop(self, workers: Sequence[WorkerRecord]) -> str:
+        """``update`` with the build in a worker thread (only one update may run at a time)."""
+        endpoints, keys = await asyncio.to_thread(self._build, workers)
+        return self._apply(endpoints, keys)
+
+    def _build(self, workers: Sequence[WorkerRecord]) -> tuple[Snapshot | None, dict[str, tuple[Any, ...]]]:
+        """The endpoint snapshot with the changed pools rebuilt (None: nothing changed), and the new keys."""
+        usable = usable_workers(self._pools, workers)
+        by_pool: dict[str, list[WorkerRecord]] = {pool.name: [] for pool in self._pools}
+        for worker in usable:
+            by_pool[worker.pool].append(worker)
+        keys = {pool: tuple(endpoint_key(w) for w in members) for pool, members in by_pool.items()}
+        previous = self._cache.get(ENDPOINT_TYPE_URL)
+        changed = [pool for pool in by_pool if self._keys is None or keys[pool] != self._keys.get(pool)]
+        if previous is not None and not changed:
+            return None, keys
+        rebuilt = [pool_assignment(pool, by_pool[pool]) for pool in changed]
+        rebuilt.append(fallback_assignment(usable))
+        self.pools_built += len(changed)
+        if previous is None:
+            return Snapshot.of(ENDPOINT_TYPE_URL, rebuilt), keys
+        return previous.replaced(rebuilt), keys
+
+    def _apply(self, endpoints: Snapshot | None, keys: dict[str, tuple[Any, ...]]) -> str:
+        self._keys = keys
+        return self._publish([self._clusters, *([endpoints] if endpoints is not None else [])])
 
     def _publish(self, snapshots: Sequence[Snapshot]) -> str:
         changed = self._cache.set(snapshots)

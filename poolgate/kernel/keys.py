@@ -6,8 +6,15 @@ Fleet keys (every one single-key or within one hash slot, so Redis Cluster works
   stop.
 - ``{prefix}:workers``      set of worker ids (an index; readers prune ids whose hash has expired).
 - ``{prefix}:inflight:{id}`` cross-replica count of requests extproc has in flight on a worker.
-- ``{prefix}:events``       pub/sub channel; each message (``register ID``, ``update ID``, ``deregister ID``)
-  means "the fleet changed, refresh now".
+- ``{prefix}:events``       pub/sub channel; each message (``register ID V``, ``update ID V``, ``deregister ID
+  V``, ``expire ID V``; V is the fleet version of the change) means "the fleet changed, refresh now".
+- ``{prefix}:fleet:version`` the fleet version: bumped by every change readers must see.
+- ``{prefix}:fleet:changed`` sorted set, worker id → version of its last membership, identity or state change.
+- ``{prefix}:fleet:live``   sorted set, worker id → version of its last live-facts change (KV, queue, GPUs).
+- ``{prefix}:fleet:deadlines`` sorted set, worker id → when its record expires (Redis clock, ms): the first
+  reader to look after that writes the expiry as a change.
+- ``{prefix}:fleet:floor``  the version below which the change logs were trimmed (older readers read all).
+- ``{prefix}:fleet:epoch``  set with the first version: a new epoch means Redis lost its data.
 - ``{prefix}:passive:{id}`` count of data-path failures (5xx, timeouts, resets before headers) seen on a
   worker; the controller's health monitor reads its growth per probe interval. It expires a minute after
   the last failure.
@@ -70,6 +77,8 @@ class RedisKeys:
         self.events = f"{prefix}:events"
         self.leader = f"{prefix}:leader"
         self.controller = f"{prefix}:controller"
+        self.fleet_version = f"{prefix}:fleet:version"
+        self.fleet_epoch = f"{prefix}:fleet:epoch"
         self.quota = QuotaKeys(prefix)
 
     def worker(self, worker_id: str) -> str:

@@ -7,11 +7,10 @@ Registration and deregistration announce themselves on the events channel, heart
 when asked (a change that moves picks), so a busy fleet does not flood it; expiries announce nothing, so
 readers also re-read on a period.
 
-Room to grow (large fleets): today every reader re-reads the whole fleet on any change. The seams for
-incremental reads are here: a change message already names its worker (``FleetChange``), the schema
-already tells live facts from identity (``LIVE_FIELDS``), and no caller knows how a record is laid out in
-Redis. A version per change, live facts in a hash of their own and a ``read_workers(ids)`` would let a
-reader keep its own map and re-read only the workers named since its last read.
+Large fleets: every change a reader must see bumps the fleet version and names its worker in a change log
+(``poolgate.kernel.store_scripts``), so readers keep their own map (``poolgate.kernel.fleet_view``) and
+re-read only the workers named since their last read (``poll`` and ``read_workers``); identity and state
+changes are logged apart from live facts, and a heartbeat that only says "alive" logs nothing.
 """
 
 from __future__ import annotations
@@ -23,9 +22,10 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, TypeAlias
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.client import PubSub
 
+from poolgate.kernel import store_scripts
 from poolgate.kernel.fleet import WorkerRecord, WorkerState, encode_fields
 from poolgate.kernel.keys import RedisKeys
 from poolgate.kernel.outage import REDIS_ERRORS
@@ -33,17 +33,22 @@ from poolgate.kernel.outage import REDIS_ERRORS
 RedisLike: TypeAlias = Redis
 """The async client every poolgate process uses (works with redis://, rediss://, unix:// URLs)."""
 
+POOL_CONNECTIONS = 256
+"""Redis connections one process opens at most; a caller past them waits for one (``POOL_WAIT_S``)."""
+POOL_WAIT_S = 10.0
+"""How long a caller waits for a free connection before the call fails (as an outage does)."""
+
+
+def connect(url: str, max_connections: int = POOL_CONNECTIONS, wait_s: float = POOL_WAIT_S) -> RedisLike:
+    """A client over a blocking pool: a burst of callers (192 registrations at once) queues for the pool's
+    connections instead of failing at once with "too many connections"."""
+    return Redis.from_pool(BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s))
+
+
 PASSIVE_TTL_S = 60.0
 """A worker's data-path failure count expires this long after its last failure."""
 QUEUED_TTL_S = 5.0
 """Expiry of a pool's ``queued`` hash, renewed on each write: a dead extproc replica's count fades after this."""
-
-# HSET only while the worker is registered: never creates a record, never extends its life.
-_UPDATE_IF_REGISTERED = """
-if redis.call('exists', KEYS[1]) == 0 then return 0 end
-redis.call('hset', KEYS[1], unpack(ARGV))
-return 1
-"""
 
 _TAKE_LEASE = """
 local holder = redis.call('get', KEYS[1])
@@ -72,17 +77,35 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _pairs(values: Mapping[str, Any]) -> list[str]:
+    return [part for pair in encode_fields(values).items() for part in pair]
+
+
 @dataclass(frozen=True, slots=True)
 class FleetChange:
-    """One change notification: ``kind`` is ``register``, ``update`` or ``deregister``."""
+    """One change notification: ``kind`` is ``register``, ``update``, ``deregister`` or ``expire``;
+    ``version`` is the fleet version the change wrote (0 from a writer that did not say)."""
 
     kind: str
     worker_id: str
+    version: int = 0
 
     @classmethod
     def parse(cls, data: bytes | str) -> FleetChange:
-        kind, _, worker_id = _text(data).partition(" ")
-        return cls(kind, worker_id)
+        kind, _, rest = _text(data).partition(" ")
+        worker_id, _, version = rest.partition(" ")
+        return cls(kind, worker_id, int(version) if version.isdigit() else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ChangePoll:
+    """What changed since a reader's version. ``changed`` and ``live`` are None when the reader must read
+    the whole fleet again: its version is older than the trimmed log, or newer than Redis's (data lost)."""
+
+    epoch: str
+    version: int
+    changed: frozenset[str] | None
+    live: frozenset[str] | None
 
 
 class ChangeFeed:
@@ -118,6 +141,10 @@ class FleetStore:
     def __init__(self, redis: RedisLike, prefix: str = "poolgate") -> None:
         self._redis = redis
         self.keys = RedisKeys(prefix)
+        self._register = redis.register_script(store_scripts.REGISTER)
+        self._write_facts = redis.register_script(store_scripts.WRITE_FACTS)
+        self._deregister = redis.register_script(store_scripts.DEREGISTER)
+        self._poll = redis.register_script(store_scripts.POLL)
 
     def changes(self) -> ChangeFeed:
         """A subscription to change notifications: ``async with store.changes() as feed``."""
@@ -130,42 +157,34 @@ class FleetStore:
         ``updated_at`` is stamped now, so a record built earlier (and re-sent after an expiry) is not stale."""
         now = time.time()
         record = replace(record, updated_at=now, registered_at=record.registered_at or now)
-        name = self.keys.worker(record.id)
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.delete(name)
-        pipe.hset(name, mapping=dict[Any, Any](record.to_redis()))
-        pipe.pexpire(name, _ttl_ms(ttl_s))
-        pipe.sadd(self.keys.workers, record.id)
-        pipe.publish(self.keys.events, f"register {record.id}")
-        await pipe.execute()
+        await self._register(client=self._redis, args=[self.keys.prefix, record.id, _ttl_ms(ttl_s),
+                                   *(p for pair in record.to_redis().items() for p in pair)])
 
     async def heartbeat(self, worker_id: str, ttl_s: float, announce: bool = False, **facts: Any) -> bool:
-        """Refresh a worker's TTL and the given facts; False means it is not registered (expired): register
-        again."""
-        name = self.keys.worker(worker_id)
+        """Refresh a worker's TTL and the given facts in one round trip; False means it is not registered
+        (expired): register again. A changed ``state`` is announced; other facts only with ``announce``."""
         facts.setdefault("updated_at", time.time())
+        return bool(await self._write_facts(client=self._redis,
+                                             args=self._facts_args(worker_id, _ttl_ms(ttl_s), announce, facts)))
+
+    async def heartbeat_many(self, beats: Mapping[str, Mapping[str, Any]], ttl_s: float) -> list[str]:
+        """Heartbeats of many workers (a node agent's) in one pipeline; returns the ids not registered."""
+        if not beats:
+            return []
+        now = time.time()
         pipe = self._redis.pipeline(transaction=False)
-        pipe.exists(name)
-        pipe.pexpire(name, _ttl_ms(ttl_s))
-        exists, _ = await pipe.execute()
-        if not exists:
-            return False
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(name, mapping=dict[Any, Any](encode_fields(facts)))
-        pipe.pexpire(name, _ttl_ms(ttl_s))
-        if announce:
-            pipe.publish(self.keys.events, f"update {worker_id}")
-        await pipe.execute()
-        return True
+        for worker_id, facts in beats.items():
+            await self._write_facts(args=self._facts_args(worker_id, _ttl_ms(ttl_s), False,
+                                                         {"updated_at": now, **facts}), client=pipe)
+        alive = await pipe.execute()
+        return [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
+
+    def _facts_args(self, worker_id: str, ttl_ms: int, announce: bool | str, facts: Mapping[str, Any]) -> list[Any]:
+        flag = announce if isinstance(announce, str) else int(announce)
+        return [self.keys.prefix, worker_id, ttl_ms, flag, *_pairs(facts)]
 
     async def deregister(self, worker_id: str) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.delete(self.keys.worker(worker_id))
-        pipe.delete(self.keys.inflight(worker_id))
-        pipe.delete(self.keys.passive(worker_id))
-        pipe.srem(self.keys.workers, worker_id)
-        pipe.publish(self.keys.events, f"deregister {worker_id}")
-        await pipe.execute()
+        await self._deregister(client=self._redis, args=[self.keys.prefix, worker_id])
 
     # Observed facts and states: the agent's and the health monitor's.
 
@@ -173,15 +192,24 @@ class FleetStore:
         """Write observed facts (the agent's) without touching the TTL: liveness stays the registrant's job,
         so a worker whose heartbeats stop still leaves even while its /metrics answers. False = not
         registered."""
-        args = [part for pair in encode_fields(live).items() for part in pair]
-        written = await self._redis.eval(_UPDATE_IF_REGISTERED, 1, self.keys.worker(worker_id), *args)
-        if written and announce:
-            await self._redis.publish(self.keys.events, f"update {worker_id}")
-        return bool(written)
+        return bool(await self._write_facts(client=self._redis, args=self._facts_args(worker_id, 0, announce, live)))
 
     async def set_state(self, worker_id: str, state: WorkerState) -> bool:
         """Change a registered worker's state and announce it; False when it is not registered."""
         return await self.update_live(worker_id, announce=True, state=state.value)
+
+    async def set_states(self, states: Mapping[str, WorkerState]) -> list[str]:
+        """Many state changes in one pipeline with one announcement (the health monitor's round); returns
+        the ids written. Each change is logged, so readers take the whole batch in one read."""
+        if not states:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for worker_id, state in states.items():
+            await self._write_facts(args=self._facts_args(worker_id, 0, "q", {"state": state.value}),
+                                    client=pipe)
+        pipe.publish(self.keys.events, f"batch {len(states)}")
+        *written, _ = await pipe.execute()
+        return [worker_id for worker_id, ok in zip(states, written, strict=True) if ok]
 
     # Reads.
 
@@ -209,6 +237,27 @@ class FleetStore:
         pipe = self._redis.pipeline(transaction=False)
         apply = queue(pipe)
         apply(await pipe.execute())
+
+    async def poll(self, since: int, live: bool = True, limit: int = 5000) -> ChangePoll:
+        """Ids changed since version ``since`` (expiring workers whose TTL ran out first); see ``ChangePoll``.
+        More than ``limit`` changes in one log also means: read everything."""
+        epoch, version, _, changed, changed_live = await self._poll(
+            client=self._redis, args=[self.keys.prefix, since, int(live), limit])
+
+        def ids(values: list[bytes] | None) -> frozenset[str] | None:
+            return None if values is None or len(values) >= limit else frozenset(_text(v) for v in values)
+
+        return ChangePoll(_text(epoch), int(version), ids(changed), ids(changed_live) if live else frozenset())
+
+    async def read_workers(self, worker_ids: Sequence[str]) -> dict[str, WorkerRecord | None]:
+        """The records of these workers (None for one that is not registered), in one pipeline."""
+        if not worker_ids:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for worker_id in worker_ids:
+            pipe.hgetall(self.keys.worker(worker_id))
+        raw = await pipe.execute()
+        return {w: WorkerRecord.from_redis(data) if data else None for w, data in zip(worker_ids, raw, strict=True)}
 
     async def read_inflight(self, worker_ids: Sequence[str]) -> dict[str, int]:
         """Requests extproc replicas have in flight per worker (0 when none)."""

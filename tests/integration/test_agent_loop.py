@@ -13,7 +13,7 @@ from agent.gpus import GpuSample
 from poolgate.kernel.config import Config, parse_config
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.keys import RedisKeys
-from poolgate.kernel.store import FleetStore
+from poolgate.kernel.store import FleetChange, FleetStore
 from poolgate.procs import free_port
 from tests.manual_clock import ManualClock
 
@@ -147,9 +147,10 @@ async def test_announces_only_notable_changes(redis_client: aioredis.Redis) -> N
         await agent.tick()
     messages = []
     while (message := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)) is not None:
-        messages.append(message["data"])
+        change = FleetChange.parse(message["data"])
+        messages.append((change.kind, change.worker_id))
     await pubsub.aclose()
-    assert messages == [b"update w"] * sum(expected for _, expected in steps)
+    assert messages == [("update", "w")] * sum(expected for _, expected in steps)
     assert (agent.stats.writes, agent.stats.announcements) == (5, 3)
 
 

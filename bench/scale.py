@@ -1,0 +1,487 @@
+"""``poolgate bench scale --workers N [N…] --pools P [P…]``: the fleet path at N workers in P pools.
+
+A real stack, as ``poolgate up`` runs it: redis-server, the controller (registry API, health monitor, xDS),
+extproc and two Envoys on ADS. Fake workers are addresses on loopback (``127.1.x.y``) answered by two small
+HTTP servers (``/health``, ``/v1/models``, ``/metrics``), one for the workers that will fail and one for the
+rest; they register and heartbeat through the registry API at the configured interval, as external
+workers do (``--node-batch K``: a node agent heartbeats K workers in one call). Per size it reports:
+
+- registration rate through the API (``--concurrency`` clients at once);
+- heartbeat success (2xx share; a 404 means the worker expired and it registers again, as a worker would);
+- time from the last registration until every Envoy lists all N endpoints healthy;
+- one-change latency: a worker reports Draining (then Ready) and every Envoy's healthy count follows;
+  p50/p99 over ``--changes`` changes;
+- mass-failure ejection: ``--fail`` workers stop answering at once (their server is stopped, their
+  heartbeats go on, as with a hung engine); time until no Envoy lists them healthy;
+- CPU (share of one core) and RSS per process, Redis commands/s, extproc's snapshot age (p50/p99) over a
+  steady phase of ``--steady-s`` seconds.
+
+The documented full run is ``--workers 1000 5000 10000 --pools 1 200``. Results print as a table and go
+to ``bench/reports/scale.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from bench.harness import ProcessGroup, cpu_seconds
+from bench.report import Column, Panel, save_rows
+from poolgate.envoy_bootstrap import render_bootstrap
+from poolgate.kernel.config import parse_config
+from poolgate.kernel.routing import cluster_name
+from poolgate.procs import envoy_binary, free_port, wait_port
+
+TOKEN = "bench-scale-token"
+MODEL = "scale-model"
+ENVOYS = ("a", "b")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Worker:
+    id: str
+    pool: str
+    host: str
+    port: int
+
+
+@dataclass
+class Counters:
+    ok: int = 0
+    expired: int = 0
+    failed: int = 0
+    reregistered: int = 0
+    registration_errors: int = 0
+    latencies: list[float] = field(default_factory=list)
+    """Seconds per heartbeat call (the steady phase's quantiles are reported)."""
+
+    @property
+    def success(self) -> float:
+        total = self.ok + self.expired + self.failed
+        return self.ok / total if total else float("nan")
+
+
+@dataclass
+class Stack:
+    group: ProcessGroup
+    api: str
+    admin_ports: dict[str, int]
+    extproc_metrics: str
+    redis_port: int
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+def fleet(n: int, pools: int, fail: int, alive_port: int, doomed_port: int) -> list[Worker]:
+    """N workers round-robin over the pools; the first ``fail`` answer on the port that will be stopped."""
+    return [Worker(f"w{i:05d}", f"p{i % pools}", f"127.1.{i // 250}.{i % 250 + 1}",
+                   doomed_port if i < fail else alive_port) for i in range(n)]
+
+
+def write_config(run_dir: Path, pools: int) -> Path:
+    config = {"pools": [{"name": f"p{i}", "model": MODEL} for i in range(pools)],
+              "controller": {"token": TOKEN}, "health": {"check_models": True}}
+    parse_config(config)  # fails here, with the field named, rather than in a child's log
+    path = run_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def start_stack(run_dir: Path, config_path: Path, group: ProcessGroup) -> Stack:
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        raise SystemExit("redis-server is needed: apt-get install redis-server")
+    ports = {name: free_port() for name in ("redis", "xds", "api", "extproc", "extproc_metrics",
+                                            *(f"envoy_{e}" for e in ENVOYS), *(f"admin_{e}" for e in ENVOYS))}
+    redis_url = f"redis://127.0.0.1:{ports['redis']}/0"
+    python = [sys.executable, "-m", "poolgate.cli"]
+    pids = {"redis": group.start("redis", [redis_server, "--port", str(ports["redis"]), "--save", "",
+                                           "--appendonly", "no"]).pid}
+    await wait_port("127.0.0.1", ports["redis"], 10)
+    pids["controller"] = group.start("controller", [
+        *python, "controller", "--config", str(config_path), "--redis-url", redis_url, "--xds-port",
+        str(ports["xds"]), "--http-port", str(ports["api"]), "--no-workers"]).pid
+    pids["extproc"] = group.start("extproc", [
+        *python, "extproc", "--config", str(config_path), "--redis-url", redis_url, "--port",
+        str(ports["extproc"]), "--metrics-port", str(ports["extproc_metrics"])]).pid
+    for name in ("api", "xds", "extproc", "extproc_metrics"):
+        if not await wait_port("127.0.0.1", ports[name], 60):
+            raise RuntimeError(f"{name} did not start; logs in {run_dir}")
+    config = parse_config(yaml.safe_load(await asyncio.to_thread(config_path.read_text)))
+    for envoy in ENVOYS:
+        bootstrap = render_bootstrap(config, node_id=f"scale-{envoy}", listen_port=ports[f"envoy_{envoy}"],
+                                     admin_port=ports[f"admin_{envoy}"], extproc_port=ports["extproc"],
+                                     xds_port=ports["xds"])
+        path = run_dir / f"envoy-{envoy}.yaml"
+        path.write_text(yaml.safe_dump(bootstrap))
+        pids[f"envoy_{envoy}"] = group.start(f"envoy-{envoy}", [
+            str(envoy_binary()), "-c", str(path), "-l", "error", "--use-dynamic-base-id",
+            "--disable-hot-restart", "--concurrency", "1"]).pid
+    for envoy in ENVOYS:
+        if not await wait_port("127.0.0.1", ports[f"admin_{envoy}"], 60):
+            raise RuntimeError(f"envoy {envoy} did not start; logs in {run_dir}")
+    return Stack(group, f"http://127.0.0.1:{ports['api']}", {e: ports[f"admin_{e}"] for e in ENVOYS},
+                 f"http://127.0.0.1:{ports['extproc_metrics']}/metrics", ports["redis"], pids)
+
+
+_MEMBERSHIP = re.compile(r"^cluster\.(.+)\.membership_healthy: (\d+)$", re.M)
+
+
+async def healthy_counts(http: aiohttp.ClientSession, stack: Stack, pools: int) -> dict[str, int]:
+    """Healthy endpoints over the pool clusters (not the fallback), per Envoy."""
+    wanted = {cluster_name(f"p{i}") for i in range(pools)}
+    counts = {}
+    for envoy, port in stack.admin_ports.items():
+        async with http.get(f"http://127.0.0.1:{port}/stats", params={"filter": "membership_healthy"}) as r:
+            text = await r.text()
+        counts[envoy] = sum(int(n) for name, n in _MEMBERSHIP.findall(text) if name in wanted)
+    return counts
+
+
+async def wait_counts(http: aiohttp.ClientSession, stack: Stack, pools: int, done: Any, timeout_s: float,
+                      poll_s: float = 0.01) -> float | None:
+    """Seconds until ``done(count)`` holds in every Envoy (each Envoy's own first time; the max), or None."""
+    started = time.monotonic()
+    reached: dict[str, float] = {}
+    while time.monotonic() - started < timeout_s:
+        for envoy, count in (await healthy_counts(http, stack, pools)).items():
+            if envoy not in reached and done(count):
+                reached[envoy] = time.monotonic() - started
+        if len(reached) == len(ENVOYS):
+            return max(reached.values())
+        await asyncio.sleep(poll_s)
+    return None
+
+
+def registration(worker: Worker) -> dict[str, Any]:
+    return {"id": worker.id, "pool": worker.pool, "host": worker.host, "port": worker.port,
+            "node": f"bench-node-{int(worker.id[1:]) // 8}"}
+
+
+class Fleet:
+    """Registers the fake workers and keeps them heartbeating through the API."""
+
+    def __init__(self, http: aiohttp.ClientSession, api: str, workers: Sequence[Worker], interval_s: float,
+                 node_batch: int) -> None:
+        self._http = http
+        self._api = api
+        self.workers = workers
+        self._interval_s = interval_s
+        self._node_batch = node_batch
+        self.counters = Counters()
+        self.state: dict[str, str] = {}
+        """State a worker reports in its next heartbeat (one-change phase)."""
+        self.registered: set[str] = set()
+        """Workers whose first registration went through: only they heartbeat (a worker beats once it
+        has registered)."""
+
+    async def register(self, worker: Worker) -> bool:
+        """One registration; a refusal or error is counted (the caller retries, as a worker would)."""
+        try:
+            async with self._http.post(f"{self._api}/v1/workers", json=registration(worker)) as r:
+                await r.read()
+                if r.status == 201:
+                    self.registered.add(worker.id)
+                    return True
+        except aiohttp.ClientError:
+            pass
+        self.counters.registration_errors += 1
+        return False
+
+    async def register_all(self, concurrency: int) -> float:
+        """Register everyone with ``concurrency`` clients; returns registrations per second."""
+        queue = list(self.workers)
+        started = time.monotonic()
+
+        async def client() -> None:
+            while queue:
+                worker = queue.pop()
+                if not await self.register(worker):
+                    queue.insert(0, worker)  # a worker retries later, as the API asks it to
+                    await asyncio.sleep(0.1)
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return len(self.workers) / (time.monotonic() - started)
+
+    async def heartbeat(self, worker: Worker) -> None:
+        if worker.id not in self.registered:
+            return
+        body = {"state": self.state[worker.id]} if worker.id in self.state else {}
+        sent = time.monotonic()
+        try:
+            async with self._http.post(f"{self._api}/v1/workers/{worker.id}/heartbeat", json=body) as r:
+                status = r.status
+                await r.read()
+            self.counters.latencies.append(time.monotonic() - sent)
+        except aiohttp.ClientError:
+            self.counters.failed += 1
+            return
+        if status == 200:
+            self.counters.ok += 1
+        elif status == 404:
+            self.counters.expired += 1
+            self.counters.reregistered += 1
+            await self.register(worker)
+        else:
+            self.counters.failed += 1
+
+    async def heartbeat_node(self, group: Sequence[Worker]) -> None:
+        group = [w for w in group if w.id in self.registered]
+        if not group:
+            return
+        beats = [{"id": w.id, **({"state": self.state[w.id]} if w.id in self.state else {})} for w in group]
+        sent = time.monotonic()
+        try:
+            async with self._http.post(f"{self._api}/v1/heartbeats", json={"workers": beats}) as r:
+                status = r.status
+                answer = await r.json() if status == 200 else {}
+            self.counters.latencies.append(time.monotonic() - sent)
+        except aiohttp.ClientError:
+            self.counters.failed += len(group)
+            return
+        if status != 200:
+            self.counters.failed += len(group)
+            return
+        missing = set(answer.get("not_registered", ()))
+        self.counters.ok += len(group) - len(missing)
+        self.counters.expired += len(missing)
+        for worker in group:
+            if worker.id in missing:
+                self.counters.reregistered += 1
+                await self.register(worker)
+
+    async def run(self) -> None:
+        """Heartbeat every worker (or node) every interval, each at its own random phase, until cancelled."""
+        if self._node_batch > 0:
+            groups = [self.workers[i:i + self._node_batch] for i in range(0, len(self.workers), self._node_batch)]
+            await asyncio.gather(*(self._every(lambda g=g: self.heartbeat_node(g)) for g in groups))
+        else:
+            await asyncio.gather(*(self._every(lambda w=w: self.heartbeat(w)) for w in self.workers))
+
+    async def _every(self, beat: Any) -> None:
+        await asyncio.sleep(random.uniform(0, self._interval_s))
+        while True:
+            started = time.monotonic()
+            await beat()
+            await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started)))
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory; NaN for a process that died."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return float("nan")
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def redis_commands(port: int) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"INFO stats\r\n")
+    await writer.drain()
+    text = b""
+    while b"total_commands_processed" not in text or not text.endswith(b"\r\n\r\n"):
+        chunk = await asyncio.wait_for(reader.read(65536), 5)
+        if not chunk:
+            break
+        text += chunk
+    writer.close()
+    return int(re.search(rb"total_commands_processed:(\d+)", text).group(1))  # type: ignore[union-attr]
+
+
+async def snapshot_age(http: aiohttp.ClientSession, url: str) -> float:
+    """extproc's snapshot age now; NaN when extproc does not answer (it died: the row says so)."""
+    try:
+        async with http.get(url) as r:
+            text = await r.text()
+    except aiohttp.ClientError:
+        return float("nan")
+    match = re.search(r"^poolgate_extproc_snapshot_age_seconds (\S+)$", text, re.M)
+    return float(match.group(1)) if match else float("nan")
+
+
+def quantile(values: Sequence[float], share: float) -> float:
+    ordered = sorted(v for v in values if v == v)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, seconds: float) -> dict[str, Any]:
+    """CPU share and RSS per process, Redis commands/s, heartbeat success and snapshot age over ``seconds``."""
+    import os
+
+    pids = {**stack.pids, "load": os.getpid()}
+    before_cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    before_ops = await redis_commands(stack.redis_port)
+    counters_before = Counters(**{k: v for k, v in vars(fleet_.counters).items() if k != "latencies"})
+    fleet_.counters.latencies.clear()
+    started = time.monotonic()
+    ages = []
+    while time.monotonic() - started < seconds:
+        ages.append(await snapshot_age(http, stack.extproc_metrics))
+        await asyncio.sleep(0.1)
+    wall = time.monotonic() - started
+    ops = await redis_commands(stack.redis_port) - before_ops
+    now = fleet_.counters
+    delta = Counters(now.ok - counters_before.ok, now.expired - counters_before.expired,
+                     now.failed - counters_before.failed, now.reregistered - counters_before.reregistered)
+    await asyncio.sleep(0)
+    row: dict[str, Any] = {"heartbeat_success": delta.success, "reregistrations": delta.reregistered,
+                           "registration_errors": now.registration_errors,
+                           "heartbeat_p50_s": quantile(now.latencies, 0.5),
+                           "heartbeat_p99_s": quantile(now.latencies, 0.99),
+                           "redis_ops_s": ops / wall, "snapshot_age_p50_s": quantile(ages, 0.5),
+                           "snapshot_age_p99_s": quantile(ages, 0.99),
+                           "extproc_answered": sum(1 for a in ages if a == a) / max(1, len(ages))}
+    for name, pid in pids.items():
+        try:
+            row[f"cpu_{name}"] = (cpu_seconds(pid) - before_cpu[name]) / wall
+        except OSError:
+            row[f"cpu_{name}"] = float("nan")
+        row[f"rss_mib_{name}"] = rss_mib(pid)
+    return row
+
+
+async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, pools: int, n: int,
+                      changes: int, interval_s: float) -> list[float]:
+    """A worker reports Draining (the healthy count drops by one), then Ready again (it comes back).
+
+    The latency counts from the heartbeat that carries the state, sent at once: a worker reports a state
+    change when it happens, not at its next beat. A change not seen within 5 s counts as NaN (missed)."""
+    latencies = []
+    for index in range(changes):
+        worker = fleet_.workers[-1 - index % max(1, len(fleet_.workers) // 2)]
+        for state, step in (("Draining", -1), ("Ready", 1)):
+            start = min((await healthy_counts(http, stack, pools)).values())
+            fleet_.state[worker.id] = state
+            sent = time.monotonic()
+            await fleet_.heartbeat(worker)
+            reached = await wait_counts(http, stack, pools, lambda c, e=start + step: c == e, timeout_s=5,
+                                        poll_s=0.005)
+            latencies.append(time.monotonic() - sent if reached is not None else float("nan"))
+        fleet_.state.pop(worker.id, None)
+        await asyncio.sleep(interval_s)
+    return latencies
+
+
+async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix="poolgate-scale-"))
+    group = ProcessGroup(run_dir)
+    fail = min(args.fail, n)
+    alive_port, doomed_port = free_port(), free_port()
+    row: dict[str, Any] = {"workers": n, "pools": pools, "node_batch": args.node_batch}
+    try:
+        config_path = write_config(run_dir, pools)
+        interval_s = yaml.safe_load(config_path.read_text()).get("controller", {}).get("heartbeat_interval_s", 0.5)
+        for name, port in (("workers-alive", alive_port), ("workers-doomed", doomed_port)):
+            group.start(name, [sys.executable, "-m", "bench.scale", "serve-workers", str(port)],
+                        env={"PYTHONPATH": str(REPO_ROOT)})
+        stack = await start_stack(run_dir, config_path, group)
+        connector = aiohttp.TCPConnector(limit=args.concurrency * 4)
+        async with aiohttp.ClientSession(connector=connector, headers={"Authorization": f"Bearer {TOKEN}"},
+                                         timeout=aiohttp.ClientTimeout(total=30)) as http:
+            fleet_ = Fleet(http, stack.api, fleet(n, pools, fail, alive_port, doomed_port), interval_s,
+                           args.node_batch)
+            beating = asyncio.create_task(fleet_.run())
+            await asyncio.sleep(0)
+            row["registrations_s"] = await fleet_.register_all(args.concurrency)
+            reached = await wait_counts(http, stack, pools, lambda c: c >= n, timeout_s=args.timeout_s, poll_s=0.05)
+            row["all_in_envoy_s"] = reached
+            if reached is None:
+                row["healthy_seen"] = await healthy_counts(http, stack, pools)
+            row.update(await steady(http, stack, fleet_, args.steady_s))
+            if reached is not None:
+                latencies = await one_changes(http, stack, fleet_, pools, n, args.changes, interval_s)
+                row["change_p50_s"] = quantile(latencies, 0.5)
+                row["change_p99_s"] = quantile(latencies, 0.99)
+                group.children["workers-doomed"].terminate()
+                row["ejection_s"] = await wait_counts(http, stack, pools, lambda c: c <= n - fail,
+                                                      timeout_s=args.timeout_s, poll_s=0.05)
+            beating.cancel()
+            await asyncio.gather(beating, return_exceptions=True)
+    finally:
+        group.stop_all()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
+           Column("registrations_s", "reg/s", "{:.0f}"), Column("heartbeat_success", "hb ok", "{:.3f}"),
+           Column("all_in_envoy_s", "all in Envoy s", "{:.2f}"), Column("change_p50_s", "change p50 s", "{:.3f}"),
+           Column("change_p99_s", "change p99 s", "{:.3f}"), Column("ejection_s", "eject s", "{:.2f}"),
+           Column("snapshot_age_p99_s", "snap age p99", "{:.3f}"), Column("redis_ops_s", "redis ops/s", "{:.0f}"),
+           Column("cpu_controller", "ctl cpu", "{:.2f}"), Column("cpu_redis", "redis cpu", "{:.2f}"),
+           Column("cpu_extproc", "extproc cpu", "{:.2f}"), Column("cpu_envoy_a", "envoy cpu", "{:.2f}"),
+           Column("rss_mib_controller", "ctl MiB", "{:.0f}")]
+
+
+def serve_workers(port: int) -> None:
+    """Every fake worker on ``port`` (any loopback address): healthy, serving the bench model, idle."""
+    from aiohttp import web
+
+    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+    metrics = (f'vllm:num_requests_running{{model_name="{MODEL}"}} 0\n'
+               f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
+               f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.0\n').encode()
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def listing(request: web.Request) -> web.Response:
+        return web.Response(body=models, content_type="application/json")
+
+    async def scrape(request: web.Request) -> web.Response:
+        return web.Response(body=metrics, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_get("/v1/models", listing)
+    app.router.add_get("/metrics", scrape)
+    web.run_app(app, host="0.0.0.0", port=port, print=None, access_log=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve-workers"]:
+        serve_workers(int(argv[1]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1000])
+    parser.add_argument("--pools", type=int, nargs="+", default=[1])
+    parser.add_argument("--fail", type=int, default=1000, help="workers that stop answering at once")
+    parser.add_argument("--concurrency", type=int, default=64, help="registration clients at once")
+    parser.add_argument("--node-batch", type=int, default=0,
+                        help="heartbeat K workers per call (POST /v1/heartbeats); 0 = one call per worker")
+    parser.add_argument("--changes", type=int, default=20)
+    parser.add_argument("--steady-s", type=float, default=10.0)
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="give up waiting for Envoy after this")
+    parser.add_argument("--name", default="scale", help="report name under bench/reports")
+    args = parser.parse_args(argv)
+    rows = [asyncio.run(measure(n, p, args)) for p in args.pools for n in args.workers]
+    save_rows(args.name, rows, COLUMNS, x_key="workers",
+              panels=[Panel("time to Envoy", ("all_in_envoy_s", "change_p99_s", "ejection_s"), "s"),
+                      Panel("CPU", ("cpu_controller", "cpu_redis", "cpu_extproc", "cpu_envoy_a"), "cores")],
+              parameters={k: v for k, v in vars(args).items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

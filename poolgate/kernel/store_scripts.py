@@ -1,0 +1,135 @@
+"""The fleet's Lua scripts: each write and its change record happen in one atomic step in Redis.
+
+A change that readers must see bumps the fleet version (``INCR``) and sets the worker's score in a change
+log (a sorted set: worker id → version of its last change) in the same script, so a reader that asks
+"what changed since version v" can never miss one (``FleetView``). The ``changed`` log holds membership,
+identity and state (what Envoy's endpoints depend on), the ``live`` log the facts the agent and heartbeats
+report (KV, queue): the xDS bridge follows the first only. The ``epoch`` (Redis's clock when the version
+was first written) tells a reader that Redis lost its data and it must read everything again.
+
+Key names are built from the prefix inside the scripts (``ARGV[1]``), as ``poolgate.kernel.keys`` spells
+them; on Redis Cluster the prefix must then be one hash tag (``{poolgate}``) so all fleet keys share a slot.
+"""
+
+from __future__ import annotations
+
+_COMMON = """
+local P = ARGV[1]
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function bump(id, log)
+  if redis.call('EXISTS', P .. ':fleet:epoch') == 0 then
+    redis.call('SET', P .. ':fleet:epoch', tostring(now_ms()))
+  end
+  local v = redis.call('INCR', P .. ':fleet:version')
+  redis.call('ZADD', P .. ':fleet:' .. log, v, id)
+  return v
+end
+"""
+
+REGISTER = _COMMON + """
+local id, ttl = ARGV[2], tonumber(ARGV[3])
+local key = P .. ':worker:' .. id
+redis.call('DEL', key)
+redis.call('HSET', key, unpack(ARGV, 4))
+redis.call('PEXPIRE', key, ttl)
+redis.call('SADD', P .. ':workers', id)
+redis.call('ZADD', P .. ':fleet:deadlines', now_ms() + ttl, id)
+local v = bump(id, 'changed')
+redis.call('PUBLISH', P .. ':events', 'register ' .. id .. ' ' .. v)
+return v
+"""
+"""ARGV: prefix, id, ttl ms, field/value pairs of the full record."""
+
+WRITE_FACTS = _COMMON + """
+local id, ttl, announce, quiet = ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', ARGV[4] == 'q'
+local key = P .. ':worker:' .. id
+if redis.call('EXISTS', key) == 0 then return 0 end
+local state_changed, live = false, false
+for i = 5, #ARGV, 2 do
+  if ARGV[i] == 'state' then
+    state_changed = redis.call('HGET', key, 'state') ~= ARGV[i + 1]
+  elseif ARGV[i] ~= 'updated_at' then
+    live = true
+  end
+end
+if #ARGV >= 5 then redis.call('HSET', key, unpack(ARGV, 5)) end
+if ttl > 0 then
+  redis.call('PEXPIRE', key, ttl)
+  redis.call('ZADD', P .. ':fleet:deadlines', now_ms() + ttl, id)
+end
+if state_changed then
+  local v = bump(id, 'changed')
+  if not quiet then redis.call('PUBLISH', P .. ':events', 'update ' .. id .. ' ' .. v) end
+  return 2
+end
+if live then
+  local v = bump(id, 'live')
+  if announce then redis.call('PUBLISH', P .. ':events', 'update ' .. id .. ' ' .. v) end
+end
+return 1
+"""
+"""ARGV: prefix, id, ttl ms (0: leave the TTL alone), announce (1, 0, or q: publish nothing, the caller
+announces a batch), field/value pairs. Returns 0 when the
+worker is not registered, 2 when its state changed (announced), else 1. A state change is announced and
+goes to the ``changed`` log; other facts go to the ``live`` log, announced only when asked; a heartbeat
+that carries nothing but its time writes no change at all."""
+
+DEREGISTER = _COMMON + """
+local id = ARGV[2]
+redis.call('DEL', P .. ':worker:' .. id, P .. ':inflight:' .. id, P .. ':passive:' .. id)
+redis.call('SREM', P .. ':workers', id)
+redis.call('ZREM', P .. ':fleet:deadlines', id)
+local v = bump(id, 'changed')
+redis.call('PUBLISH', P .. ':events', 'deregister ' .. id .. ' ' .. v)
+return v
+"""
+
+POLL = _COMMON + """
+local since, with_live, limit = tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
+local now = now_ms()
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':fleet:deadlines', '-inf', now, 'LIMIT', 0, 1000)) do
+  local pttl = redis.call('PTTL', P .. ':worker:' .. id)
+  if pttl == -2 then
+    redis.call('ZREM', P .. ':fleet:deadlines', id)
+    redis.call('SREM', P .. ':workers', id)
+    redis.call('DEL', P .. ':inflight:' .. id)
+    local v = bump(id, 'changed')
+    redis.call('PUBLISH', P .. ':events', 'expire ' .. id .. ' ' .. v)
+  elseif pttl == -1 then
+    redis.call('ZREM', P .. ':fleet:deadlines', id)
+  else
+    redis.call('ZADD', P .. ':fleet:deadlines', now + pttl, id)
+  end
+end
+local floor = tonumber(redis.call('GET', P .. ':fleet:floor') or '0')
+local members = redis.call('SCARD', P .. ':workers')
+for _, log in ipairs({'changed', 'live'}) do
+  local excess = redis.call('ZCARD', P .. ':fleet:' .. log) - 2 * members - 1024
+  if excess > 0 then
+    local oldest = redis.call('ZRANGE', P .. ':fleet:' .. log, excess - 1, excess - 1, 'WITHSCORES')
+    redis.call('ZREMRANGEBYRANK', P .. ':fleet:' .. log, 0, excess - 1)
+    if tonumber(oldest[2]) > floor then
+      floor = tonumber(oldest[2])
+      redis.call('SET', P .. ':fleet:floor', floor)
+    end
+  end
+end
+local epoch = redis.call('GET', P .. ':fleet:epoch') or ''
+local version = tonumber(redis.call('GET', P .. ':fleet:version') or '0')
+if since < floor or since > version then return {epoch, version, floor, false, false} end
+local changed = redis.call('ZRANGEBYSCORE', P .. ':fleet:changed', '(' .. since, '+inf', 'LIMIT', 0, limit)
+local live = {}
+if with_live then
+  live = redis.call('ZRANGEBYSCORE', P .. ':fleet:live', '(' .. since, '+inf', 'LIMIT', 0, limit)
+end
+return {epoch, version, floor, changed, live}
+"""
+"""ARGV: prefix, the reader's version, 1 to include the live log, the most ids to return per log.
+
+First expires the workers whose TTL ran out (a key expiry publishes nothing, so the first reader to look
+writes the change for everyone), trims the logs to about twice the fleet (readers older than the trimmed
+part read everything again), then answers epoch, version, floor and the ids changed since ``since``
+(false instead of the ids when ``since`` is below the floor or above the version: read everything)."""

@@ -1,0 +1,78 @@
+"""The node agent's batch heartbeat over real HTTP and a real Redis: one call keeps many workers alive,
+names the ones that must register again, and refuses bad input with an OpenAI-style error."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from controller.registry_api import MAX_BATCH, RegistryApi
+from poolgate.kernel.config import parse_config
+from poolgate.kernel.fleet import WorkerState
+from poolgate.kernel.store import FleetStore, connect
+
+CONFIG = parse_config({
+    "pools": [{"name": "chat", "model": "m1"}],
+    "controller": {"heartbeat_interval_s": 0.2, "heartbeat_ttl_s": 0.6},
+})
+TOKEN = "batch-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture()
+async def api(redis_url: str) -> AsyncIterator[tuple[str, aioredis.Redis]]:
+    redis = connect(redis_url, max_connections=4, wait_s=5.0)  # a small pool: callers queue for it
+    registry = RegistryApi(FleetStore(redis, "b"), TOKEN, CONFIG.pools, CONFIG.controller, CONFIG.autoscale.pools)
+    runner = web.AppRunner(registry.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", redis
+    await runner.cleanup()
+    await redis.aclose()
+
+
+async def test_one_batch_keeps_a_nodes_workers_alive(api: tuple[str, aioredis.Redis]) -> None:
+    base, redis = api
+    store = FleetStore(redis, "b")
+    ids = [f"n1-w{i}" for i in range(6)]
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        for i, worker_id in enumerate(ids):
+            body = {"id": worker_id, "pool": "chat", "host": "127.0.0.1", "port": 9100 + i}
+            async with http.post(f"{base}/v1/workers", json=body) as response:
+                assert response.status == 201
+        for _ in range(6):  # 1.2 s: twice the TTL, kept alive by batches alone
+            beats = [{"id": worker_id} for worker_id in ids[1:]] + [{"id": "n1-gone"}]
+            beats[0]["state"] = "Busy"
+            async with http.post(f"{base}/v1/heartbeats", json={"workers": beats}) as response:
+                assert response.status == 200
+                assert await response.json() == {"ok": 5, "not_registered": ["n1-gone"]}
+            await asyncio.sleep(0.2)
+    states = {r.id: r.state for r in await store.read_fleet()}
+    assert sorted(states) == ids[1:], "the worker left out of the batches should have expired"
+    assert states["n1-w1"] is WorkerState.BUSY
+
+
+@pytest.mark.parametrize("body", [{"workers": [{"id": "w1", "kv_usage": 2}]}, {"workers": [{"port": 1}]},
+                                  {"workers": [{"id": "w1"}] * (MAX_BATCH + 1)}, {"nodes": []}])
+async def test_bad_batch_is_a_400(api: tuple[str, aioredis.Redis], body: object) -> None:
+    base, _ = api
+    async with aiohttp.ClientSession(headers=AUTH) as http, http.post(f"{base}/v1/heartbeats", json=body) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["code"] == "invalid_heartbeat"
+
+
+async def test_many_callers_at_once_wait_for_the_pool_instead_of_failing(api: tuple[str, aioredis.Redis]) -> None:
+    base, _ = api
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        async def register(i: int) -> int:
+            body = {"id": f"c{i}", "pool": "chat", "host": "127.0.0.1", "port": 9200 + i}
+            async with http.post(f"{base}/v1/workers", json=body) as response:
+                return response.status
+
+        statuses = await asyncio.gather(*(register(i) for i in range(64)))  # 64 callers, 4 connections
+    assert statuses == [201] * 64
