@@ -14,8 +14,10 @@ vLLM offsets the ports of its data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, fields, replace
 from typing import Literal
@@ -114,14 +116,14 @@ class ZmqKVEventPublisher:
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         if _binds(config.endpoint):
-            self._pub.bind(config.endpoint)
+            _bind(self._pub, config.endpoint)
         else:
             self._pub.connect(config.endpoint)
         self._replay: zmq.asyncio.Socket | None = None
         if config.replay_endpoint:
             self._replay = context.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(config.replay_endpoint)
+            _bind(self._replay, config.replay_endpoint)
 
     @property
     def next_sequence(self) -> int:
@@ -161,3 +163,20 @@ class ZmqKVEventPublisher:
         if self.config.endpoint.startswith("ipc://"):  # a bound ipc socket leaves its file behind
             with contextlib.suppress(OSError):
                 os.unlink(self.config.endpoint.removeprefix("ipc://"))
+
+
+BIND_RETRY_S = 2.0
+"""How long a bind waits for its address: ZMQ closes sockets in its I/O thread after ``close`` returns, so a
+worker restarted in the same process can find its own old socket still bound for a moment."""
+
+
+def _bind(socket: zmq.Socket[bytes] | zmq.asyncio.Socket, endpoint: str) -> None:
+    deadline = time.monotonic() + BIND_RETRY_S
+    while True:
+        try:
+            socket.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)  # start-up only, never on a step

@@ -130,6 +130,14 @@ async def pick(extproc: Extproc, data: dict[str, object]) -> str:
     return pin_of(answers[-1]).split(",")[0]
 
 
+async def settled_pick(extproc: Extproc, data: dict[str, object]) -> str:
+    """A pick, then long enough for the processes' shared reservations to show it released (the peers'
+    flush and refresh), so each pick meets the same load and only the cache decides."""
+    picked = await pick(extproc, data)
+    await asyncio.sleep(0.3)
+    return picked
+
+
 async def picked_within(extproc: Extproc, data: dict[str, object], address: str, timeout_s: float = 10.0) -> float:
     """Seconds until extproc picks ``address`` for ``data`` (polled; fails after ``timeout_s``)."""
     started = time.monotonic()
@@ -184,8 +192,10 @@ async def test_two_extproc_processes_pick_alike_from_the_same_event_streams(
             for replica in (first, second):
                 await picked_within(replica, chat(DOC_A), fleet["c"].address, timeout_s=20.0)
             prompts = [chat(doc, f"Question {i}?") for i in range(4) for doc in (DOC_A, DOC_B)]
-            picks_first = [await pick(first, p) for p in prompts]
-            picks_second = [await pick(second, p) for p in prompts]
+            picks_first, picks_second = [], []
+            for prompt in prompts:  # interleaved, so both meet the same load and only the cache decides
+                picks_first.append(await settled_pick(first, prompt))
+                picks_second.append(await settled_pick(second, prompt))
     assert picks_first == picks_second
     assert picks_first == [fleet["c"].address, fleet["a"].address] * 4
 
