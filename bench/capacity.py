@@ -68,10 +68,12 @@ async def sweep_capacity(session: aiohttp.ClientSession, fleet: BenchFleet, trac
                          progress: Progress, label: str) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     first_clients = clients = plan.clients_per_worker * len(fleet.workers)
+    saturated = False
     for _ in range(plan.max_steps):
         steps.append(await _step(session, fleet, trace, plan, clients, progress, label))
         best_before = max((s["admissions_per_s"] for s in steps[:-1]), default=0.0)
         if best_before and steps[-1]["admissions_per_s"] < best_before * (1 + plan.min_gain):
+            saturated = True
             break
         clients *= 2
     await fleet.wait_idle(session)
@@ -79,7 +81,7 @@ async def sweep_capacity(session: aiohttp.ClientSession, fleet: BenchFleet, trac
     best = max(steps, key=lambda s: s["admissions_per_s"])
     return {
         "rps": best["admissions_per_s"], "tokens_per_s": best["tokens_per_s"], "clients": best["clients"],
-        "steps": steps,
+        "steps": steps, "saturated": saturated,
         "worker_generation_tokens": best["worker_generation_tokens"],
         "method": (f"closed loop through Envoy least_request over the scenario's requests, clients doubled from "
                    f"{first_clients} until first tokens per second grew by less than "
