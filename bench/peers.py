@@ -112,7 +112,7 @@ def window_for(plan: Plan, offered_rps: float) -> Window:
 
 
 def capacity_line(capacity: dict[str, Any]) -> str:
-    steps = ", ".join(f"×{s['clients']} {s['admissions_per_s']:.2f}" for s in capacity["steps"])
+    steps = ", ".join(f"×{s['clients']} {s['completions_per_s']:.2f}" for s in capacity["steps"])
     end = "throughput stopped growing" if capacity["saturated"] else "still growing at the last step"
     return f"{capacity['rps']:.2f} req/s (steps: {steps} req/s; {end})"
 
