@@ -96,9 +96,11 @@ def cells_of(plan: Plan, fleet: str) -> list[Cell]:
     return cells
 
 
-def router_order(routers: Sequence[str], seed: int) -> list[str]:
+def router_order(routers: Sequence[str], seed: int, cell: str) -> list[str]:
+    """The routers in an order shuffled by the seed, differently in each cell (a string seed is hashed
+    the same way in every process)."""
     order = list(routers)
-    random.Random(seed).shuffle(order)
+    random.Random(f"{seed}:{cell}").shuffle(order)
     return order
 
 
@@ -107,6 +109,12 @@ def window_for(plan: Plan, offered_rps: float) -> Window:
     wanted_s = plan.min_requests / offered_rps / plan.time_scale
     window_s = min(max(plan.window.window_s, wanted_s), MAX_WINDOW_FACTOR * plan.window.window_s)
     return Window(plan.time_scale, window_s, plan.window.drain_s)
+
+
+def capacity_line(capacity: dict[str, Any]) -> str:
+    steps = ", ".join(f"×{s['clients']} {s['completions_per_s']:.2f}" for s in capacity["steps"])
+    end = "throughput stopped growing" if capacity["saturated"] else "still growing at the last step"
+    return f"{capacity['rps']:.2f} req/s (steps: {steps} req/s; {end})"
 
 
 def git_commit() -> str:
@@ -121,7 +129,7 @@ async def run_cell(session: aiohttp.ClientSession, fleet: BenchFleet, cell: Cell
                    capacity: dict[str, Any], progress: Progress,
                    run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     rows: list[dict[str, Any]] = []
-    order = router_order(cell.routers, plan.seed)
+    order = router_order(cell.routers, plan.seed, f"{cell.fleet}/{cell.scenario.name}/{cell.arrivals}")
     progress.note(f"{cell.fleet} · {cell.scenario.name} · {cell.arrivals}: router order {', '.join(order)}")
     class_names = [c.name for c in cell.scenario.classes]
     for level_index, level in enumerate(cell.levels):
@@ -141,12 +149,12 @@ async def run_cell(session: aiohttp.ClientSession, fleet: BenchFleet, cell: Cell
                 await router.stop()
             rows.append({"fleet": cell.fleet, "scenario": cell.scenario.name, "arrivals": cell.arrivals, **row})
     summary = {"fleet": cell.fleet, "scenario": cell.scenario.name, "arrivals": cell.arrivals, "order": order,
-               "capacity_rps": capacity["rps"], "weights": fleet.baseline_weights}
+               "capacity_rps": capacity["rps"], "capacity": capacity_line(capacity), "weights": fleet.baseline_weights}
     return summary, rows
 
 
 async def run_fleet(session: aiohttp.ClientSession, layout: str, plan: Plan, venv: PeerVenv | None,
-                    progress: Progress, report: dict[str, Any]) -> None:
+                    progress: Progress, report: dict[str, Any], out: Path) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix=f"poolgate-bench-peers-{layout}-"))
     report["logs"].append(str(run_dir))
     fleet = BenchFleet(run_dir, plan.time_scale, LAYOUTS[layout])
@@ -165,11 +173,11 @@ async def run_fleet(session: aiohttp.ClientSession, layout: str, plan: Plan, ven
                 await fleet.restart_baseline(session, capacity_weights(
                     capacities[name]["worker_generation_tokens"], pools_of(fleet)))
                 report["capacity"].append({"fleet": layout, "scenario": name, **capacities[name]})
-                progress.note(f"capacity {layout} {name}: {capacities[name]['rps']:.2f} req/s; steps " + ", ".join(
-                    f"×{s['clients']} {s['admissions_per_s']:.2f}" for s in capacities[name]["steps"]))
+                progress.note(f"capacity {layout} {name}: {capacity_line(capacities[name])}")
             summary, rows = await run_cell(session, fleet, cell, plan, venv, capacities[name], progress, run_dir)
             report["cells"].append(summary)
             report["rows"].extend(rows)
+            checkpoint(out, report)
     finally:
         await fleet.stop()
 
@@ -182,8 +190,14 @@ def phases(plan: Plan) -> int:
     return total
 
 
-async def run(plan: Plan, venv: PeerVenv | None) -> dict[str, Any]:
-    started = time.monotonic()
+def checkpoint(out: Path, report: dict[str, Any]) -> None:
+    """Write the report as it stands (after each cell, and at the end whatever happened)."""
+    report["wall_s"] = time.monotonic() - report["started"]
+    report["targets"] = evaluate_targets(report["rows"])
+    write_outputs(out, report)
+
+
+async def run(plan: Plan, venv: PeerVenv | None, out: Path) -> dict[str, Any]:
     report: dict[str, Any] = {
         "name": "peers", "commit": git_commit(), "time_scale": plan.time_scale, "seed": plan.seed,
         "window_model_s": plan.window.window_s * plan.time_scale,
@@ -192,17 +206,16 @@ async def run(plan: Plan, venv: PeerVenv | None) -> dict[str, Any]:
         "fleets": {name: LAYOUTS[name].describe() for name in plan.fleets},
         "scenarios": {name: SCENARIOS[name].summary for name in plan.scenarios},
         "plan": {k: v for k, v in plan.__dict__.items() if k not in ("window", "sweep")},
-        "agent_data": {}, "capacity": [], "cells": [], "rows": [], "logs": [],
+        "agent_data": {}, "capacity": [], "cells": [], "rows": [], "logs": [], "started": time.monotonic(),
     }
     progress = Progress(phases(plan))
     async with new_session() as session:
         try:
             for layout in plan.fleets:
-                await run_fleet(session, layout, plan, venv, progress, report)
+                await run_fleet(session, layout, plan, venv, progress, report, out)
         finally:
             progress.close()
-            report["wall_s"] = time.monotonic() - started
-            report["targets"] = evaluate_targets(report["rows"])
+            checkpoint(out, report)
     return report
 
 
@@ -213,7 +226,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return Plan(
         time_scale=args.time_scale,
         window=Window(args.time_scale, args.window_s or (40.0 if quick else 30.0), args.drain_s or 6.0),
-        sweep=SweepPlan(clients_per_worker=6, warmup_s=14.0, window_s=14.0, max_steps=3),
+        sweep=SweepPlan(clients_per_worker=12, warmup_s=14.0, window_s=14.0, max_steps=3),
         min_requests=args.min_requests,
         fleets=tuple(args.fleets or (["heterogeneous"] if quick else list(LAYOUTS))),
         scenarios=tuple(args.scenarios or (["shared-docs"] if quick else list(SCENARIOS))),
@@ -263,8 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_peers:
         print("installing the peer routers (pip, into their own venv)…", file=sys.stderr, flush=True)
         venv = ensure_peers(args.peers_venv or default_venv_dir(), out / "peers-install.log")
-    report = asyncio.run(run(plan, venv))
-    write_outputs(out, report)
+    report = asyncio.run(run(plan, venv, out))
     print(markdown(report))
     print(f"peers benchmark took {report['wall_s'] / 60:.1f} min (wall)")
     return 0

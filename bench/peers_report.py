@@ -98,7 +98,7 @@ def results_tables(report: Mapping[str, Any]) -> list[str]:
             continue
         weights = ", ".join(f"{w} {n}" for w, n in sorted(cell.get("weights", {}).items()))
         lines += [f"### {cell['fleet']} · {cell['scenario']} · {cell['arrivals']} arrivals", "",
-                  f"Capacity {cell['capacity_rps']:.2f} req/s (model time). Router order: "
+                  f"Capacity {cell['capacity']}. Router order: "
                   f"{', '.join(cell['order'])}. Weighted least_request weights: {weights or '-'}.", "",
                   "```", format_table(_table_rows(rows), COLUMNS), "```", ""]
     return lines

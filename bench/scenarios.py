@@ -83,14 +83,19 @@ SESSION_SLO_S = 2.0
 SYSTEM_PROMPT_TOKENS = (1500, 1000, 600, 300)
 SYSTEM_PROMPT_WEIGHTS = (0.4, 0.3, 0.2, 0.1)
 SESSION_CAP = client_cap((1024, 0.7), (None, 0.3))
+SESSION_LEAD_S = 60.0
+"""Longer than a whole session (at most 6 turns, ~8 s apart on average)."""
 
 
 def _sessions(arrivals: Arrivals, duration_s: float, seed: int, models: Mapping[ModelRole, str]) -> Trace:
-    """Sessions start at ``rate / mean turns``, so the request rate is ``arrivals.rate_per_s``."""
+    """Sessions start at ``rate / mean turns``, so the request rate is ``arrivals.rate_per_s``; they start from
+    ``SESSION_LEAD_S`` before the trace, so the trace opens mid-conversation (only turns inside it are sent,
+    with their whole history) and the turn rate is steady from its first second."""
     rng = random.Random(seed)
     mean_turns = 4.0
-    starts = Arrivals(arrivals.rate_per_s / mean_turns, arrivals.bursty, arrivals.period_s, arrivals.on_share,
-                      arrivals.on_factor).times(duration_s, rng)
+    starts = [t - SESSION_LEAD_S for t in Arrivals(
+        arrivals.rate_per_s / mean_turns, arrivals.bursty, arrivals.period_s, arrivals.on_share,
+        arrivals.on_factor).times(duration_s + SESSION_LEAD_S, rng)]
     systems = [text(tokens, seed * 31 + i) for i, tokens in enumerate(SYSTEM_PROMPT_TOKENS)]
     pending: list[tuple[float, list[tuple[str, int]], list[dict[str, str]], int | None]] = []
     for start in starts:
@@ -104,7 +109,9 @@ def _sessions(arrivals: Arrivals, duration_s: float, seed: int, models: Mapping[
             parts = [*parts, ("user", user_tokens)]
             if t >= duration_s:
                 break
-            pending.append((t, parts, messages, SESSION_CAP(rng)))
+            cap = SESSION_CAP(rng)
+            if t >= 0:
+                pending.append((t, parts, messages, cap))
             answer_tokens = max(8, min(600, round(rng.lognormvariate(5.0, 0.6))))  # median ~150
             messages = [*messages, {"role": "assistant", "content": text(answer_tokens, rng.getrandbits(32))}]
             parts = [*parts, ("assistant", answer_tokens)]

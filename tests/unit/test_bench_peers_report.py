@@ -78,7 +78,8 @@ def test_report_is_strict_json_with_markdown_and_plots(tmp_path: Path) -> None:
         "name": "peers", "commit": "abc", "wall_s": 120.0, "time_scale": 0.5, "seed": 1, "window_model_s": 20.0,
         "drain_model_s": 4.0, "peers": "vllm-router 0.1.17", "fleets": {"heterogeneous": "chat: 2 × h100-80gb"},
         "cells": [{"fleet": "heterogeneous", "scenario": "shared-docs", "arrivals": "poisson",
-                   "order": ["round_robin", "poolgate"], "capacity_rps": 4.7, "weights": {"chat-h100-1": 100}}],
+                   "order": ["round_robin", "poolgate"], "capacity_rps": 4.7, "capacity": "4.70 req/s",
+                   "weights": {"chat-h100-1": 100}}],
         "rows": rows, "targets": evaluate_targets(rows),
     }
     write_outputs(tmp_path, report)

@@ -71,11 +71,12 @@ def full_plan() -> peers.Plan:
     return peers.make_plan(parser.parse_args(["--out", "x"]))
 
 
-def test_router_order_is_shuffled_by_the_seed() -> None:
+def test_router_order_is_shuffled_by_the_seed_and_differs_between_cells() -> None:
     routers = list(peers.MAIN_ROUTERS)
-    assert peers.router_order(routers, 3) == peers.router_order(routers, 3)
-    assert sorted(peers.router_order(routers, 3)) == sorted(routers)
-    assert len({tuple(peers.router_order(routers, seed)) for seed in range(10)}) > 1
+    assert peers.router_order(routers, 3, "a") == peers.router_order(routers, 3, "a")
+    assert sorted(peers.router_order(routers, 3, "a")) == sorted(routers)
+    assert len({tuple(peers.router_order(routers, seed, "a")) for seed in range(10)}) > 1
+    assert len({tuple(peers.router_order(routers, 3, cell)) for cell in "abcdefgh"}) > 1
 
 
 def test_the_full_run_covers_every_scenario_and_fleet_and_sweeps_one() -> None:

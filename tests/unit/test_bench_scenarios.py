@@ -76,3 +76,11 @@ def test_bursty_arrivals_bunch_up() -> None:
     assert busiest_second([r.arrival_s for r in bursty.requests]) > busiest_second(
         [r.arrival_s for r in steady.requests])
     assert len(bursty.requests) == pytest.approx(len(steady.requests), rel=0.15)
+
+
+def test_a_short_sessions_trace_keeps_its_rate_from_the_first_second() -> None:
+    trace = SCENARIOS["sessions"].trace(10.0, 15.0, seed=8, models=MODELS)
+    assert len(trace.requests) == pytest.approx(150, rel=0.3)
+    early = sum(r.arrival_s < 5.0 for r in trace.requests)
+    assert early == pytest.approx(len(trace.requests) / 3, rel=0.4)
+    assert any(len(orjson.loads(b)["messages"]) > 2 for b in trace.bodies[:10])  # opens mid-conversation
