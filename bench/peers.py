@@ -16,7 +16,7 @@
 The full run (about an hour on two cores): poolgate, weighted least_request and both cache-aware peers on
 every scenario × both fleets at 85 % with Poisson arrivals, and with on/off bursts on the heterogeneous
 fleet; every router and the 50 / 85 / 100 % sweep on ``shared-docs`` (heterogeneous fleet, Poisson).
-``--quick`` (about 7 minutes): ``shared-docs`` on the heterogeneous fleet at 85 %, poolgate, weighted
+``--quick`` (about 6 minutes): ``shared-docs`` on the heterogeneous fleet at 85 %, poolgate, weighted
 least_request and one cache-aware router of each peer project, at least 110 requests per router.
 """
 
