@@ -30,7 +30,7 @@ prometheus:
 
 .PHONY: redis prometheus
 
-run: setup
+run: $(STAMP) redis
 	$(BIN)/poolgate up --config deploy/local.yaml --demo
 
 lint: $(STAMP)
