@@ -40,6 +40,7 @@ import aiohttp
 import yaml
 
 from bench.harness import ProcessGroup, cpu_seconds
+from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
 from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
@@ -318,10 +319,8 @@ async def snapshot_age(http: aiohttp.ClientSession, url: str) -> float:
 
 
 def quantile(values: Sequence[float], share: float) -> float:
-    ordered = sorted(v for v in values if v == v)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+    """The nearest-rank percentile every benchmark reports, over the values that were measured (NaN: not)."""
+    return percentile([v for v in values if v == v], share)
 
 
 async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, seconds: float) -> dict[str, Any]:

@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import aiohttp
 
 from bench.harness import lag_quantile, scrape
+from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
 from poolgate.procs import free_port, simworker_process
 
@@ -96,13 +97,6 @@ async def run_job(session: aiohttp.ClientSession, url: str, job: Job, started: f
             if time.monotonic() <= window_end:
                 result.tokens_in_window += 1
     result.finished = True
-
-
-def percentile(values: Sequence[float], share: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(share * len(ordered)) - 1)]
 
 
 async def wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float = 30) -> None:
