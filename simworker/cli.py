@@ -19,6 +19,7 @@ from simworker import model_tasks
 from simworker.engine import Engine
 from simworker.faults import FaultSettings
 from simworker.kv_publisher import KVEventsConfig
+from simworker.kv_transfer import KVTransferConfig
 from simworker.presets import DEFAULT_PRESET, PRESETS, STEP_JITTER
 from simworker.worker import SimWorker, WorkerSpec
 
@@ -56,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's KV-cache events as JSON, e.g. '{\"enable_kv_cache_events\": true, "
                              "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'; "
                              "with --ports each worker publishes on these ports plus its index")
+    parser.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
+                        help="vLLM's KV transfer for prefill/decode disaggregation as JSON, e.g. "
+                             "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_producer\"}' "
+                             "(kv_producer: prefill worker, kv_consumer: decode worker, kv_both); the link's "
+                             "speed in kv_connector_extra_config.sim_link_gb_per_s (default 50, RDMA; NVLink "
+                             "450) and the producer's hold time in sim_abort_timeout_s (default 480)")
     parser.add_argument("--legacy-kv-metric", action="store_true",
                         help="also export vllm:gpu_cache_usage_perc (the pre-V1 name)")
     parser.add_argument("--time-scale", type=float, default=1.0,
@@ -96,6 +103,13 @@ def _kv_events_config(text: str) -> KVEventsConfig:
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
+def _kv_transfer_config(text: str) -> KVTransferConfig:
+    try:
+        return KVTransferConfig.from_json(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
 def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     """Turn parsed flags into one spec per port; ValueError explains a bad combination."""
     ports: list[int] = args.ports or [args.port or 8000]
@@ -131,7 +145,7 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             enable_fault_api=args.enable_fault_api, enable_lora=args.enable_lora, max_loras=args.max_loras,
             lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
             seed=args.seed, step_jitter=args.step_jitter, kv_events=args.kv_events_config.offset(index),
-            tasks=tasks,
+            tasks=tasks, kv_transfer=args.kv_transfer_config,
         )
         for index, (port, worker_id) in enumerate(zip(ports, ids, strict=True))
     ]

@@ -23,6 +23,8 @@ from simworker.engine import Engine, EngineConfig
 from simworker.faults import FaultSettings
 from simworker.kv_events import KVEventRecorder
 from simworker.kv_publisher import KVEventsConfig, ZmqKVEventPublisher
+from simworker.kv_transfer import KVTransferConfig
+from simworker.kv_transfer_http import KVTransferAgent
 from simworker.lora import AdapterTable
 from simworker.metrics import WorkerMetrics
 from simworker.model_endpoints import install as install_model_endpoints
@@ -72,6 +74,9 @@ class WorkerSpec:
     step_jitter: float = STEP_JITTER
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     """vLLM's ``--kv-events-config``; publishes nothing by default, as vLLM."""
+    kv_transfer: KVTransferConfig | None = None
+    """vLLM's ``--kv-transfer-config``: a prefill (``kv_producer``) or decode (``kv_consumer``) worker of a
+    disaggregated pair, or both (``kv_both``); None = neither."""
 
     @property
     def random_seed(self) -> int:
@@ -157,7 +162,12 @@ class SimWorker:
             api_key=spec.api_key,
         )
         adapters = AdapterTable(spec.max_loras, metrics.registry) if spec.enable_lora else None
-        api = WorkerApi(serving, driver, metrics, self, random.Random(spec.random_seed + 1), adapters)
+        transfer = None
+        if spec.kv_transfer is not None:
+            transfer = KVTransferAgent(spec.kv_transfer, spec.kv_transfer.engine_id or spec.worker_id, spec.host,
+                                       spec.port, config.block_size, spec.model.kv_bytes_per_token,
+                                       spec.time_scale, driver.model_now)
+        api = WorkerApi(serving, driver, metrics, self, random.Random(spec.random_seed + 1), adapters, transfer)
         app = api.build_app()
         install_model_endpoints(app, api, spec.tasks)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -182,6 +192,8 @@ class SimWorker:
         finally:
             if publisher is not None:
                 publisher.close()
+            if transfer is not None:
+                await transfer.close()
             await runner.cleanup()
 
     async def _leak_loop(self, driver: EngineDriver) -> None:
