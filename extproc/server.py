@@ -25,6 +25,7 @@ from redis.backoff import ExponentialBackoff
 from extproc.assembly import build_service
 from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
+from extproc.disagg import DisaggPlan
 from extproc.endpoint_picker import GIE_MODE
 from extproc.inflight import InflightTracker
 from extproc.kvcache.lookup import CacheLookup
@@ -143,7 +144,8 @@ def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics, pro
                             genai_metrics=config.observability.genai_metrics,
                             header_pin=config.extproc.endpoint_picker_mode == GIE_MODE,
                             model_tasks={pool.model: pool.task for pool in config.pools},
-                            prefix_cache=kv_cache[0] if kv_cache is not None else None)
+                            prefix_cache=kv_cache[0] if kv_cache is not None else None,
+                            disagg=DisaggPlan.from_config(config))
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
     watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
                                             service.director.place.reservations))

@@ -108,6 +108,7 @@ class SimWorker:
         self._inference_requests = 0
         self._started_at = 0.0
         self._driver: EngineDriver | None = None
+        self._transfer: KVTransferAgent | None = None
 
     @property
     def health(self) -> Health:
@@ -116,6 +117,10 @@ class SimWorker:
         if asyncio.get_running_loop().time() - self._started_at < self._faults.slow_start_s:
             return "starting"
         return "ready"
+
+    def kv_transfer_held(self) -> int:
+        """Prefills whose KV this (producer) worker still holds for a decode worker."""
+        return self._transfer.blocks.held if self._transfer is not None else 0
 
     @property
     def faults(self) -> FaultSettings:
@@ -167,6 +172,7 @@ class SimWorker:
             transfer = KVTransferAgent(spec.kv_transfer, spec.kv_transfer.engine_id or spec.worker_id, spec.host,
                                        spec.port, config.block_size, spec.model.kv_bytes_per_token,
                                        spec.time_scale, driver.model_now)
+        self._transfer = transfer
         api = WorkerApi(serving, driver, metrics, self, random.Random(spec.random_seed + 1), adapters, transfer)
         app = api.build_app()
         install_model_endpoints(app, api, spec.tasks)

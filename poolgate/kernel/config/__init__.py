@@ -10,6 +10,7 @@ the section it reads. Where each section is declared:
 - ``agent``: ``agent`` (scrape interval, GPU source: NVML, dcgm-exporter or Prometheus);
 - ``scheduling``: ``scheduling`` (task classes, scorer names, weights and bounds);
 - ``pools``: ``pools`` and ``workers``;
+- ``disaggregation``: ``disaggregation`` (prefill/decode split: threshold, sidecar);
 - ``lifecycle``: ``health``, ``drain``, ``placement``, ``autoscale``, ``kubernetes``;
 - ``tenancy``: ``tenancy`` and ``tenants``;
 - ``catalogue``: ``catalogue`` (models, versions, aliases, LoRA adapters);
@@ -27,6 +28,7 @@ from poolgate.kernel.config.catalogue import (
     ModelVersion,
     ParameterValue,
 )
+from poolgate.kernel.config.disaggregation import DisaggregationSettings
 from poolgate.kernel.config.lifecycle import (
     AutoscaleSettings,
     DrainSettings,
@@ -37,7 +39,7 @@ from poolgate.kernel.config.lifecycle import (
     WorkerTemplate,
 )
 from poolgate.kernel.config.loader import Config, load_config, load_process_config, parse_config
-from poolgate.kernel.config.pools import PoolSpec, PoolTask, PoolTokenizer, WorkerSpec
+from poolgate.kernel.config.pools import PoolRole, PoolSpec, PoolTask, PoolTokenizer, WorkerSpec
 from poolgate.kernel.config.processes import (
     ControllerSettings,
     ExtprocSettings,
@@ -71,6 +73,7 @@ __all__ = [
     "ConfigError",
     "ControllerSettings",
     "DcgmExporterSettings",
+    "DisaggregationSettings",
     "DrainSettings",
     "ExtprocSettings",
     "HealthSettings",
@@ -80,6 +83,7 @@ __all__ = [
     "ObservabilitySettings",
     "ParameterValue",
     "PlacementSettings",
+    "PoolRole",
     "PoolScaling",
     "PoolSpec",
     "PoolTask", "PoolTokenizer",

@@ -11,6 +11,7 @@ from pydantic import Field, ValidationError, model_validator
 from poolgate.kernel.config.agent import AgentSettings
 from poolgate.kernel.config.base import ConfigError, Section
 from poolgate.kernel.config.catalogue import CatalogueSettings
+from poolgate.kernel.config.disaggregation import DisaggregationSettings
 from poolgate.kernel.config.lifecycle import (
     AutoscaleSettings,
     DrainSettings,
@@ -40,6 +41,7 @@ class Config(Section):
     agent: AgentSettings = AgentSettings()
     pools: tuple[PoolSpec, ...] = Field(min_length=1)
     workers: tuple[WorkerSpec, ...] = ()
+    disaggregation: DisaggregationSettings = DisaggregationSettings()
     health: HealthSettings = HealthSettings()
     drain: DrainSettings = DrainSettings()
     placement: PlacementSettings = PlacementSettings()
@@ -103,6 +105,24 @@ class Config(Section):
                 raise ValueError(f"pools.{index}.task: {pool.task!r}, but pool {first[0]!r} serves {pool.model!r} "
                                  f"as {first[1]!r}; every pool of a model must give it the same task")
         return self
+
+    @model_validator(mode="after")
+    def _pool_roles(self) -> Config:
+        """A prefill pool hands its KV to a decode pool of the same model, and only generating models have KV."""
+        for index, pool in enumerate(self.pools):
+            if pool.role == "both":
+                continue
+            if pool.task != "generate":
+                raise ValueError(f"pools.{index}.role: {pool.role!r} needs task 'generate' (pool {pool.name!r} is "
+                                 f"{pool.task!r}); only generation has a prefill and a decode")
+            if pool.role == "prefill" and not any(p.model == pool.model and p.role != "prefill" for p in self.pools):
+                raise ValueError(f"pools.{index}.role: prefill pool {pool.name!r} has no decode pool; add a pool "
+                                 f"of model {pool.model!r} with role 'decode' (or 'both')")
+        return self
+
+    def disaggregated_models(self) -> frozenset[str]:
+        """Models with a prefill pool: their long prompts are split over two workers."""
+        return frozenset(p.model for p in self.pools if p.role == "prefill")
 
     @model_validator(mode="after")
     def _tenant_references(self) -> Config:
