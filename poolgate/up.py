@@ -64,6 +64,8 @@ class StackPorts:
     controller_http: int
     extproc_metrics: tuple[int, ...] = ()
     """The extproc processes' metrics ports (none when ``observability.extproc_metrics_port`` is unset)."""
+    pd_sidecar: int | None = None
+    """The prefill/decode sidecar's port, when a pool has ``role: prefill``."""
 
 
 class Stack:
@@ -138,6 +140,7 @@ class Stack:
             env={self.config.controller.token_env: self.token},
         )
         extprocs = await self._spawn_extprocs([*python, "extproc", *common])
+        await self._spawn_pd_sidecar(python)
         await self._await_port(controller, self.ports.xds, 30)
         for extproc, port in zip(extprocs, self.ports.extproc, strict=True):
             await self._await_port(extproc, port, 30)
@@ -146,12 +149,22 @@ class Stack:
         bootstrap = render_bootstrap(self.config, node_id="poolgate-local", listen_port=self.ports.envoy,
                                      admin_port=self.ports.admin, extproc_port=self.ports.extproc,
                                      xds_port=self.ports.xds, listen_host=self.listen_host,
-                                     access_log_path=str(self.run_dir / "envoy-access.log"))
+                                     access_log_path=str(self.run_dir / "envoy-access.log"),
+                                     pd_sidecar_port=self.ports.pd_sidecar)
         bootstrap_path = self.run_dir / "envoy.yaml"
         bootstrap_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
         envoy = await self._spawn("envoy", [str(envoy_binary()), "-c", str(bootstrap_path), "-l", "warning",
                                             "--use-dynamic-base-id", "--disable-hot-restart"])
         await self._await_port(envoy, self.ports.admin, 30)
+
+    async def _spawn_pd_sidecar(self, python: list[str]) -> None:
+        """The sidecar that runs split requests' two steps, for a config with prefill pools."""
+        port = self.ports.pd_sidecar
+        if port is None:
+            return
+        child = await self._spawn("pd-sidecar", [*python, "pd-sidecar", "--config", str(self.config_path),
+                                                 "--port", str(port)])
+        await self._await_port(child, port, 30)
 
     async def _spawn_extprocs(self, command: list[str]) -> list[Child]:
         """One extproc per port; ``extproc.json`` in the run directory names each one's ports."""
@@ -284,6 +297,7 @@ def _resolve_ports(config: Config, args: argparse.Namespace) -> StackPorts:
         extproc_metrics=(metrics, *(free_port() for _ in range(processes - 1))) if metrics else (),
         xds=ports.xds or free_port(),
         controller_http=ports.controller_http or free_port(),
+        pd_sidecar=(config.disaggregation.sidecar_port or free_port()) if config.disaggregated_models() else None,
     )
 
 
