@@ -55,6 +55,11 @@ class FleetLayout:
     name: str
     groups: tuple[tuple[str, str, int], ...]
     """(pool, preset, count) per group of identical workers."""
+    prefill_pool: str | None = None
+    """Disaggregated: this extra pool (``role: prefill``) prefills the chat model's long prompts and the
+    chat pool decodes them (``role: decode``)."""
+    min_prompt_tokens: int = 2048
+    """``disaggregation.min_prompt_tokens`` of a disaggregated layout."""
 
     def describe(self) -> str:
         pools: dict[str, list[str]] = {}
@@ -67,7 +72,11 @@ LAYOUTS = {layout.name: layout for layout in (
     FleetLayout("heterogeneous", (("chat", "l4-24gb", 6), ("chat", "h100-80gb", 2), ("code", "h100-80gb", 1),
                                   ("code", "l4-24gb", 1))),
     FleetLayout("homogeneous", (("chat", "h100-80gb", 3), ("code", "h100-80gb", 1))),
+    FleetLayout("homogeneous-pd", (("chat-prefill", "h100-80gb", 1), ("chat", "h100-80gb", 2),
+                                   ("code", "h100-80gb", 1)), prefill_pool="chat-prefill"),
 )}
+"""``homogeneous-pd`` is ``homogeneous`` with one of its three chat H100s turned into a prefill worker: the
+same GPUs, disaggregated (``bench/disagg.py``)."""
 
 
 @dataclass(frozen=True)
@@ -109,16 +118,25 @@ def scaled_settings(time_scale: float) -> dict[str, dict[str, float]]:
     }
 
 
-def fleet_config(workers: list[WorkerPlan], time_scale: float) -> dict[str, object]:
+def fleet_config(workers: list[WorkerPlan], time_scale: float,
+                 layout: FleetLayout | None = None) -> dict[str, object]:
     """The poolgate config of the benchmark (YAML-shaped)."""
     settings = scaled_settings(time_scale)
+    pools: list[dict[str, object]] = [{"name": pool, "model": MODELS[role], "max_model_len": POOL_MAX_MODEL_LEN[pool]}
+                                      for role, pool in POOL_OF_ROLE.items()]
+    split: dict[str, object] = {}
+    if layout is not None and layout.prefill_pool is not None:
+        chat = pools[0]
+        chat["role"] = "decode"
+        pools.append({**chat, "name": layout.prefill_pool, "role": "prefill"})
+        split = {"disaggregation": {"min_prompt_tokens": layout.min_prompt_tokens}}
     return {
         "key_prefix": KEY_PREFIX,
         "ports": {"envoy": 0},
         **{section: values for section, values in settings.items() if section != "scheduling"},
         "scheduling": {"task_classes": {"code_models": [MODELS["code"]]}, **settings["scheduling"]},
-        "pools": [{"name": pool, "model": MODELS[role], "max_model_len": POOL_MAX_MODEL_LEN[pool]}
-                  for role, pool in POOL_OF_ROLE.items()],
+        "pools": pools,
+        **split,
         "workers": [{"id": w.id, "pool": w.pool, "backend": "sim", "preset": w.preset, "port": w.port,
                      "extra_args": ["--time-scale", repr(time_scale), "--log-level", "WARNING"]}
                     for w in workers],
@@ -139,10 +157,11 @@ class BenchFleet:
         """A separate agent, when the controller runs none."""
         self.baseline_weights: dict[str, int] = {}
         config_path = run_dir / "poolgate.yaml"
-        config_path.write_text(yaml.safe_dump(fleet_config(self.workers, time_scale), sort_keys=False))
+        config_path.write_text(yaml.safe_dump(fleet_config(self.workers, time_scale, layout), sort_keys=False))
         self.config = load_config(config_path)
         ports = StackPorts(envoy=free_port(), admin=free_port(), extproc=free_port(), xds=free_port(),
-                           controller_http=free_port())
+                           controller_http=free_port(),
+                           pd_sidecar=free_port() if layout.prefill_pool is not None else None)
         self.stack = Stack(self.config, config_path, run_dir, ports, None, "127.0.0.1")
 
     def pool_workers(self, pool: str) -> list[WorkerPlan]:
