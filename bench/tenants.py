@@ -41,6 +41,7 @@ import orjson
 import yaml
 
 from bench.harness import lag_quantile, scrape
+from bench.measure import percentile
 from bench.report import write_report
 from extproc.tenancy import key_digest
 from poolgate.kernel.config import load_config
@@ -196,8 +197,8 @@ async def capacity(session: aiohttp.ClientSession, url: str, warmup_s: float, du
 
 
 def p99(values: Sequence[float]) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else None
+    """Nearest-rank p99 (bench.measure's), None when nothing was measured."""
+    return percentile(values, 0.99) if values else None
 
 
 def busiest_minute(results: Sequence[Result]) -> float:
