@@ -307,9 +307,9 @@ def worker_figures(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 async def start_stack(config_path: Path, run_dir: Path) -> Stack:
-    ports = StackPorts(envoy=free_port(), admin=free_port(), extproc=free_port(), xds=free_port(),
-                       controller_http=free_port())
-    stack = Stack(load_config(config_path), config_path, run_dir, ports, None, "127.0.0.1")
+    config = load_config(config_path)
+    stack = Stack(config, config_path, run_dir, StackPorts.all_free(config.extproc.process_count()), None,
+                  "127.0.0.1")
     await stack.start()
     await stack.wait_until_serving()
     async with aiohttp.ClientSession() as session:  # READY with keys required: wait for a keyed answer too
