@@ -67,6 +67,12 @@ class StackPorts:
     pd_sidecar: int | None = None
     """The prefill/decode sidecar's port, when a pool has ``role: prefill``."""
 
+    @classmethod
+    def all_free(cls, extproc_processes: int) -> StackPorts:
+        """Free ports for everything (benchmarks and tests that start their own stack)."""
+        return cls(envoy=free_port(), admin=free_port(), extproc=tuple(free_port() for _ in range(extproc_processes)),
+                   xds=free_port(), controller_http=free_port())
+
 
 class Stack:
     """Starts the children in dependency order and stops them all, whatever state they are in."""
