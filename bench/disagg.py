@@ -5,7 +5,7 @@
 
 The ``mix`` scenario (``scenarios``: chat, code completion, 8–16k-token summarisations, long streams) is
 replayed, one seeded trace, through poolgate on two fleets of four simulated H100s (``sched_fleet``):
-``homogeneous`` (chat 3, code 1) and ``homogeneous-pd`` (chat 1 prefill + 2 decode, code 1). Each fleet is
+``homogeneous`` (chat 3, code 1) and ``DISAGGREGATED`` (chat 1 prefill + 2 decode, code 1). Each fleet is
 started, idle and cache-reset before its run. Reported per fleet: TTFT p50/p99, ITL (time between a
 stream's token chunks) p50/p99, TPOT, goodput (share of requests within their class's TTFT SLO), errors;
 for the split fleet the sidecar's own time before a response's first byte (its histogram, waits on workers
@@ -37,9 +37,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.loadgen import new_session
 from bench.replay import Progress, Window, replay
 from bench.scenarios import SCENARIOS
-from bench.sched_fleet import LAYOUTS, MODELS, BenchFleet
+from bench.sched_fleet import LAYOUTS, MODELS, BenchFleet, FleetLayout
 
-VARIANTS = (("aggregated", "homogeneous"), ("disaggregated", "homogeneous-pd"))
+DISAGGREGATED = FleetLayout("homogeneous-pd", (("chat-prefill", "h100-80gb", 1), ("chat", "h100-80gb", 2),
+                                               ("code", "h100-80gb", 1)), prefill_pool="chat-prefill")
+"""The peers benchmark's ``homogeneous`` fleet with one of its three chat H100s prefilling: the same GPUs."""
+VARIANTS = (("aggregated", LAYOUTS["homogeneous"]), ("disaggregated", DISAGGREGATED))
 
 
 async def sidecar_figures(session: aiohttp.ClientSession, port: int) -> dict[str, Any]:
@@ -75,15 +78,15 @@ def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
     return math.inf
 
 
-async def run_variant(session: aiohttp.ClientSession, name: str, layout: str, args: argparse.Namespace,
+async def run_variant(session: aiohttp.ClientSession, name: str, layout: FleetLayout, args: argparse.Namespace,
                       progress: Progress, report: dict[str, Any]) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"poolgate-bench-disagg-{name}-"))
     report["logs"].append(str(run_dir))
-    fleet = BenchFleet(run_dir, args.time_scale, LAYOUTS[layout])
+    fleet = BenchFleet(run_dir, args.time_scale, layout)
     scenario = SCENARIOS["mix"]
     window = Window(args.time_scale, args.window_s, args.drain_s)
     try:
-        progress.show(f"starting the {name} fleet ({LAYOUTS[layout].describe()})")
+        progress.show(f"starting the {name} fleet ({layout.describe()})")
         await fleet.start(session)
         await fleet.ensure_agent(8.0)
         trace = scenario.trace(args.rate, window.window_s * args.time_scale, args.seed, MODELS)
@@ -92,7 +95,7 @@ async def run_variant(session: aiohttp.ClientSession, name: str, layout: str, ar
         row = await replay(session, fleet, fleet.target("poolgate"), 1.0, args.rate, trace.requests, trace.bodies,
                            window, [c.name for c in scenario.classes], progress, f"mix {name}")
         row.pop("ttft_samples_s", None)
-        row["variant"], row["fleet"] = name, LAYOUTS[layout].describe()
+        row["variant"], row["fleet"] = name, layout.describe()
         sidecar = fleet.stack.ports.pd_sidecar
         if sidecar is not None:
             row["sidecar"] = await sidecar_figures(session, sidecar)

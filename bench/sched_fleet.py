@@ -72,11 +72,7 @@ LAYOUTS = {layout.name: layout for layout in (
     FleetLayout("heterogeneous", (("chat", "l4-24gb", 6), ("chat", "h100-80gb", 2), ("code", "h100-80gb", 1),
                                   ("code", "l4-24gb", 1))),
     FleetLayout("homogeneous", (("chat", "h100-80gb", 3), ("code", "h100-80gb", 1))),
-    FleetLayout("homogeneous-pd", (("chat-prefill", "h100-80gb", 1), ("chat", "h100-80gb", 2),
-                                   ("code", "h100-80gb", 1)), prefill_pool="chat-prefill"),
 )}
-"""``homogeneous-pd`` is ``homogeneous`` with one of its three chat H100s turned into a prefill worker: the
-same GPUs, disaggregated (``bench/disagg.py``)."""
 
 
 @dataclass(frozen=True)
