@@ -57,7 +57,8 @@ class SidecarMetrics:
         self.registry = registry or CollectorRegistry()
         self.requests = Counter("poolgate_pd_requests", "Split requests by how they ended: split (prefill then "
                                 "decode), plain (decoded without remote KV: no prefill answer or params refused), "
-                                "failed (no decode worker answered)", ["outcome"], registry=self.registry)
+                                "refused (the decode worker's own 4xx), failed (no decode worker answered)",
+                                ["outcome"], registry=self.registry)
         self.retries = Counter("poolgate_pd_retries", "A step tried again on the next worker, by step",
                                ["step"], registry=self.registry)
         self.step_seconds = Histogram("poolgate_pd_step_seconds", "Time of each step: prefill (the prefill "
@@ -186,11 +187,16 @@ class PdSidecar:
                 if upstream.status >= 500:
                     log.warning("decode worker %s answered %d; trying the next", endpoint, upstream.status)
                     return "retry"
+                if upstream.status != 200:  # the worker's refusal: read whole, it is the answer unless the KV is
+                    raw = await upstream.read()
+                    if prefilled is not None and upstream.status == 400 and _refused_params(raw):
+                        log.info("decode worker %s refused the KV params; sending it the plain request", endpoint)
+                        return "refused"
+                    self.metrics.requests.labels("refused").inc()
+                    return web.Response(body=raw, status=upstream.status,
+                                        headers=self._relayed(upstream.headers, endpoint, prefilled, fallback))
                 first = await upstream.content.readany()
-                if prefilled is not None and upstream.status == 400 and _refused_params(first + await upstream.read()):
-                    log.info("decode worker %s refused the KV params; sending it the plain request", endpoint)
-                    return "refused"
-                if (not first and upstream.status == 200) or (streaming and first.startswith(b'data: {"error"')):
+                if not first or (streaming and first.startswith(b'data: {"error"')):
                     log.warning("decode worker %s failed before its first token; trying the next", endpoint)
                     return "retry"
                 first_byte = time.perf_counter()

@@ -67,9 +67,9 @@ def address(worker: SimWorker) -> str:
     return f"127.0.0.1:{worker.spec.port}"
 
 
-async def ask(base: str, prefill: list[str], decode: list[str],
-              stream: bool = True) -> tuple[int, dict[str, str], bytes]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 12,
+async def ask(base: str, prefill: list[str], decode: list[str], stream: bool = True,
+              max_tokens: int = 12) -> tuple[int, dict[str, str], bytes]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": max_tokens,
             "stream": stream}
     headers = {PREFILL_HEADER: ",".join(prefill), DECODE_HEADER: ",".join(decode)}
     async with aiohttp.ClientSession() as session, session.post(f"{base}/v1/chat/completions", json=body,
@@ -159,3 +159,13 @@ async def test_no_decode_worker_answers_502(start_worker: Start, sidecar: tuple[
     status, _, raw = await ask(base, [address(prefill)], [])
     assert status == 502
     assert counter(proxy, "poolgate_pd_requests_total", outcome="failed") == 1
+
+
+async def test_the_decode_workers_own_refusal_reaches_the_client_whole(start_worker: Start,
+                                                                       sidecar: tuple[str, PdSidecar]) -> None:
+    base, _ = sidecar
+    prefill, decode = await start_worker("kv_producer"), await start_worker("kv_consumer")
+    status, headers, raw = await ask(base, [address(prefill)], [address(decode)], max_tokens=100_000)
+    error = orjson.loads(raw)["error"]  # the prefill (max_tokens 1) fits; the whole request does not
+    assert status == 400 and "maximum context length" in error["message"]
+    assert split_of(headers)["decode"] == address(decode)
