@@ -181,6 +181,7 @@ class PdSidecar:
         """One decode try, relayed to the client once its first bytes came; else what to do next.
         ``overhead_s`` is the sidecar's own time so far (parsing, encoding, bookkeeping)."""
         sent_at = time.perf_counter()
+        response: web.StreamResponse | None = None
         try:
             async with self._client().post(f"http://{endpoint}{path}", data=payload, headers=headers,
                                            timeout=self._timeout()) as upstream:
@@ -213,7 +214,10 @@ class PdSidecar:
                     await response.write(chunk)
                 await response.write_eof()
                 return response
-        except (aiohttp.ClientError, TimeoutError) as error:
+        except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as error:
+            if response is not None and response.prepared:  # bytes reached the client: never replayed
+                log.info("stream from decode worker %s ended early (%s)", endpoint, type(error).__name__)
+                return response
             log.warning("decode worker %s failed (%s) before its first token; trying the next", endpoint,
                         type(error).__name__)
             return "retry"

@@ -169,3 +169,20 @@ async def test_the_decode_workers_own_refusal_reaches_the_client_whole(start_wor
     error = orjson.loads(raw)["error"]  # the prefill (max_tokens 1) fits; the whole request does not
     assert status == 400 and "maximum context length" in error["message"]
     assert split_of(headers)["decode"] == address(decode)
+
+
+async def test_a_client_leaving_mid_stream_is_not_retried_elsewhere(start_worker: Start,
+                                                                   sidecar: tuple[str, PdSidecar]) -> None:
+    base, proxy = sidecar
+    prefill = await start_worker("kv_producer")
+    first, second = await start_worker("kv_consumer", time_scale=1.0), await start_worker("kv_consumer")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 2000,
+            "stream": True}
+    headers = {PREFILL_HEADER: address(prefill), DECODE_HEADER: f"{address(first)},{address(second)}"}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{base}/v1/chat/completions", json=body, headers=headers)
+        assert response.status == 200 and await response.content.readany()
+        response.close()  # the client goes away after its first tokens
+    await asyncio.sleep(1.0)
+    assert counter(proxy, "poolgate_pd_retries_total", step="decode") == 0
+    assert second.engine.num_running + second.engine.num_waiting == 0
