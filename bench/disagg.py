@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +172,8 @@ def markdown(report: dict[str, Any]) -> str:
     rows = report["rows"]
     lines = [f"# Prefill/decode disaggregation vs aggregated ({report['load']})", "",
              f"mix at {report['rate']} req/s (model), {report['window_model_s']:.0f} model s, "
-             f"time scale {report['time_scale']}, seed {report['seed']}", "",
+             f"time scale {report['time_scale']}, seed {report['seed']}, split from "
+             f"{report['min_prompt_tokens']} prompt tokens", "",
              "| variant | fleet | sent | errors | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p99 | goodput |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -212,13 +214,16 @@ def plot(out: Path, rows: list[dict[str, Any]]) -> None:
 
 async def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     load = "load average " + " ".join(f"{v:.1f}" for v in os.getloadavg())
-    report: dict[str, Any] = {"name": "disagg", "rate": args.rate, "time_scale": args.time_scale, "seed": args.seed,
+    report: dict[str, Any] = {"name": "disagg", "rate": args.rate, "min_prompt_tokens": args.min_prompt_tokens,
+                              "time_scale": args.time_scale, "seed": args.seed,
                               "window_model_s": args.window_s * args.time_scale, "load": load, "rows": [],
                               "logs": [], "started": time.monotonic()}
     progress = Progress(len(VARIANTS))
     async with new_session() as session:
         try:
             for name, layout in VARIANTS:
+                if name == "disaggregated":
+                    layout = replace(layout, min_prompt_tokens=args.min_prompt_tokens)
                 report["rows"].append(await run_variant(session, name, layout, args, progress, report))
             report["hop"] = await sidecar_hop_ms(session)
         finally:
@@ -239,6 +244,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated GPU speed versus real time (default %(default)s)")
     parser.add_argument("--window-s", type=float, default=80.0, help="arrival window, wall seconds")
     parser.add_argument("--drain-s", type=float, default=20.0, help="longest wait after the window, wall seconds")
+    parser.add_argument("--min-prompt-tokens", type=int, default=2048,
+                        help="disaggregation.min_prompt_tokens of the split fleet (default %(default)s: only the "
+                             "summarisations are split)")
     parser.add_argument("--seed", type=int, default=21)
 
 
