@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
 from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from poolgate.kernel import store_scripts
@@ -116,10 +117,16 @@ class ChangeFeed:
     """The fleet's change notifications, subscribed while the ``async with`` block runs."""
 
     def __init__(self, redis: RedisLike, channel: str) -> None:
+        self._redis = redis
         self._channel = channel
         self._pubsub: PubSub = redis.pubsub(ignore_subscribe_messages=True)
 
     async def __aenter__(self) -> ChangeFeed:
+        if isinstance(self._redis, RedisCluster):
+            # The subscription goes to the node the client maps the channel's slot to, without asking the
+            # cluster: a keyed command first loads the map, and after a failover renews it (a dead master
+            # fails the command and the client re-reads the topology), so the feed follows the new master.
+            await self._redis.exists(self._channel)
         await self._pubsub.subscribe(self._channel)
         return self
 
@@ -180,10 +187,10 @@ class FleetStore:
             return []
         now = time.time()
 
-        async def queue(pipe: Any) -> None:
+        def queue(pipe: Any) -> None:
             for worker_id, facts in beats.items():
-                await self._write_facts(keys=self._route, client=pipe, args=self._facts_args(
-                    worker_id, _ttl_ms(ttl_s), False, {"updated_at": now, **facts}))
+                self._queue_facts(pipe, self._facts_args(worker_id, _ttl_ms(ttl_s), False,
+                                                         {"updated_at": now, **facts}))
         alive = await self._scripted_pipeline(queue)
         return [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
 
@@ -208,31 +215,34 @@ class FleetStore:
         return await self.update_live(worker_id, announce=True, state=state.value)
 
     async def set_states(self, states: Mapping[str, WorkerState]) -> list[str]:
-        """Many state changes in one pipeline with one announcement (the health monitor's round); returns
+        """Many state changes in one pipeline, then one announcement (the health monitor's round); returns
         the ids written. Each change is logged, so readers take the whole batch in one read."""
         if not states:
             return []
 
-        async def queue(pipe: Any) -> None:
+        def queue(pipe: Any) -> None:
             for worker_id, state in states.items():
-                await self._write_facts(keys=self._route, client=pipe,
-                                        args=self._facts_args(worker_id, 0, "q", {"state": state.value}))
-            pipe.publish(self.keys.events, f"batch {len(states)}")
-        *written, _ = await self._scripted_pipeline(queue)
+                self._queue_facts(pipe, self._facts_args(worker_id, 0, "q", {"state": state.value}))
+        written = await self._scripted_pipeline(queue)
+        await self._redis.publish(self.keys.events, f"batch {len(states)}")  # a Cluster pipeline has no PUBLISH
         return [worker_id for worker_id, ok in zip(states, written, strict=True) if ok]
 
-    async def _scripted_pipeline(self, queue: Callable[[Any], Awaitable[None]]) -> list[Any]:
-        """Run the script calls ``queue`` puts on one pipeline. A single server's pipeline loads its scripts
-        first; a Cluster pipeline does not, and a node that never ran them (a replica promoted by a
-        failover) answers NOSCRIPT: load them and send the pipeline again (its writes bear repeating)."""
+    def _queue_facts(self, pipe: Any, args: list[Any]) -> None:
+        """``WRITE_FACTS`` by its digest on a pipeline (a Cluster pipeline has no ``evalsha`` method)."""
+        pipe.execute_command("EVALSHA", self._write_facts.sha, len(self._route), *self._route, *args)
+
+    async def _scripted_pipeline(self, queue: Callable[[Any], None]) -> list[Any]:
+        """Run the ``WRITE_FACTS`` calls ``queue`` puts on one pipeline. A server that does not know the
+        script (restarted, or a replica a failover promoted) answers NOSCRIPT: load it and send the
+        pipeline again (its writes bear repeating)."""
         pipe = self._redis.pipeline(transaction=False)
-        await queue(pipe)
+        queue(pipe)
         try:
             return list(await pipe.execute())
         except NoScriptError:
             await self._redis.script_load(store_scripts.WRITE_FACTS)
         pipe = self._redis.pipeline(transaction=False)
-        await queue(pipe)
+        queue(pipe)
         return list(await pipe.execute())
 
     # Reads.
