@@ -125,6 +125,10 @@ async def test_every_fleet_path_runs_on_the_deployment(deployment: Deployment) -
         await store.release_lease("ctl-a")
         assert await store.take_lease("ctl-b", 5.0)
 
+        await redis.script_flush()  # as on a promoted replica that never ran the scripts
+        assert await store.heartbeat_many({"w1": {"running": 1}}, TTL_S) == []
+        assert await store.set_states({"w1": WorkerState.BUSY}) == ["w1"]
+
         quotas = QuotaStore(redis, KEYS.quota, lease_s=30.0)
         ticket = await quotas.admit(Tenant(name=TENANT.name, priority=0, priority_class="standard",
                                            max_concurrent=5, tokens_per_minute=1000), 10)
@@ -137,6 +141,22 @@ async def test_every_fleet_path_runs_on_the_deployment(deployment: Deployment) -
             outside = [k for k in names if not k.startswith(KEYS.fleet + ":")
                        and not k.startswith(KEYS.quota.tenant(TENANT.name))]
             assert outside == [], f"keys outside their namespace's hash tag: {outside}"
+    finally:
+        await redis.aclose()
+
+
+async def test_pipelined_scripts_reload_on_a_single_server(redis_url: str) -> None:
+    """A server that lost its script cache (restarted, or a promoted replica) answers NOSCRIPT to a
+    pipeline of script calls: the store loads the script and sends the pipeline again."""
+    redis = connect(redis_url)
+    store = FleetStore(redis, PREFIX)
+    try:
+        await store.register(worker("w1"), TTL_S)
+        await redis.script_flush()
+        assert await store.heartbeat_many({"w1": {"running": 1}, "nope": {}}, TTL_S) == ["nope"]
+        await redis.script_flush()
+        assert await store.set_states({"w1": WorkerState.BUSY}) == ["w1"]
+        assert (await store.read_workers(["w1"]))["w1"].state is WorkerState.BUSY  # type: ignore[union-attr]
     finally:
         await redis.aclose()
 
