@@ -12,7 +12,6 @@ quota counter is off from the admissions that succeeded by at most the callers t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -172,6 +171,8 @@ class Load:
     """(when, worker id) of every registration the subscriber heard."""
     view_at: dict[str, float] = field(default_factory=dict)
     """When the reader's view first held each worker."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """The last error each loop met (for a failure's message)."""
 
 
 async def _admit_loop(quotas: QuotaStore, tenant: Tenant, load: Load, stop: asyncio.Event) -> None:
@@ -200,11 +201,13 @@ async def _heartbeat_loop(store: FleetStore, ids: list[str], load: Load, stop: a
 async def _view_loop(store: FleetStore, load: Load, stop: asyncio.Event) -> None:
     view = FleetView(store)
     while not stop.is_set():
-        with contextlib.suppress(*REDIS_ERRORS):
+        try:
             await view.sync()
-            now = time.monotonic()
-            for worker_id in view.records:
-                load.view_at.setdefault(worker_id, now)
+        except REDIS_ERRORS as exc:
+            load.errors["view"] = repr(exc)
+        now = time.monotonic()
+        for worker_id in view.records:
+            load.view_at.setdefault(worker_id, now)
         await asyncio.sleep(0.1)
 
 
@@ -221,24 +224,27 @@ async def _feed_loop(store: FleetStore, load: Load, stop: asyncio.Event) -> None
             await asyncio.sleep(0.2)
 
 
-async def _probe_loop(store: FleetStore, written: list[tuple[float, str]], stop: asyncio.Event) -> None:
+async def _probe_loop(store: FleetStore, written: list[tuple[float, str]], load: Load, stop: asyncio.Event) -> None:
     """Register a new worker every 0.25 s (a fleet change to see): the first written after the kill, and the
     first the feed hears (pub/sub loses what is published while a subscriber reconnects), say when each
     path is back."""
     for n in range(10**6):
         if stop.is_set():
             return
-        with contextlib.suppress(*REDIS_ERRORS):
+        try:
             await store.register(worker(f"probe-{n}"), TTL_S)
             written.append((time.monotonic(), f"probe-{n}"))
+        except REDIS_ERRORS as exc:
+            load.errors["registration"] = repr(exc)
         await asyncio.sleep(0.25)
 
 
-async def _until(condition: Callable[[], bool], bound_s: float, what: str) -> float:
+async def _until(condition: Callable[[], bool], bound_s: float, what: str, load: Load | None = None) -> float:
     """Poll ``condition`` until true; when it was (fails after ``bound_s``)."""
     start = time.monotonic()
     while not condition():
-        assert time.monotonic() - start < bound_s, f"{what} did not recover within {bound_s:g} s"
+        assert time.monotonic() - start < bound_s, (
+            f"{what} did not recover within {bound_s:g} s; last errors: {load.errors if load else {}}")
         await asyncio.sleep(0.02)
     return time.monotonic()
 
@@ -264,12 +270,13 @@ async def test_master_failover_under_load(deployment: Deployment) -> None:
         killed_at = time.monotonic()
         killed = fail_fleet_master(deployment)
         probes: list[tuple[float, str]] = []
-        tasks.append(asyncio.create_task(_probe_loop(store, probes, stop)))
-        await _until(lambda: any(w in load.view_at for _, w in probes), RECOVERY_BOUND_S, "the fleet view")
-        await _until(lambda: any(w.startswith("probe-") for _, w in load.feed), RECOVERY_BOUND_S, "the change feed")
-        leader_by = await _until(lease.is_leader, RECOVERY_BOUND_S, "the leader lease")
+        tasks.append(asyncio.create_task(_probe_loop(store, probes, load, stop)))
+        await _until(lambda: any(w in load.view_at for _, w in probes), RECOVERY_BOUND_S, "the fleet view", load)
+        await _until(lambda: any(w.startswith("probe-") for _, w in load.feed), RECOVERY_BOUND_S,
+                     "the change feed", load)
+        leader_by = await _until(lease.is_leader, RECOVERY_BOUND_S, "the leader lease", load)
         await _until(lambda: any(ok and start > killed_at for start, _, ok in load.admissions),
-                     RECOVERY_BOUND_S, "quota admissions")
+                     RECOVERY_BOUND_S, "quota admissions", load)
         await asyncio.sleep(1.0)  # load goes on after the recovery
     except BaseException:
         for redis in (writer, reader, counter):
