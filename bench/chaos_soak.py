@@ -251,7 +251,7 @@ def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
     classes = class_rows(sent)
     minutes = per_minute(sent)
     memory = memory_rows(run["samples"], window_from_s=run["seconds"] / 3, tolerance=RSS_TOLERANCE)
-    quota = run["ledger"].verdict(sent)
+    quota = run["ledger"].verdict(sent, [e.at_s for e in run["faults"] if e.fault in ("extproc", "redis")])
     non_streaming = next(r for r in classes if r["class"] == NON_STREAMING)
     streaming = next(r for r in classes if r["class"] == STREAMING)
     success = float(non_streaming["success_pct"]) / 100 if non_streaming["sent"] else math.nan
@@ -269,6 +269,12 @@ def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
             "load_average": run["load_average"], "checks": checks, "passed": all(checks.values()),
             "lost": [{**asdict(s), "after_fault": _last_fault(faults, s.sent_s + s.elapsed_s)}
                      for s in sent if not s.ok]}
+    lost_by_fault: dict[tuple[str, str], int] = {}
+    for lost in data["lost"]:
+        key = (lost["after_fault"], lost["mode"])
+        lost_by_fault[key] = lost_by_fault.get(key, 0) + 1
+    lost_rows: list[dict[str, Any]] = [{"after": after, "class": mode, "lost": n} for (after, mode), n in sorted(lost_by_fault.items())]
+    data["lost_by_fault"] = lost_rows
     tables = [
         format_table(classes, [Column("class", "class", "{}"), Column("sent", "sent", "{}"),
                                Column("succeeded", "ok", "{}"), Column("failed", "failed", "{}"),
@@ -286,11 +292,14 @@ def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
                               Column("end_mib", "RSS end MiB", "{:.1f}"), Column("incarnations", "processes", "{}"),
                               Column("window_change_pct", "last 2/3 change %", "{:+.1f}"),
                               Column("within", "within ±10 %", "{}")]),
+        format_table(lost_rows or [{"after": "-", "class": "-", "lost": 0}],
+                     [Column("after", "lost after fault", "{}"), Column("class", "class", "{}"),
+                      Column("lost", "requests", "{}")]),
         format_table([quota], [Column("tenant", "quota tenant", "{}"), Column("requests", "requests", "{}"),
                                Column("usage_reported_tokens", "usage reported", "{}"),
                                Column("counted_tokens", "counted in Redis", "{}"),
                                Column("drift_tokens", "drift", "{:+d}"),
-                               Column("cut_after_admission", "cut requests", "{}"),
+                               Column("at_risk_requests", "requests at risk", "{}"),
                                Column("drift_bound_tokens", "bound", "{}")]),
     ]
     load = run["load_average"]

@@ -9,8 +9,9 @@ with a hang detector). Tests drive all of it with fakes of known timing.
 - TTFT per minute: p99 over the requests sent in that minute that got a first token (the first text event
   of a stream; the whole answer of a non-streaming request); failures are counted beside it.
 - Quota drift: the tenant's per-minute token counters in Redis against the usage its answers reported.
-  A request cut by a fault after admission keeps its reservation (nobody saw its usage), so the drift a
-  run may show is bounded by those requests; the report gives both.
+  A request cut by a fault after admission keeps its reservation (nobody saw its usage), and so does one
+  whose extproc process died before it could correct the charge (or whose correction met a dead Redis);
+  the drift a run may show is bounded by those requests' reservations; the report gives both.
 - Memory: every process's RSS sampled through the run; a process restarted by a fault is the same service,
   so a service's trend runs across its incarnations, without the first ``warm_s`` of each one.
 """
@@ -143,16 +144,20 @@ class QuotaLedger:
         if value is not None:
             self.counted[minute] = value
 
-    def verdict(self, sent: Sequence[Sent]) -> dict[str, Any]:
+    def verdict(self, sent: Sequence[Sent], bookkeeping_faults_s: Sequence[float] = ()) -> dict[str, Any]:
+        """Counted against reported tokens. Requests that failed after admission, and requests in flight at
+        a fault that loses bookkeeping (``bookkeeping_faults_s``: an extproc process or Redis killed, so a
+        release or correction may never be written) are the ones a drift may come from."""
         mine = [s for s in sent if s.tenant == self.tenant]
         reported = sum(s.usage_tokens or 0 for s in mine if s.ok)
-        unreconciled = [s for s in mine if not s.ok and s.status not in (400, 401, 403, 404, 413, 429)]
+        unreconciled = [s for s in mine if (not s.ok and s.status not in (400, 401, 403, 404, 413, 429))
+                        or any(s.sent_s <= t <= s.sent_s + s.elapsed_s for t in bookkeeping_faults_s)]
         counted = sum(self.counted.values())
         drift = counted - reported
         bound = len(unreconciled) * self.reservation_bound
         return {"tenant": self.tenant, "requests": len(mine), "succeeded": sum(s.ok for s in mine),
                 "usage_reported_tokens": reported, "counted_tokens": counted, "drift_tokens": drift,
-                "cut_after_admission": len(unreconciled), "drift_bound_tokens": bound,
+                "at_risk_requests": len(unreconciled), "drift_bound_tokens": bound,
                 "unexplained_drift_tokens": max(0, abs(drift) - bound),
                 "no_drift": drift == 0 or abs(drift) <= bound}
 

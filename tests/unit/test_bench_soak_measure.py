@@ -125,7 +125,7 @@ def test_quota_counters_that_match_the_reported_usage_show_no_drift() -> None:
         ledger.observe(minute, value)
     verdict = ledger.verdict(_quota_sent([200, 60, 40], refused=2))
     assert (verdict["counted_tokens"], verdict["usage_reported_tokens"], verdict["drift_tokens"]) == (300, 300, 0)
-    assert verdict["cut_after_admission"] == 0 and verdict["no_drift"] is True
+    assert verdict["at_risk_requests"] == 0 and verdict["no_drift"] is True
 
 
 def test_quota_drift_is_bounded_by_the_requests_cut_after_admission() -> None:
@@ -136,6 +136,12 @@ def test_quota_drift_is_bounded_by_the_requests_cut_after_admission() -> None:
     ledger.observe(10, 300 + 2500)
     unexplained = ledger.verdict(_quota_sent([300], cut=1))
     assert unexplained["no_drift"] is False and unexplained["unexplained_drift_tokens"] == 1500
+    at_risk = [Sent(NON_STREAMING, "chat", 10.0, ok=True, tenant="t", usage_tokens=300, elapsed_s=5.0),
+               Sent(NON_STREAMING, "chat", 20.0, ok=True, tenant="t", usage_tokens=0, elapsed_s=1.0)]
+    ledger.observe(10, 300 + 900)  # the first was in flight when its extproc died: its correction was lost
+    assert ledger.verdict(at_risk)["no_drift"] is False
+    in_flight = ledger.verdict(at_risk, bookkeeping_faults_s=[12.0])
+    assert (in_flight["at_risk_requests"], in_flight["no_drift"]) == (1, True)
     lost = QuotaLedger("t", reservation_bound=1000)
     lost.observe(10, 100)  # fewer tokens counted than were used: charges lost
     assert lost.verdict(_quota_sent([300]))["no_drift"] is False
