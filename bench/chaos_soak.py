@@ -273,7 +273,8 @@ def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
     for lost in data["lost"]:
         key = (lost["after_fault"], lost["mode"])
         lost_by_fault[key] = lost_by_fault.get(key, 0) + 1
-    lost_rows: list[dict[str, Any]] = [{"after": after, "class": mode, "lost": n} for (after, mode), n in sorted(lost_by_fault.items())]
+    lost_rows: list[dict[str, Any]] = [{"after": after, "class": mode, "lost": n}
+                                       for (after, mode), n in sorted(lost_by_fault.items())]
     data["lost_by_fault"] = lost_rows
     tables = [
         format_table(classes, [Column("class", "class", "{}"), Column("sent", "sent", "{}"),
