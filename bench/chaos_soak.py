@@ -121,6 +121,7 @@ async def measure_capacity(session: aiohttp.ClientSession, base: str, *, warmup_
     bodies = [request_body(spec, MODELS[spec.role]) for spec in trace]
     steps: list[dict[str, float]] = []
     clients = first_clients
+    saturated = False
     for _ in range(max_steps):
         _, outcomes = await run_closed_loop(session, Target.single("poolgate", base), trace, bodies,
                                             concurrency=clients, warmup_s=warmup_s, window_s=window_s,
@@ -132,10 +133,11 @@ async def measure_capacity(session: aiohttp.ClientSession, base: str, *, warmup_
         print(f"soak: capacity with {clients} clients: {done / window_s:.2f} completed req/s", flush=True)
         best_before = max((s["completions_per_s"] for s in steps[:-1]), default=0.0)
         if best_before and steps[-1]["completions_per_s"] < best_before * (1 + min_gain):
+            saturated = True
             break
         clients *= 2
     best = max(steps, key=lambda s: s["completions_per_s"])
-    return {"rps": best["completions_per_s"], "clients": best["clients"], "steps": steps}
+    return {"rps": best["completions_per_s"], "clients": best["clients"], "steps": steps, "saturated": saturated}
 
 
 async def _wait_serving(session: aiohttp.ClientSession, stack: ChaosStack, timeout_s: float = 180.0) -> None:
@@ -304,8 +306,9 @@ def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
                                Column("drift_bound_tokens", "bound", "{}")]),
     ]
     load = run["load_average"]
+    saturated = "" if run["capacity"]["saturated"] else ", a lower bound: the sweep ended still growing"
     summary = (f"chaos soak {args.minutes:g} min at {run['rate_rps']:.2f} req/s ({args.load:.0%} of "
-               f"{run['capacity']['rps']:.2f}), {len(faults)} faults; load average {load['start'][0]:.1f} → "
+               f"{run['capacity']['rps']:.2f}{saturated}), {len(faults)} faults; load average {load['start'][0]:.1f} → "
                f"{load['end'][0]:.1f}; quota slots left {run['quota_slots_left']}; heartbeat rounds failed "
                f"{run['heartbeat_failures']}\n" + "\n".join(f"  {name}: {'yes' if ok else 'NO'}"
                                                            for name, ok in checks.items())
