@@ -294,15 +294,27 @@ class ChaosStack:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
+    async def _redis_serves(self) -> bool:
+        """Redis answers commands (a restarted one refuses them while it loads its append-only file)."""
+        redis = aioredis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            return bool(await redis.get("chaos-probe") is None)
+        except (aioredis.RedisError, OSError):
+            return False
+        finally:
+            await redis.aclose()
+
     async def back_after(self, name: str, since: float, timeout_s: float = 120.0) -> float | None:
-        """Seconds from ``since`` until ``name`` serves again (a worker: registered again)."""
+        """Seconds from ``since`` until ``name`` serves again (a worker: registered again; Redis: answers
+        a read, not just its port)."""
         worker = next((w for w in self.workers if w.id == name), None)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if worker is not None:
                 if worker.registered_pid is not None:
                     return time.monotonic() - since
-            elif name in self.pids() and await wait_port("127.0.0.1", self.ports[name], 0.5):
+            elif name in self.pids() and await wait_port("127.0.0.1", self.ports[name], 0.5) and (
+                    name != "redis" or await self._redis_serves()):
                 return time.monotonic() - since
             await asyncio.sleep(0.1)
         return None

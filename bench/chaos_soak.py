@@ -203,6 +203,7 @@ async def _soak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             samples: list[MemorySample] = []
             plan = FaultPlan(stack, args.fault_every_s, first_s=min(args.fault_every_s, seconds / 4))
             start = time.monotonic()
+            ledger.epoch_s = time.time()
             load_average_start = os.getloadavg()
             background = [
                 asyncio.ensure_future(_every(args.sample_s, lambda: _memory_now(stack, start, samples), stop)),
@@ -253,7 +254,10 @@ def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
     classes = class_rows(sent)
     minutes = per_minute(sent)
     memory = memory_rows(run["samples"], window_from_s=run["seconds"] / 3, tolerance=RSS_TOLERANCE)
-    quota = run["ledger"].verdict(sent, [e.at_s for e in run["faults"] if e.fault in ("extproc", "redis")])
+    outages = [(e.at_s, e.at_s + (e.back_after_s if e.back_after_s is not None else 60.0) * (e.fault == "redis"))
+               for e in run["faults"] if e.fault in ("extproc", "redis")]
+    quota = run["ledger"].verdict(sent, outages)
+    quota_minutes = run["ledger"].minutes(sent, outages)
     non_streaming = next(r for r in classes if r["class"] == NON_STREAMING)
     streaming = next(r for r in classes if r["class"] == STREAMING)
     success = float(non_streaming["success_pct"]) / 100 if non_streaming["sent"] else math.nan
@@ -266,7 +270,8 @@ def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
     faults = [asdict(event) for event in run["faults"]]
     data = {"name": "soak-chaos", "parameters": {k: v for k, v in vars(args).items() if k != "out"},
             "capacity": run["capacity"], "rate_rps": run["rate_rps"], "classes": classes, "minutes": minutes,
-            "memory": memory, "quota": quota, "quota_slots_left": run["quota_slots_left"], "faults": faults,
+            "memory": memory, "quota": quota, "quota_minutes": quota_minutes,
+            "quota_slots_left": run["quota_slots_left"], "faults": faults,
             "restarts": run["restarts"], "heartbeat_failures": run["heartbeat_failures"],
             "load_average": run["load_average"], "checks": checks, "passed": all(checks.values()),
             "lost": [{**asdict(s), "after_fault": _last_fault(faults, s.sent_s + s.elapsed_s)}
@@ -303,7 +308,11 @@ def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
                                Column("counted_tokens", "counted in Redis", "{}"),
                                Column("drift_tokens", "drift", "{:+d}"),
                                Column("at_risk_requests", "requests at risk", "{}"),
+                               Column("drift_pct", "drift %", "{:+.2f}"),
                                Column("drift_bound_tokens", "bound", "{}")]),
+        format_table(quota_minutes, [Column("minute", "quota minute", "{}"), Column("counted", "counted", "{}"),
+                                     Column("reported", "reported", "{}"), Column("drift", "drift", "{:+d}"),
+                                     Column("at_risk", "at risk", "{}")]),
     ]
     load = run["load_average"]
     saturated = "" if run["capacity"]["saturated"] else ", a lower bound: the sweep ended still growing"

@@ -136,6 +136,8 @@ class QuotaLedger:
     tenant: str
     reservation_bound: int
     """Most tokens one admission reserves (the pool's context length): bounds what a cut request leaves."""
+    epoch_s: float = 0.0
+    """Wall-clock time (``time.time()``) at ``sent_s`` = 0, to put requests in the counters' minutes."""
     counted: dict[int, int] = field(default_factory=dict)
     """Calendar minute → the latest reading of its counter."""
 
@@ -144,22 +146,46 @@ class QuotaLedger:
         if value is not None:
             self.counted[minute] = value
 
-    def verdict(self, sent: Sequence[Sent], bookkeeping_faults_s: Sequence[float] = ()) -> dict[str, Any]:
-        """Counted against reported tokens. Requests that failed after admission, and requests in flight at
-        a fault that loses bookkeeping (``bookkeeping_faults_s``: an extproc process or Redis killed, so a
-        release or correction may never be written) are the ones a drift may come from."""
+    def at_risk(self, sent: Sequence[Sent], outages: Sequence[tuple[float, float]]) -> list[Sent]:
+        """The tenant's requests whose charge may be wrong: failed after admission, or sent or in flight
+        during an outage of the bookkeeping (``outages``: (from, to) seconds; an extproc process killed, so
+        its corrections are never written, or Redis away, so admission fails open and charges nothing)."""
+        def touched(s: Sent) -> bool:
+            return any(s.sent_s <= to and s.sent_s + s.elapsed_s >= since for since, to in outages)
+        return [s for s in sent if s.tenant == self.tenant
+                and ((not s.ok and s.status not in (400, 401, 403, 404, 413, 429)) or touched(s))]
+
+    def verdict(self, sent: Sequence[Sent], outages: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+        """Counted against reported tokens. A drift up is bounded by a full reservation per request at risk
+        (charged, never corrected); a drift down by the usage those requests reported (never charged)."""
         mine = [s for s in sent if s.tenant == self.tenant]
         reported = sum(s.usage_tokens or 0 for s in mine if s.ok)
-        unreconciled = [s for s in mine if (not s.ok and s.status not in (400, 401, 403, 404, 413, 429))
-                        or any(s.sent_s <= t <= s.sent_s + s.elapsed_s for t in bookkeeping_faults_s)]
+        risky = self.at_risk(sent, outages)
         counted = sum(self.counted.values())
         drift = counted - reported
-        bound = len(unreconciled) * self.reservation_bound
+        bound = len(risky) * self.reservation_bound if drift >= 0 else sum(s.usage_tokens or 0 for s in risky)
         return {"tenant": self.tenant, "requests": len(mine), "succeeded": sum(s.ok for s in mine),
                 "usage_reported_tokens": reported, "counted_tokens": counted, "drift_tokens": drift,
-                "at_risk_requests": len(unreconciled), "drift_bound_tokens": bound,
-                "unexplained_drift_tokens": max(0, abs(drift) - bound),
-                "no_drift": drift == 0 or abs(drift) <= bound}
+                "drift_pct": 100.0 * drift / reported if reported else math.nan,
+                "at_risk_requests": len(risky), "drift_bound_tokens": bound,
+                "unexplained_drift_tokens": max(0, abs(drift) - bound), "no_drift": abs(drift) <= bound}
+
+    def minutes(self, sent: Sequence[Sent], outages: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
+        """Per calendar minute: counted, reported by the requests sent in it, and how many were at risk (a
+        request sent a moment before a minute ends may be charged in the next)."""
+        risky = {id(s) for s in self.at_risk(sent, outages)}
+        rows: dict[int, dict[str, Any]] = {m: {"minute": m, "counted": v, "reported": 0, "at_risk": 0}
+                                           for m, v in sorted(self.counted.items())}
+        for s in sent:
+            if s.tenant != self.tenant:
+                continue
+            minute = int((self.epoch_s + s.sent_s) // 60)
+            row = rows.setdefault(minute, {"minute": minute, "counted": 0, "reported": 0, "at_risk": 0})
+            row["reported"] += (s.usage_tokens or 0) if s.ok else 0
+            row["at_risk"] += id(s) in risky
+        for row in rows.values():
+            row["drift"] = row["counted"] - row["reported"]
+        return [rows[m] for m in sorted(rows)]
 
 
 @dataclass(frozen=True)

@@ -140,11 +140,26 @@ def test_quota_drift_is_bounded_by_the_requests_cut_after_admission() -> None:
                Sent(NON_STREAMING, "chat", 20.0, ok=True, tenant="t", usage_tokens=0, elapsed_s=1.0)]
     ledger.observe(10, 300 + 900)  # the first was in flight when its extproc died: its correction was lost
     assert ledger.verdict(at_risk)["no_drift"] is False
-    in_flight = ledger.verdict(at_risk, bookkeeping_faults_s=[12.0])
+    in_flight = ledger.verdict(at_risk, outages=[(12.0, 12.0)])
     assert (in_flight["at_risk_requests"], in_flight["no_drift"]) == (1, True)
     lost = QuotaLedger("t", reservation_bound=1000)
     lost.observe(10, 100)  # fewer tokens counted than were used: charges lost
     assert lost.verdict(_quota_sent([300]))["no_drift"] is False
+
+
+def test_charges_lost_while_redis_was_away_are_put_in_their_minute_and_bounded_by_their_usage() -> None:
+    ledger = QuotaLedger("t", reservation_bound=1000, epoch_s=600.0)  # sent_s 0 is the start of minute 10
+    sent = [Sent(NON_STREAMING, "chat", 5.0, ok=True, tenant="t", usage_tokens=100, elapsed_s=2.0),
+            Sent(NON_STREAMING, "chat", 30.0, ok=True, tenant="t", usage_tokens=200, elapsed_s=2.0),  # fail-open
+            Sent(NON_STREAMING, "chat", 70.0, ok=True, tenant="t", usage_tokens=50, elapsed_s=2.0)]
+    ledger.observe(10, 100)
+    ledger.observe(11, 50)
+    assert ledger.verdict(sent)["no_drift"] is False
+    verdict = ledger.verdict(sent, outages=[(25.0, 35.0)])
+    assert (verdict["drift_tokens"], verdict["drift_bound_tokens"], verdict["no_drift"]) == (-200, 200, True)
+    rows = ledger.minutes(sent, outages=[(25.0, 35.0)])
+    assert [(r["minute"], r["counted"], r["reported"], r["drift"], r["at_risk"]) for r in rows] == [
+        (10, 100, 300, -200, 1), (11, 50, 50, 0, 0)]
 
 
 def test_memory_trend_runs_over_the_window_and_across_restarts_once_warm() -> None:
