@@ -31,7 +31,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
-import redis.asyncio as aioredis
 import yaml
 
 from bench.baseline_envoy import BENCH_CLUSTER_HEADER, baseline_bootstrap, baseline_cluster
@@ -39,7 +38,7 @@ from bench.harness import ProcessGroup, answers_chat, scrape
 from bench.loadgen import Target
 from bench.workload import ModelRole, RequestSpec
 from poolgate.kernel.config import load_config
-from poolgate.kernel.store import FleetStore
+from poolgate.kernel.store import FleetStore, connect
 from poolgate.procs import envoy_binary, free_port, wait_port
 from poolgate.up import Stack, StackPorts
 
@@ -246,7 +245,7 @@ class BenchFleet:
     async def wait_agent_data(self, timeout_s: float) -> bool:
         """Until every worker's Redis record carries live KV data (the agent is scraping); False on timeout."""
         assert self.stack.redis_url is not None
-        redis = aioredis.from_url(self.stack.redis_url)
+        redis = connect(self.stack.redis_url, max_connections=None)
         store = FleetStore(redis, self.config.key_prefix)
         deadline = time.monotonic() + timeout_s
         try:

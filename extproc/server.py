@@ -13,14 +13,11 @@ import logging
 from collections.abc import Callable
 
 import grpc
-import redis.asyncio as redis_asyncio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
 from extproc.assembly import build_service
 from extproc.catalogue import Catalogue
@@ -42,7 +39,7 @@ from extproc.watcher import FleetWatcher
 from poolgate.kernel.config import Config
 from poolgate.kernel.keys import QuotaKeys
 from poolgate.kernel.reload import ConfigFileWatch
-from poolgate.kernel.store import FleetStore
+from poolgate.kernel.store import FleetStore, RedisLike, connect
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +60,10 @@ def grpc_options(max_request_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def redis_client(redis_url: str) -> redis_asyncio.Redis:
+def redis_client(redis_url: str) -> RedisLike:
     """Short timeouts and few quick retries: a refresh that fails fast keeps the snapshot-age metric honest
     and the next periodic refresh is the real retry."""
-    return redis_asyncio.Redis.from_url(
-        redis_url, socket_timeout=1.0, socket_connect_timeout=1.0,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
-    )
+    return connect(redis_url, max_connections=None, socket_timeout=1.0, socket_connect_timeout=1.0, retries=1)
 
 
 async def serve(
@@ -125,7 +119,7 @@ async def serve(
 KvCache = tuple[CacheLookup, KVEventSubscriptions]
 
 
-def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics, profiler: RequestProfiler) -> (
+def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: RequestProfiler) -> (
         tuple[ExtProcService, FleetWatcher, CatalogueSource, KvCache | None]):
     """The servicer over the fleet watcher, each part given the configuration's section it reads; the KV-event
     parts raise ConfigError (before anything listens) when a pool's tokenizer cannot load."""
@@ -178,7 +172,7 @@ async def _serving_after_first_snapshot(watcher: FleetWatcher, health: health_ai
 
 
 async def _stop(server: grpc.aio.Server, watch_task: asyncio.Task[None], watcher: FleetWatcher,
-                client: redis_asyncio.Redis, health: health_aio.HealthServicer) -> None:
+                client: RedisLike, health: health_aio.HealthServicer) -> None:
     await health.enter_graceful_shutdown()  # NOT_SERVING first, so probes stop sending while streams drain
     await server.stop(SHUTDOWN_GRACE_S)
     watch_task.cancel()

@@ -12,12 +12,13 @@ from typing import Any
 
 import aiohttp
 import orjson
-import redis.asyncio as aioredis
 
 from poolgate.kernel.config import ConfigError, load_config
 from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.redaction import redact_url
-from poolgate.kernel.store import FleetStore
+from poolgate.kernel.store import FleetStore, connect
+from poolgate.status import redis_url_argument
 
 
 class CommandError(PoolgateError):
@@ -27,7 +28,8 @@ class CommandError(PoolgateError):
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="deploy/local.yaml", help="poolgate YAML config (token, key prefix)")
     parser.add_argument("--controller", help="controller API URL (default: the leader announced in Redis)")
-    parser.add_argument("--redis-url", help="Redis to find the leader in (default: the config's)")
+    parser.add_argument("--redis-url", type=redis_url_argument,
+                        help="Redis to find the leader in (default: the config's)")
     parser.add_argument("--token", help="controller token (default: the config's token or its environment)")
 
 
@@ -44,10 +46,10 @@ async def _resolve(args: argparse.Namespace) -> tuple[str, str]:
     redis_url = args.redis_url or config.redis_url
     if not redis_url:
         raise CommandError("give --controller URL, or --redis-url so the leader's address can be looked up")
-    client = aioredis.from_url(redis_url, socket_connect_timeout=2)
+    client = connect(redis_url, max_connections=None, socket_connect_timeout=2)
     try:
         url = await FleetStore(client, config.key_prefix).controller_url()
-    except (aioredis.ConnectionError, OSError) as exc:
+    except REDIS_ERRORS as exc:
         raise CommandError(f"Redis at {redact_url(redis_url)} is not reachable: {exc}") from exc
     finally:
         await client.aclose()

@@ -24,13 +24,14 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-import redis.asyncio as aioredis
 import yaml
 
 from poolgate.kernel.config import Config, ConfigError, load_config
+from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.redaction import redact_url
+from poolgate.kernel.store import connect
 from poolgate.procs import envoy_binary, free_port, wait_port
-from poolgate.status import fleet_table
+from poolgate.status import fleet_table, redis_url_argument
 
 READY_TIMEOUT_S = 120.0
 
@@ -308,10 +309,10 @@ def _resolve_ports(config: Config, args: argparse.Namespace) -> StackPorts:
 
 
 async def _redis_reachable(url: str) -> bool:
-    client = aioredis.from_url(url, socket_connect_timeout=1)
+    client = connect(url, max_connections=None, socket_connect_timeout=1)
     try:
         return bool(await client.ping())
-    except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+    except REDIS_ERRORS:
         return False
     finally:
         await client.aclose()
@@ -401,7 +402,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="deploy/local.yaml")
     parser.add_argument("--port", type=int, help="Envoy listener port (default: config ports.envoy)")
     parser.add_argument("--admin-port", type=int, help="Envoy admin port (default: a free port)")
-    parser.add_argument("--redis-url", help="use this Redis instead of starting one")
+    parser.add_argument("--redis-url", type=redis_url_argument, help="use this Redis instead of starting one")
     parser.add_argument("--listen-host", default="127.0.0.1", help="address Envoy listens on")
     parser.add_argument("--log-dir", help="where child logs go (default: a new temporary directory)")
     parser.add_argument("--demo", action="store_true", help="send a short demo load once ready")

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from poolgate.kernel.config.agent import AgentSettings
 from poolgate.kernel.config.base import ConfigError, Section
@@ -28,11 +28,14 @@ from poolgate.kernel.config.processes import (
 )
 from poolgate.kernel.config.scheduling import SchedulingSettings
 from poolgate.kernel.config.tenancy import TenancySettings, TenantSpec
+from poolgate.kernel.redis_client import parse_redis_url
 
 
 class Config(Section):
     redis_url: str | None = None
-    """Redis to use. When empty, ``poolgate up`` starts its own redis-server on a free port."""
+    """Redis to use: ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://host:port[,…]/service[/db]``
+    or ``redis+cluster://host:port[,…]``. When empty, ``poolgate up`` starts its own redis-server on a free
+    port."""
     key_prefix: str = Field("poolgate", pattern=r"^[A-Za-z0-9_.:-]+$")
     ports: Ports = Ports()
     extproc: ExtprocSettings = ExtprocSettings()
@@ -67,6 +70,13 @@ class Config(Section):
             raise ConfigError(f"worker_api_key_env: ${self.worker_api_key_env} is not set; export the workers' "
                               "API key in it, or remove the setting if workers need no key")
         return key
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_form(cls, url: str | None) -> str | None:
+        if url:
+            parse_redis_url(url)  # ValueError names what is wrong; the loader names the field
+        return url
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
@@ -216,6 +226,10 @@ def load_process_config(path: str | Path, redis_url: str | None, process: str) -
     url = redis_url or config.redis_url
     if not url:
         raise ConfigError(f"{process} needs Redis: pass --redis-url or set redis_url in the configuration")
+    try:
+        parse_redis_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"{process}: --redis-url: {exc}") from None
     return config, url
 
 
