@@ -145,8 +145,9 @@ def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics, pro
                             model_tasks={pool.model: pool.task for pool in config.pools},
                             prefix_cache=kv_cache[0] if kv_cache is not None else None)
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
-    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
-                                            service.director.place.reservations))
+    place = service.director.place
+    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id, place.reservations,
+                                            affinity=place.affinity))
     return service, watcher, catalogue, kv_cache
 
 

@@ -58,11 +58,13 @@ class QuotaKeys:
 
 
 class PeerKeys:
-    """What extproc replicas tell each other (``extproc/peers.py``): who is alive, and each one's reservations."""
+    """What extproc replicas tell each other (``extproc/peers.py``): who is alive, each one's reservations, and
+    their affinity records (a stream)."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.replicas = f"{prefix}:extproc:replicas"
+        self.affinity = f"{prefix}:extproc:affinity"
 
     def reserved(self, worker_id: str) -> str:
         return f"{self.prefix}:reserved:{worker_id}"
