@@ -141,8 +141,9 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
                             prefix_cache=kv_cache[0] if kv_cache is not None else None,
                             disagg=DisaggPlan.from_config(config))
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
-    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
-                                            service.director.place.reservations))
+    place = service.director.place
+    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id, place.reservations,
+                                            affinity=place.affinity))
     return service, watcher, catalogue, kv_cache
 
 
