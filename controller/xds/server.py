@@ -6,7 +6,8 @@ pools whose endpoints changed (``endpoint_key``) are built again, and a stream s
 load assignments whose version differs from the one it sent (an EDS answer need not repeat the others; a
 CDS answer always holds every cluster). ``update_off_loop`` does the build in a worker thread, so a large
 rebuild does not stall the registry API on the same event loop. Envoy keeps its last resources while the
-controller is away, so this server is never in a request's path.
+controller is away, so this server is never in a request's path. It answers nothing before its first
+``update`` (the caller's first full read of the fleet): a stream opened earlier waits for it.
 """
 
 from __future__ import annotations
@@ -215,7 +216,9 @@ class XdsServer:
         """Pool load assignments built so far (a one-worker change builds one)."""
         self._clusters = Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools))
         """The pools' clusters: fixed by the config, built once (re-offered by each update)."""
-        self.update(())  # clusters with no endpoints yet, so a connecting Envoy is never left waiting
+        # Nothing is cached, so nothing is served, before the first ``update``: a controller binds its port
+        # before it has read the fleet, and an Envoy that reconnects meanwhile kept its endpoints. An empty
+        # first snapshot would make it drop them all until the read came; unanswered, it keeps them.
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Bind and serve; returns the bound port (useful with port 0)."""
@@ -236,6 +239,7 @@ class XdsServer:
 
     def update(self, workers: Sequence[WorkerRecord]) -> str:
         """Rebuild the pools whose endpoints changed, cache them, push changes; returns the snapshot version.
+        ``workers`` is the whole fleet as read (the first call opens the service to every waiting stream).
 
         Call it from the event loop the server runs on (it wakes streams without awaiting).
         """
