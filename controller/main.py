@@ -2,8 +2,10 @@
 backend, the in-process agent, the health monitor, the drainer, the adapter loader, the autoscaler and the
 leader lease, each over the one ``FleetStore`` and the config section it reads.
 
-Every controller serves xDS (``controller.xds_bridge``); only the lease holder probes, drains, replaces
-and scales.
+Every controller serves xDS (``controller.xds_bridge``), the same resources at the same versions (both
+are built from Redis), so an Envoy may hold its ADS stream to any of them; only the lease holder runs the
+config's workers, probes, drains, replaces and scales. A controller that takes the lease over starts the
+config's workers and finishes the drains the old leader left (``InstanceController.resume_drains``).
 """
 
 from __future__ import annotations
@@ -153,25 +155,35 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     metrics = CollectorRegistry()
     registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics)
     api, api_url = await _serve_api(registry, host, http_port)
-    if local is not None:
-        await local.start_all(configured=start_workers)
-    print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
-          f"workers {len(config.workers) if start_workers and local else 0}", flush=True)
     await lease.renew()
+    # The config's workers run on the leader only (a standby starting them too would run each twice);
+    # a standby starts them when it takes the lease over.
+    if local is not None:
+        await local.start_all(configured=start_workers and lease.is_leader())
+    print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
+          f"workers {len(config.workers) if start_workers and local and lease.is_leader() else 0}", flush=True)
     announcements: set[asyncio.Task[object]] = set()
 
-    def announce_api() -> None:
-        # Operator commands (`poolgate drain`, `poolgate scale`) find the leader here.
-        task: asyncio.Task[object] = asyncio.create_task(_publish_api(store, api_url))
+    async def take_over() -> None:
+        await _publish_api(store, api_url)  # operator commands (`poolgate drain`, `poolgate scale`) find it
+        if local is not None and start_workers:
+            local.start_configured()
+        with contextlib.suppress(*REDIS_ERRORS):
+            resumed = await instances.resume_drains()
+            if resumed:
+                log.info("resumed the drains of %s", ", ".join(resumed))
+
+    def on_gain() -> None:
+        task: asyncio.Task[object] = asyncio.create_task(take_over())
         announcements.add(task)
         task.add_done_callback(announcements.discard)
 
     if lease.is_leader():
-        announce_api()
+        on_gain()
     probe_session = _probe_session(config)
     tasks = [
         asyncio.create_task(bridge_fleet_to_xds(store, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
-        asyncio.create_task(lease.run(stop, on_gain=announce_api)),
+        asyncio.create_task(lease.run(stop, on_gain=on_gain)),
         *_fleet_tasks(config, store, instances, probe_session, metrics, lease.is_leader, stop),
     ]
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)

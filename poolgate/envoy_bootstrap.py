@@ -357,19 +357,20 @@ def build_bootstrap(
     listen_port: int,
     admin_port: int,
     extproc_port: int | Sequence[int],
-    xds_port: int,
+    xds_port: int | Sequence[int],
     access_log_path: str | None = None,
     listen_host: str = "127.0.0.1",
     access_log: bool = False,
 ) -> bootstrap_pb2.Bootstrap:
     """The bootstrap as a protobuf message (``render_bootstrap`` gives the dict Envoy reads); ``extproc_port``
-    may list one port per extproc process."""
+    may list one port per extproc process, ``xds_port`` one per controller (every controller serves the same
+    xDS: Envoy holds its ADS stream to one and reconnects to another when that one goes)."""
     log = _access_log(access_log_path) if (access_log or access_log_path) else None
     bootstrap = bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id=node_id, cluster="poolgate"),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
             listeners=[_listener(config, listen_host, listen_port, log)],
-            clusters=[_extproc_cluster(_ports(extproc_port)), _local_cluster(XDS_CLUSTER, [xds_port])],
+            clusters=[_extproc_cluster(_ports(extproc_port)), _local_cluster(XDS_CLUSTER, _ports(xds_port))],
         ),
         dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
             ads_config=config_source_pb2.ApiConfigSource(
@@ -397,7 +398,7 @@ def render_bootstrap(
     listen_port: int,
     admin_port: int,
     extproc_port: int | Sequence[int],
-    xds_port: int,
+    xds_port: int | Sequence[int],
     access_log_path: str | None = None,
     listen_host: str = "127.0.0.1",
     access_log: bool = False,

@@ -23,6 +23,9 @@ Fleet keys (every one single-key or within one hash slot, so Redis Cluster works
   count fades); the autoscaler reads the sum as queue pressure.
 - ``{prefix}:leader``       the controller leader lease (holder id, ``SET NX PX``).
 - ``{prefix}:controller``   the leader controller's API base URL, for operator commands.
+- ``{prefix}:drains``       hash: worker id → how its drain ends (``stop`` or ``restart``) and when it began
+  (epoch seconds), written by the leader when a drain starts and removed when it ends, so a controller
+  that takes the lease over finishes the drains the old leader left.
 
 Tenant quota keys (``RedisKeys.quota``) are described where they are used, in ``extproc.quota``.
 """
@@ -77,6 +80,7 @@ class RedisKeys:
         self.events = f"{prefix}:events"
         self.leader = f"{prefix}:leader"
         self.controller = f"{prefix}:controller"
+        self.drains = f"{prefix}:drains"
         self.fleet_version = f"{prefix}:fleet:version"
         self.fleet_epoch = f"{prefix}:fleet:epoch"
         self.quota = QuotaKeys(prefix)
