@@ -50,6 +50,7 @@ from poolgate.kernel.logging_setup import add_log_format_argument, configure_log
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
 from poolgate.kernel.store import FleetStore, connect
+from poolgate.kernel.tls import ServerTls
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -98,12 +99,13 @@ async def _instance_backend(config: Config, store: FleetStore, log_dir: Path) ->
                                kv_events=config.extproc.kv_events.enabled)
 
 
-async def _serve_api(registry: RegistryApi, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """The registry API listening; returns its runner and base URL (with the bound port)."""
+async def _serve_api(registry: RegistryApi, host: str, port: int,
+                     tls: ServerTls | None = None) -> tuple[web.AppRunner, str]:
+    """The registry API listening (HTTPS with ``tls``); returns its runner and base URL (with the bound port)."""
     api = web.AppRunner(registry.app(), access_log=None)
     await api.setup()
-    await web.TCPSite(api, host, port).start()
-    return api, f"http://{host}:{api.addresses[0][1]}"
+    await web.TCPSite(api, host, port, ssl_context=tls.context if tls is not None else None).start()
+    return api, f"{'https' if tls is not None else 'http'}://{host}:{api.addresses[0][1]}"
 
 
 def _probe_session(config: Config) -> aiohttp.ClientSession:
@@ -147,14 +149,15 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     lease = LeaderLease(store, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                         config.autoscale.lease_ttl_s)
     xds = XdsServer(config.pools)
-    bound_xds = await xds.start(host, xds_port)
+    bound_xds = await xds.start(host, xds_port, config.tls.xds)
+    api_tls = ServerTls(config.tls.registry_api, "tls.registry_api") if config.tls.registry_api else None
     backend = await _instance_backend(config, store, log_dir)
     local = backend if isinstance(backend, LocalProcessBackend) else None
     drainer = Drainer(store, config.drain)
     instances = InstanceController(store, backend, drainer, is_leader=lease.is_leader)
     metrics = CollectorRegistry()
     registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics)
-    api, api_url = await _serve_api(registry, host, http_port)
+    api, api_url = await _serve_api(registry, host, http_port, api_tls)
     await lease.renew()
     # The config's workers run on the leader only (a standby starting them too would run each twice);
     # a standby starts them when it takes the lease over.
@@ -184,6 +187,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     tasks = [
         asyncio.create_task(bridge_fleet_to_xds(store, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
         asyncio.create_task(lease.run(stop, on_gain=on_gain)),
+        *([asyncio.create_task(api_tls.watch(config.tls.reload_s, stop))] if api_tls is not None else []),
         *_fleet_tasks(config, store, instances, probe_session, metrics, lease.is_leader, stop),
     ]
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)

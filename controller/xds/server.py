@@ -32,8 +32,9 @@ from controller.xds.build import (
     usable_workers,
 )
 from controller.xds.cache import Snapshot, SnapshotCache
-from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.config import PoolSpec, TlsServerFiles
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +221,8 @@ class XdsServer:
         # before it has read the fleet, and an Envoy that reconnects meanwhile kept its endpoints. An empty
         # first snapshot would make it drop them all until the read came; unanswered, it keeps them.
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Bind and serve; returns the bound port (useful with port 0)."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, tls: TlsServerFiles | None = None) -> int:
+        """Bind and serve (over TLS from ``tls``'s files, rotating, when given); returns the bound port."""
         server = grpc.aio.server(options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -229,12 +230,12 @@ class XdsServer:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
             _AdsServicer(self._cache, self._streams), server
         )
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = bind_grpc(server, f"{host}:{port}", tls, "tls.xds")
         if bound == 0:
             raise OSError(f"xds: cannot bind {host}:{port}")
         await server.start()
         self._server = server
-        log.info("xds: serving ADS on %s:%d", host, bound)
+        log.info("xds: serving ADS on %s:%d%s", host, bound, " (TLS)" if tls is not None else "")
         return bound
 
     def update(self, workers: Sequence[WorkerRecord]) -> str:
