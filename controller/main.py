@@ -148,7 +148,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     stop = asyncio.Event()
     lease = LeaderLease(store, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                         config.autoscale.lease_ttl_s)
-    xds = XdsServer(config.pools)
+    xds = XdsServer(config.pools, config.tls.workers)
     bound_xds = await xds.start(host, xds_port, config.tls.xds)
     api_tls = ServerTls(config.tls.registry_api, "tls.registry_api") if config.tls.registry_api else None
     backend = await _instance_backend(config, store, log_dir)
