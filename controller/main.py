@@ -50,7 +50,7 @@ from poolgate.kernel.logging_setup import add_log_format_argument, configure_log
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
 from poolgate.kernel.store import FleetStore, connect
-from poolgate.kernel.tls import ServerTls
+from poolgate.kernel.tls import ServerTls, worker_client_context, worker_scheme
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -111,7 +111,9 @@ async def _serve_api(registry: RegistryApi, host: str, port: int,
 def _probe_session(config: Config) -> aiohttp.ClientSession:
     """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards."""
     worker_key = config.worker_api_key()
-    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None)
+    connector = aiohttp.TCPConnector(ssl=worker_client_context(config.tls.workers) or True)
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None,
+                                 connector=connector)
 
 
 def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceController, probe_session: aiohttp.ClientSession,
@@ -120,9 +122,10 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
     """The loops that keep the fleet: the in-process agent, and (acting on the leader only) the health
     monitor, the adapter loader, the pod sync and the autoscaler."""
     health = config.health
-    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
+    scheme = worker_scheme(config.tls.workers)
+    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models, scheme=scheme)
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
-    adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader)
+    adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader, scheme=scheme)
     loops: list[Coroutine[object, object, object]] = [
         # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us):
         # workers that name another node have that node's agent, even at an address that looks local.

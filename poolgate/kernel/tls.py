@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from poolgate.kernel.config import ConfigError, TlsServerFiles
+from poolgate.kernel.config import ConfigError, TlsClientFiles, TlsServerFiles
 
 log = logging.getLogger("poolgate.tls")
 
@@ -138,3 +138,22 @@ def bind_grpc(server: grpc.aio.Server, address: str, files: TlsServerFiles | Non
     return server.add_secure_port(address, grpc_server_credentials(files, field))
 
 
+
+
+def worker_scheme(files: TlsClientFiles | None) -> str:
+    """``https`` when the workers serve TLS (``tls.workers``), else ``http``."""
+    return "https" if files is not None else "http"
+
+
+def worker_client_context(files: TlsClientFiles | None) -> ssl.SSLContext | None:
+    """The controller's and agents' TLS towards workers (probes, adapter loads, /metrics scrapes): the
+    chain checked against ``ca_file``, the name against ``server_name`` when set, else against the worker's
+    address; the client certificate when ``cert_file`` is set. None when the workers speak plain HTTP."""
+    if files is None:
+        return None
+    context = ssl.create_default_context(cafile=files.ca_file)
+    if files.server_name:
+        context.check_hostname = False  # the name is not the address dialled; Envoy checks server_name
+    if files.cert_file is not None and files.key_file is not None:
+        context.load_cert_chain(files.cert_file, files.key_file)
+    return context

@@ -14,19 +14,22 @@ import aiohttp
 import grpc
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import web
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.main import _serve_api
+from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
 from controller.xds.build import CLUSTER_TYPE_URL
 from controller.xds.server import XdsServer
 from extproc.server import _grpc_server
 from extproc.service import ExtProcService
-from poolgate.kernel.config import ConfigError, TlsServerFiles, parse_config
+from poolgate.kernel.config import ConfigError, TlsClientFiles, TlsServerFiles, parse_config
+from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.store import FleetStore
-from poolgate.kernel.tls import ServerTls
+from poolgate.kernel.tls import ServerTls, worker_client_context, worker_scheme
 from tests.tls_certs import Authority, TlsFiles, issue, make_ca, make_tls_files
 
 CONFIG = parse_config({"pools": [{"name": "chat", "model": "m1"}]})
@@ -197,3 +200,31 @@ async def test_extproc_port_over_mutual_tls(tmp_path: Path) -> None:
         assert await health_status(port, channel_credentials(files.ca)) == "UNAVAILABLE"
     finally:
         await server.stop(0)
+
+
+async def test_health_probes_reach_https_workers_with_the_client_certificate(tmp_path: Path) -> None:
+    """With ``tls.workers`` the controller's probes speak HTTPS and present its certificate."""
+    files, _ = make_tls_files(tmp_path)
+    worker_tls = ServerTls(server_files(files), "worker")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=worker_tls.context)
+    await site.start()
+    port = runner.addresses[0][1]
+    record = WorkerRecord(id="w1", pool="chat", model="m1", host="127.0.0.1", port=port)
+    client = TlsClientFiles(ca_file=str(files.ca), cert_file=str(files.client_cert), key_file=str(files.client_key))
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=worker_client_context(client))) as session:
+            assert (await HttpProber(session, 5, False, scheme=worker_scheme(client)).probe(record)).ok
+            assert not (await HttpProber(session, 5, False).probe(record)).ok  # plain HTTP to a TLS worker
+        anonymous = aiohttp.TCPConnector(ssl=worker_client_context(TlsClientFiles(ca_file=str(files.ca))))
+        async with aiohttp.ClientSession(connector=anonymous) as session:
+            assert not (await HttpProber(session, 5, False, scheme="https").probe(record)).ok
+    finally:
+        await runner.cleanup()
