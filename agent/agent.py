@@ -37,7 +37,7 @@ from poolgate.kernel.errors import PoolgateError
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog
 from poolgate.kernel.store import FleetStore
-from poolgate.kernel.tls import worker_client_context, worker_scheme
+from poolgate.kernel.tls import client_context, worker_scheme
 
 log = logging.getLogger("poolgate.agent")
 
@@ -302,7 +302,7 @@ async def run_agent(
     session: aiohttp.ClientSession | None = None
     if source is None:
         tls = config.tls.workers
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=worker_client_context(tls) or True))
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_context(tls) or True))
         # A scrape may outlast one tick a little (busy Python server), never by seconds.
         source = HttpMetricsSource(session, timeout_s=max(0.2, min(2 * interval, 2.0)), scheme=worker_scheme(tls))
     agent = Agent(store, source, gpus, worker_ids=worker_ids, node=node, local_names=local_names,

@@ -50,7 +50,7 @@ from poolgate.kernel.logging_setup import add_log_format_argument, configure_log
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
 from poolgate.kernel.store import FleetStore, connect
-from poolgate.kernel.tls import ServerTls, worker_client_context, worker_scheme
+from poolgate.kernel.tls import ServerTls, client_context, worker_scheme
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -111,7 +111,7 @@ async def _serve_api(registry: RegistryApi, host: str, port: int,
 def _probe_session(config: Config) -> aiohttp.ClientSession:
     """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards."""
     worker_key = config.worker_api_key()
-    connector = aiohttp.TCPConnector(ssl=worker_client_context(config.tls.workers) or True)
+    connector = aiohttp.TCPConnector(ssl=client_context(config.tls.workers) or True)
     return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None,
                                  connector=connector)
 

@@ -145,10 +145,10 @@ def worker_scheme(files: TlsClientFiles | None) -> str:
     return "https" if files is not None else "http"
 
 
-def worker_client_context(files: TlsClientFiles | None) -> ssl.SSLContext | None:
-    """The controller's and agents' TLS towards workers (probes, adapter loads, /metrics scrapes): the
-    chain checked against ``ca_file``, the name against ``server_name`` when set, else against the worker's
-    address; the client certificate when ``cert_file`` is set. None when the workers speak plain HTTP."""
+def client_context(files: TlsClientFiles | None) -> ssl.SSLContext | None:
+    """A client's TLS from ``files`` (the controller's and agents' towards workers, the operator commands'
+    towards the registry API): the chain checked against ``ca_file``, the name against the address dialled
+    unless ``server_name`` is set, the client certificate when ``cert_file`` is set. None: plain HTTP."""
     if files is None:
         return None
     context = ssl.create_default_context(cafile=files.ca_file)

@@ -4,6 +4,7 @@ certificate, and serve a rotated certificate from the next connection on, withou
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ssl
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ import aiohttp
 import grpc
 import pytest
 import redis.asyncio as aioredis
+import yaml
 from aiohttp import web
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -26,10 +28,12 @@ from controller.xds.build import CLUSTER_TYPE_URL
 from controller.xds.server import XdsServer
 from extproc.server import _grpc_server
 from extproc.service import ExtProcService
+from poolgate.controller_client import CommandError, call
 from poolgate.kernel.config import ConfigError, TlsClientFiles, TlsServerFiles, parse_config
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.store import FleetStore
-from poolgate.kernel.tls import ServerTls, worker_client_context, worker_scheme
+from poolgate.kernel.tls import ServerTls, worker_scheme
+from poolgate.kernel.tls import client_context as files_context
 from tests.tls_certs import Authority, TlsFiles, issue, make_ca, make_tls_files
 
 CONFIG = parse_config({"pools": [{"name": "chat", "model": "m1"}]})
@@ -85,6 +89,19 @@ async def healthz(url: str, context: ssl.SSLContext | bool) -> int | str:
         return type(exc).__name__
 
 
+async def operator_status(tmp_path: Path, url: str, files: TlsFiles, *, with_certificate: bool) -> int:
+    """What ``poolgate`` operator commands get from the API: GET-free, so a POST to a path it answers."""
+    operator: dict[str, str] = {"ca_file": str(files.ca)}
+    if with_certificate:
+        operator |= {"cert_file": str(files.client_cert), "key_file": str(files.client_key)}
+    config = tmp_path / "operator.yaml"
+    config.write_text(yaml.safe_dump({"pools": [{"name": "chat", "model": "m1"}], "controller": {"token": "tok"},
+                                      "tls": {"operator": operator}}))
+    args = argparse.Namespace(config=str(config), controller=url, redis_url=None, token=None)
+    status, _ = await call(args, "/v1/heartbeats", {"workers": []})
+    return status
+
+
 async def test_registry_api_over_mutual_tls(tmp_path: Path, redis_client: aioredis.Redis) -> None:
     files, _ = make_tls_files(tmp_path)
     tls = ServerTls(server_files(files), "tls.registry_api")
@@ -97,6 +114,9 @@ async def test_registry_api_over_mutual_tls(tmp_path: Path, redis_client: aiored
         assert await healthz(url, client_context(files.ca)) != 200, "a client without a certificate got in"
         assert await healthz(url, client_context(files.ca, *stranger(tmp_path))) != 200
         assert await healthz(url.replace("https://", "http://"), False) != 200
+        assert await operator_status(tmp_path, url, files, with_certificate=True) == 200
+        with pytest.raises(CommandError, match="did not answer"):
+            await operator_status(tmp_path, url, files, with_certificate=False)
 
         rotated = make_ca("rotated-ca")
         files.write_server(rotated)  # the client CA stays: clients keep their certificates
@@ -220,10 +240,10 @@ async def test_health_probes_reach_https_workers_with_the_client_certificate(tmp
     record = WorkerRecord(id="w1", pool="chat", model="m1", host="127.0.0.1", port=port)
     client = TlsClientFiles(ca_file=str(files.ca), cert_file=str(files.client_cert), key_file=str(files.client_key))
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=worker_client_context(client))) as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=files_context(client))) as session:
             assert (await HttpProber(session, 5, False, scheme=worker_scheme(client)).probe(record)).ok
             assert not (await HttpProber(session, 5, False).probe(record)).ok  # plain HTTP to a TLS worker
-        anonymous = aiohttp.TCPConnector(ssl=worker_client_context(TlsClientFiles(ca_file=str(files.ca))))
+        anonymous = aiohttp.TCPConnector(ssl=files_context(TlsClientFiles(ca_file=str(files.ca))))
         async with aiohttp.ClientSession(connector=anonymous) as session:
             assert not (await HttpProber(session, 5, False, scheme="https").probe(record)).ok
     finally:

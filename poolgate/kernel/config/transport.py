@@ -61,7 +61,10 @@ class TlsSettings(Section):
     envoy: TlsClientFiles | None = None
     """Envoy's side of its connections to the xDS and extproc servers; required when either is TLS."""
     workers: TlsClientFiles | None = None
-    """Envoy's upstream connections to workers (the pool clusters); workers then serve HTTPS."""
+    """Envoy's upstream connections to workers (the pool clusters), and the controller's probes and the
+    agent's scrapes; workers then serve HTTPS."""
+    operator: TlsClientFiles | None = None
+    """The operator commands' (``poolgate drain``, ``poolgate scale``) side towards an HTTPS registry API."""
 
     @model_validator(mode="after")
     def _envoy_side(self) -> TlsSettings:
