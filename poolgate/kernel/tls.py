@@ -18,10 +18,12 @@ import os
 import ssl
 from collections.abc import Sequence
 from pathlib import Path
-
-import grpc
+from typing import TYPE_CHECKING
 
 from poolgate.kernel.config import ConfigError, TlsClientFiles, TlsServerFiles
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger("poolgate.tls")
 
@@ -103,6 +105,8 @@ def _read(path: str) -> bytes:
 def grpc_server_credentials(files: TlsServerFiles, field: str) -> grpc.ServerCredentials:
     """Credentials that serve the files' current content: gRPC asks at each new handshake, and the files
     are read again only when they changed."""
+    import grpc  # here: the HTTP-only users of this module (CLI, agent, simulated worker) never load grpc
+
     check_files(files, field)
     state: dict[str, object] = {"signature": file_signature(_paths(files))}
 
