@@ -122,6 +122,7 @@ class TwoControllers:
         for port in (*self.xds_ports, self.extproc_port):
             wait_until(lambda port=port: port_open("127.0.0.1", port), 30, f"port {port} listening")
         self.envoy.start()
+        wait_until(lambda: port_open("127.0.0.1", self.admin_port), 60, "Envoy's admin listening")
         wait_until(lambda: len(self.endpoints()) == len(WORKER_IDS), 60, "every worker in Envoy")
 
     def leader_pid(self) -> int | None:
