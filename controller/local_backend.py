@@ -208,8 +208,15 @@ class LocalProcessBackend:
         """Get ready to run workers, and start the config's (unless ``configured`` is False)."""
         await asyncio.to_thread(self._log_dir.mkdir, parents=True, exist_ok=True)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
-        for spec in self._configured if configured else ():
+        if configured:
+            self.start_configured()
+
+    def start_configured(self) -> list[str]:
+        """Start the config's workers not running yet (a controller taking the lease over); their ids."""
+        specs = [spec for spec in self._configured if spec.id not in self._workers]
+        for spec in specs:
             self._start(spec)
+        return [spec.id for spec in specs]
 
     def _start(self, spec: WorkerSpec) -> WorkerProcess:
         worker = WorkerProcess(spec=spec, port=spec.port or free_port(spec.host),

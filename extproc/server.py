@@ -36,10 +36,11 @@ from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
 from extproc.service import ExtProcService
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
-from poolgate.kernel.config import Config
+from poolgate.kernel.config import Config, TlsServerFiles
 from poolgate.kernel.keys import QuotaKeys
 from poolgate.kernel.reload import ConfigFileWatch
 from poolgate.kernel.store import FleetStore, RedisLike, connect
+from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ async def serve(
         log.info("extproc metrics on http://%s:%d/metrics", host, metrics_server.server_port)
     client = redis_client(redis_url)
     service, watcher, catalogue, kv_cache = _assemble(config, client, metrics, profiler)
-    server, health, bound = await _grpc_server(service, host, port, config.extproc.max_request_bytes)
+    server, health, bound = await _grpc_server(service, host, port, config.extproc.max_request_bytes,
+                                               config.tls.extproc)
     watch_task = asyncio.create_task(watcher.run(), name="fleet-watcher")
     kv_task = (asyncio.create_task(kv_cache[1].follow(watcher, metrics=metrics), name="kv-events")
                if kv_cache is not None else None)
@@ -147,16 +149,17 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
     return service, watcher, catalogue, kv_cache
 
 
-async def _grpc_server(service: ExtProcService, host: str, port: int, max_request_bytes: int) -> (
-        tuple[grpc.aio.Server, health_aio.HealthServicer, int]):
-    """The ext_proc and health services on one server, NOT_SERVING until the first snapshot; and its port."""
+async def _grpc_server(service: ExtProcService, host: str, port: int, max_request_bytes: int,
+                       tls: TlsServerFiles | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
+    """The ext_proc and health services on one server (TLS from ``tls``'s files, rotating, when given),
+    NOT_SERVING until the first snapshot; and its port."""
     server = grpc.aio.server(options=grpc_options(max_request_bytes))
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health = health_aio.HealthServicer()
     for name in HEALTH_SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = bind_grpc(server, f"{host}:{port}", tls, "tls.extproc")
     if bound == 0:
         raise OSError(f"extproc cannot listen on {host}:{port}")
     return server, health, bound

@@ -49,8 +49,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, message, struct_pb2
 from google.protobuf.wrappers_pb2 import BoolValue, UInt32Value
 
-from controller.xds.build import relaxed_circuit_breakers
-from poolgate.kernel.config import Config
+from controller.xds.build import relaxed_circuit_breakers, upstream_tls
+from poolgate.kernel.config import Config, TlsClientFiles, TlsServerFiles
 from poolgate.kernel.routing import (
     CLUSTER_HEADER,
     FALLBACK_CLUSTER,
@@ -141,6 +141,14 @@ def _local_cluster(name: str, ports: Sequence[int]) -> cluster_pb2.Cluster:
     options = http_protocol_options_pb2.HttpProtocolOptions()
     options.explicit_http_config.http2_protocol_options.CopyFrom(protocol_pb2.Http2ProtocolOptions())
     cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(options)
+    return cluster
+
+
+def _with_tls(cluster: cluster_pb2.Cluster, envoy: TlsClientFiles | None,
+              server: TlsServerFiles | None) -> cluster_pb2.Cluster:
+    """The cluster speaking TLS (``tls.envoy``'s files, ALPN h2 for gRPC) when its server serves TLS."""
+    if server is not None and envoy is not None:
+        cluster.transport_socket.CopyFrom(upstream_tls(envoy, alpn=("h2",)))
     return cluster
 
 
@@ -372,20 +380,23 @@ def build_bootstrap(
     listen_port: int,
     admin_port: int,
     extproc_port: int | Sequence[int],
-    xds_port: int,
+    xds_port: int | Sequence[int],
     access_log_path: str | None = None,
     listen_host: str = "127.0.0.1",
     access_log: bool = False,
     pd_sidecar_port: int | None = None,
 ) -> bootstrap_pb2.Bootstrap:
     """The bootstrap as a protobuf message (``render_bootstrap`` gives the dict Envoy reads); ``extproc_port``
-    may list one port per extproc process; ``pd_sidecar_port`` adds the prefill/decode sidecar's cluster."""
+    may list one port per extproc process, ``xds_port`` one per controller (every controller serves the same
+    xDS: Envoy holds its ADS stream to one and reconnects to another when that one goes); ``pd_sidecar_port``
+    adds the prefill/decode sidecar's cluster."""
     log = _access_log(access_log_path) if (access_log or access_log_path) else None
     bootstrap = bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id=node_id, cluster="poolgate"),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
             listeners=[_listener(config, listen_host, listen_port, log)],
-            clusters=[_extproc_cluster(_ports(extproc_port)), _local_cluster(XDS_CLUSTER, [xds_port])],
+            clusters=[_with_tls(_extproc_cluster(_ports(extproc_port)), config.tls.envoy, config.tls.extproc),
+                      _with_tls(_local_cluster(XDS_CLUSTER, _ports(xds_port)), config.tls.envoy, config.tls.xds)],
         ),
         dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
             ads_config=config_source_pb2.ApiConfigSource(
@@ -415,7 +426,7 @@ def render_bootstrap(
     listen_port: int,
     admin_port: int,
     extproc_port: int | Sequence[int],
-    xds_port: int,
+    xds_port: int | Sequence[int],
     access_log_path: str | None = None,
     listen_host: str = "127.0.0.1",
     access_log: bool = False,

@@ -14,7 +14,9 @@ import logging
 import os
 import sys
 
+from poolgate.kernel.config import ConfigError, TlsServerFiles
 from poolgate.kernel.shutdown import on_stop_signal
+from poolgate.kernel.tls import check_files
 from simworker import model_tasks
 from simworker.engine import Engine
 from simworker.faults import FaultSettings
@@ -76,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s; 0 for exact modelled times)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help=f"require this key on /v1 paths, as vLLM does (default: ${API_KEY_ENV})")
+    tls = parser.add_argument_group("HTTPS (vLLM's flags)")
+    tls.add_argument("--ssl-certfile", help="serve HTTPS with this certificate chain (PEM)")
+    tls.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
+    tls.add_argument("--ssl-ca-certs", help="require client certificates signed by this CA bundle (PEM)")
     model_tasks.add_arguments(parser)
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true",
@@ -145,10 +151,20 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             enable_fault_api=args.enable_fault_api, enable_lora=args.enable_lora, max_loras=args.max_loras,
             lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
             seed=args.seed, step_jitter=args.step_jitter, kv_events=args.kv_events_config.offset(index),
-            tasks=tasks, kv_transfer=args.kv_transfer_config,
+            tasks=tasks, kv_transfer=args.kv_transfer_config, tls=_tls_files(args),
         )
         for index, (port, worker_id) in enumerate(zip(ports, ids, strict=True))
     ]
+
+
+def _tls_files(args: argparse.Namespace) -> TlsServerFiles | None:
+    if not args.ssl_certfile and not args.ssl_keyfile:
+        if args.ssl_ca_certs:
+            raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+        return None
+    if not (args.ssl_certfile and args.ssl_keyfile):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    return TlsServerFiles(cert_file=args.ssl_certfile, key_file=args.ssl_keyfile, client_ca_file=args.ssl_ca_certs)
 
 
 async def serve_workers(workers: list[SimWorker], stop: asyncio.Event) -> int:
@@ -172,7 +188,9 @@ def main(args: argparse.Namespace) -> int:
         specs = worker_specs(args)
         for spec in specs:
             Engine(spec.engine_config())  # fail fast on a model or context that does not fit the card
-    except ValueError as error:
+            if spec.tls is not None:
+                check_files(spec.tls, "--ssl-certfile/--ssl-keyfile/--ssl-ca-certs")
+    except (ValueError, ConfigError) as error:
         print(f"poolgate simworker: {error}", file=sys.stderr)
         return 2
     runner_factory = None

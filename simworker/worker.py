@@ -17,6 +17,8 @@ from typing import Any
 import zmq.asyncio
 from aiohttp import web
 
+from poolgate.kernel.config import TlsServerFiles
+from poolgate.kernel.tls import ServerTls
 from simworker import tokens
 from simworker.driver import EngineDriver
 from simworker.engine import Engine, EngineConfig
@@ -37,6 +39,8 @@ log = logging.getLogger(__name__)
 CRASH_LINGER_S = 1.0
 SHUTDOWN_TIMEOUT_S = 0.5
 LEAK_INTERVAL_S = 0.25
+TLS_RELOAD_S = 5.0
+"""How often an HTTPS worker looks at its certificate files (a rotated one is served from then on)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ class WorkerSpec:
     kv_transfer: KVTransferConfig | None = None
     """vLLM's ``--kv-transfer-config``: a prefill (``kv_producer``) or decode (``kv_consumer``) worker of a
     disaggregated pair, or both (``kv_both``); None = neither."""
+    tls: TlsServerFiles | None = None
+    """Serve HTTPS from these files (vLLM's ``--ssl-certfile``, ``--ssl-keyfile``, ``--ssl-ca-certs`` with
+    client certificates required), re-read when they change."""
 
     @property
     def random_seed(self) -> int:
@@ -179,8 +186,10 @@ class SimWorker:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
+        tls = ServerTls(spec.tls, "simworker --ssl-certfile/--ssl-keyfile") if spec.tls is not None else None
         try:
-            await web.TCPSite(runner, spec.host, spec.port, reuse_address=True).start()
+            await web.TCPSite(runner, spec.host, spec.port, reuse_address=True,
+                              ssl_context=tls.context if tls is not None else None).start()
             self.listening.set()
             log.info("worker %s (%s, %d KV blocks) listening on %s:%d", spec.worker_id, spec.preset.name,
                      config.num_gpu_blocks, spec.host, spec.port)
@@ -189,6 +198,8 @@ class SimWorker:
                               tasks.create_task(self._crash_timer())]
                 if publisher is not None:
                     background.append(tasks.create_task(publisher.serve_replays()))
+                if tls is not None:
+                    background.append(tasks.create_task(tls.watch(TLS_RELOAD_S)))
                 await _first_of(stop.wait(), self.crashed.wait())
                 if self.crashed.is_set() and not stop.is_set():
                     await _first_of(asyncio.sleep(CRASH_LINGER_S), stop.wait())

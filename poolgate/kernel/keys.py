@@ -28,6 +28,9 @@ per tenant. Fleet keys (``{prefix}`` below is that braced tag):
   count fades); the autoscaler reads the sum as queue pressure.
 - ``{prefix}:leader``       the controller leader lease (holder id, ``SET NX PX``).
 - ``{prefix}:controller``   the leader controller's API base URL, for operator commands.
+- ``{prefix}:drains``       hash: worker id → how its drain ends (``stop`` or ``restart``) and when it began
+  (epoch seconds), written by the leader when a drain starts and removed when it ends, so a controller
+  that takes the lease over finishes the drains the old leader left.
 
 The peer exchange's keys (``RedisKeys.peers``) are fleet keys too (``extproc.peers``). Tenant quota keys
 (``RedisKeys.quota``: ``prefix:quota:{tenant:NAME}:…``, no braces on the prefix) are described where they
@@ -94,6 +97,7 @@ class RedisKeys:
         self.events = f"{fleet}:events"
         self.leader = f"{fleet}:leader"
         self.controller = f"{fleet}:controller"
+        self.drains = f"{fleet}:drains"
         self.fleet_version = f"{fleet}:fleet:version"
         self.fleet_epoch = f"{fleet}:fleet:epoch"
         self.peers = PeerKeys(prefix)

@@ -351,6 +351,22 @@ class FleetStore:
         """Give the lease up, if ``holder`` still has it."""
         await self._redis.eval(_RELEASE_LEASE, 1, self.keys.leader, holder)
 
+    # Drains in progress: the leader's, kept where its successor finds them.
+
+    async def record_drain(self, worker_id: str, end: str, started_at: float) -> None:
+        await self._redis.hset(self.keys.drains, worker_id, f"{end} {started_at!r}")
+
+    async def forget_drain(self, worker_id: str) -> None:
+        await self._redis.hdel(self.keys.drains, worker_id)
+
+    async def read_drains(self) -> dict[str, tuple[str, float]]:
+        """Worker id → (how the drain ends, epoch seconds it began), for every drain not finished."""
+        drains: dict[str, tuple[str, float]] = {}
+        for worker_id, value in (await self._redis.hgetall(self.keys.drains)).items():
+            end, _, started = _text(value).partition(" ")
+            drains[_text(worker_id)] = (end, float(started or 0.0))
+        return drains
+
     async def announce_controller(self, api_url: str) -> None:
         await self._redis.set(self.keys.controller, api_url)
 

@@ -14,6 +14,7 @@ the section it reads. Where each section is declared:
 - ``lifecycle``: ``health``, ``drain``, ``placement``, ``autoscale``, ``kubernetes``;
 - ``tenancy``: ``tenancy`` and ``tenants``;
 - ``catalogue``: ``catalogue`` (models, versions, aliases, LoRA adapters);
+- ``transport``: ``tls`` (certificate files for the parts' TLS, mutual TLS);
 - ``base``: ``ConfigError`` and the frozen ``Section`` every section derives from.
 """
 
@@ -57,6 +58,7 @@ from poolgate.kernel.config.scheduling import (
     TaskClassRules,
 )
 from poolgate.kernel.config.tenancy import PRIORITY_CLASS_PATTERN, PriorityClass, TenancySettings, TenantSpec
+from poolgate.kernel.config.transport import TlsClientFiles, TlsServerFiles, TlsSettings
 
 __all__ = [
     "DEFAULT_WEIGHTS",
@@ -96,6 +98,9 @@ __all__ = [
     "TaskClassRules",
     "TenancySettings",
     "TenantSpec",
+    "TlsClientFiles",
+    "TlsServerFiles",
+    "TlsSettings",
     "WorkerSpec",
     "WorkerTemplate",
     "load_config",

@@ -28,6 +28,7 @@ from poolgate.kernel.config.processes import (
 )
 from poolgate.kernel.config.scheduling import SchedulingSettings
 from poolgate.kernel.config.tenancy import TenancySettings, TenantSpec
+from poolgate.kernel.config.transport import TlsSettings
 from poolgate.kernel.redis_client import parse_redis_url
 
 
@@ -54,6 +55,7 @@ class Config(Section):
     tenants: tuple[TenantSpec, ...] = ()
     catalogue: CatalogueSettings = CatalogueSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
+    tls: TlsSettings = TlsSettings()
     worker_api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """Environment variable holding the API key the workers require (vLLM's ``--api-key``). Envoy adds it as
     ``Authorization: Bearer`` to every request it sends a worker (a client's own key never reaches one),
