@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 
 CLUSTER_TYPE_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+SERVED_TYPES = (CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL)
+"""In push order: clusters before their endpoints, as ADS expects."""
+
+
+def short_type(type_url: str) -> str:
+    """``Cluster`` for the cluster type URL: for logs."""
+    return type_url.rsplit(".", 1)[-1]
 
 OVERRIDE_HOST_POLICY = "envoy.load_balancing_policies.override_host"
 LEAST_REQUEST_POLICY = "envoy.load_balancing_policies.least_request"
