@@ -77,7 +77,8 @@ def fleet(scenario: Scenario, rng: random.Random) -> tuple[tuple[PoolSpec, ...],
         roll = rng.random()
         state = WorkerState.DRAINING if roll < 0.02 else WorkerState.READY
         workers.append(WorkerRecord(
-            id=f"w{index:05d}", pool=pool.name, model=pool.model, host=f"10.{index // 62500}.{index // 250 % 250}.{index % 250}",
+            id=f"w{index:05d}", pool=pool.name, model=pool.model,
+            host=f"10.{index // 62500}.{index // 250 % 250}.{index % 250}",
             port=8000, max_model_len=pool.max_model_len, state=state,
             kv_capacity_tokens=rng.choice((0, 200_000, 400_000, 800_000)) if roll > 0.03 else 0,
             kv_usage=rng.random() * 0.95, running=rng.randrange(0, 64), waiting=rng.randrange(0, 8),
