@@ -31,6 +31,7 @@ from controller.xds.build import (
     build_clusters,
     endpoint_key,
     fallback_assignment,
+    merged_fallback,
     pool_assignment,
     short_type,
     usable_workers,
@@ -39,6 +40,7 @@ from controller.xds.cache import Snapshot, SnapshotCache
 from controller.xds.delta import DeltaAdsStream
 from poolgate.kernel.config import PoolSpec
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.routing import cluster_name
 
 log = logging.getLogger(__name__)
 
@@ -275,12 +277,19 @@ class XdsServer:
         changed = [pool for pool in by_pool if self._keys is None or keys[pool] != self._keys.get(pool)]
         if previous is not None and not changed:
             return None, keys
-        rebuilt = [pool_assignment(pool, by_pool[pool]) for pool in changed]
-        rebuilt.append(fallback_assignment(usable))
+        rebuilt = {pool: pool_assignment(pool, by_pool[pool]) for pool in changed}
         self.pools_built += len(changed)
+        addresses = {(host, port) for pool_keys in keys.values() for _, host, port, _ in pool_keys}
+        if len(addresses) == sum(map(len, keys.values())):  # no address twice: join the pools' assignments
+            built = dict(previous.resources) if previous is not None else {}
+            built.update((cluster_name(pool), assignment) for pool, assignment in rebuilt.items())
+            fallback = merged_fallback([built[cluster_name(pool)] for pool in sorted(by_pool)])  # usable's order
+        else:
+            fallback = fallback_assignment(usable)
+        assignments = [*rebuilt.values(), fallback]
         if previous is None:
-            return Snapshot.of(ENDPOINT_TYPE_URL, rebuilt), keys
-        return previous.replaced(rebuilt), keys
+            return Snapshot.of(ENDPOINT_TYPE_URL, assignments), keys
+        return previous.replaced(assignments), keys
 
     def _apply(self, endpoints: Snapshot | None, keys: dict[str, tuple[Any, ...]]) -> str:
         self._keys = keys
