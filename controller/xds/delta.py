@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 WILDCARD = "*"
 
+MAX_PENDING = 64
+"""Responses awaiting an answer kept per type; older ones are forgotten (Envoy answers each, in order)."""
+
 
 @dataclass
 class DeltaSubscription:
@@ -155,5 +158,7 @@ class DeltaAdsStream:
         for name in removed:
             del held[name]
         subscription.pending[nonce] = (snapshot.version, sent)
+        while len(subscription.pending) > MAX_PENDING:
+            del subscription.pending[next(iter(subscription.pending))]
         self.resources_sent += len(changed)
         return [response]
