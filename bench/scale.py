@@ -93,9 +93,13 @@ def fleet(n: int, pools: int, fail: int, alive_port: int, doomed_port: int) -> l
                    doomed_port if i < fail else alive_port) for i in range(n)]
 
 
-def write_config(run_dir: Path, pools: int) -> Path:
+def write_config(run_dir: Path, pools: int, heartbeat_interval_s: float | None = None) -> Path:
+    """The stack's config; ``heartbeat_interval_s`` (TTL three intervals) replaces the default timing."""
+    controller: dict[str, Any] = {"token": TOKEN}
+    if heartbeat_interval_s is not None:
+        controller.update(heartbeat_interval_s=heartbeat_interval_s, heartbeat_ttl_s=3 * heartbeat_interval_s)
     config = {"pools": [{"name": f"p{i}", "model": MODEL} for i in range(pools)],
-              "controller": {"token": TOKEN}, "health": {"check_models": True}}
+              "controller": controller, "health": {"check_models": True}}
     parse_config(config)  # fails here, with the field named, rather than in a child's log
     path = run_dir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -386,9 +390,10 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
     group = ProcessGroup(run_dir)
     fail = min(args.fail, n)
     alive_port, doomed_port = free_port(), free_port()
-    row: dict[str, Any] = {"workers": n, "pools": pools, "node_batch": args.node_batch}
+    row: dict[str, Any] = {"workers": n, "pools": pools, "node_batch": args.node_batch,
+                           "heartbeat_interval_s": args.heartbeat_interval_s or 0.5}
     try:
-        config_path = write_config(run_dir, pools)
+        config_path = write_config(run_dir, pools, args.heartbeat_interval_s)
         interval_s = yaml.safe_load(config_path.read_text()).get("controller", {}).get("heartbeat_interval_s", 0.5)
         for name, port in (("workers-alive", alive_port), ("workers-doomed", doomed_port)):
             group.start(name, [sys.executable, "-m", "bench.scale", "serve-workers", str(port)],
@@ -469,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64, help="registration clients at once")
     parser.add_argument("--node-batch", type=int, default=0,
                         help="heartbeat K workers per call (POST /v1/heartbeats); 0 = one call per worker")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=None,
+                        help="heartbeat every this many seconds (TTL three times that); default: the config's 0.5 s")
     parser.add_argument("--changes", type=int, default=20)
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="give up waiting for Envoy after this")

@@ -1,7 +1,10 @@
 """Active probe of one worker over HTTP: ``/health`` (engine alive) and ``/v1/models`` (serves its model).
 
 vLLM answers ``/health`` 200 while its engine core lives and 503 once it died; a refused connection means
-the process is gone or still loading; no answer within the timeout means it hangs.
+the process is gone or still loading; no answer within the timeout means it hangs. What a worker serves
+changes only when it restarts (a new registration), so ``/v1/models`` is asked on its first probe, then at
+most every ``MODELS_RECHECK_S`` and after every failed check: probing a fleet costs about one request per
+worker, not two.
 """
 
 from __future__ import annotations
@@ -16,17 +19,27 @@ import orjson
 from controller.health import ProbeResult
 from poolgate.kernel.fleet import WorkerRecord
 
+MODELS_RECHECK_S = 10.0
+"""A worker whose ``/v1/models`` listed its model is asked again after this long (or once re-registered)."""
+MAX_REMEMBERED = 25_000
+"""Workers whose last good ``/v1/models`` is remembered at most (then the memory starts again)."""
+
 
 class HttpProber:
     """Probes through one shared session; each probe is bounded by ``timeout_s`` in total."""
 
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float, check_models: bool,
-                 clock: Callable[[], float] = time.perf_counter, scheme: str = "http") -> None:
+                 clock: Callable[[], float] = time.perf_counter, scheme: str = "http",
+                 models_recheck_s: float = MODELS_RECHECK_S) -> None:
         self._session = session
         self._scheme = scheme
         self._timeout = timeout_s
         self._check_models = check_models
         self._clock = clock
+        self._models_recheck_s = models_recheck_s
+        self._models_seen: dict[str, tuple[float, float]] = {}
+        """Worker id → (its ``registered_at``, when its ``/v1/models`` last listed its model)."""
+        self.models_checks = 0
 
     async def probe(self, record: WorkerRecord) -> ProbeResult:
         started = self._clock()
@@ -49,6 +62,12 @@ class HttpProber:
                 return f"/health answered {response.status}"
         if not self._check_models:
             return ""
+        now = self._clock()
+        seen = self._models_seen.get(record.id)
+        if seen is not None and seen[0] == record.registered_at and now - seen[1] < self._models_recheck_s:
+            return ""
+        self._models_seen.pop(record.id, None)
+        self.models_checks += 1
         async with self._session.get(f"{base}/v1/models") as response:
             body = await response.read()
             if response.status != 200:
@@ -56,4 +75,7 @@ class HttpProber:
         served = {card.get("id") for card in orjson.loads(body).get("data", []) if isinstance(card, dict)}
         if not served & set(record.names):
             return f"/v1/models does not list {record.names[0]!r}"
+        if len(self._models_seen) >= MAX_REMEMBERED:
+            self._models_seen.clear()  # workers long gone; everyone is simply asked once more
+        self._models_seen[record.id] = (record.registered_at, now)
         return ""

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.backend import PlacementRefused
+from controller.heartbeats import HeartbeatCoalescer
 from controller.instances import InstanceController, NotLeader
 from poolgate.kernel.config import ControllerSettings, PoolScaling, PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -127,6 +128,8 @@ class RegistryApi:
         self._token = token.encode()
         self._pools = {pool.name: pool for pool in pools}
         self._ttl_s = settings.heartbeat_ttl_s
+        self.heartbeats = HeartbeatCoalescer(store, settings.heartbeat_ttl_s)
+        """Single-worker heartbeats, gathered into one pipeline per batch."""
         self._scaling = scaling or {}
         self._instances = instances
         self._metrics = metrics
@@ -201,7 +204,7 @@ class RegistryApi:
             body = Heartbeat.model_validate(await self._body(request) if request.can_read_body else {})
         except (ValidationError, web.HTTPBadRequest) as exc:
             return _error(400, str(exc), "invalid_heartbeat")
-        alive = await self._store.heartbeat(worker_id, self._ttl_s, **body.model_dump(exclude_none=True))
+        alive = await self.heartbeats.beat(worker_id, body.model_dump(exclude_none=True))
         if not alive:
             return _error(404, f"worker {worker_id!r} is not registered (expired?); register again",
                           "not_registered")

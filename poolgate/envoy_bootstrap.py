@@ -400,7 +400,7 @@ def build_bootstrap(
         ),
         dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
             ads_config=config_source_pb2.ApiConfigSource(
-                api_type=config_source_pb2.ApiConfigSource.GRPC,
+                api_type=config_source_pb2.ApiConfigSource.DELTA_GRPC,
                 transport_api_version=config_source_pb2.V3,
                 grpc_services=[grpc_service_pb2.GrpcService(
                     envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=XDS_CLUSTER)

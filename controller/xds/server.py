@@ -1,13 +1,16 @@
-"""The ADS server: speaks state-of-the-world xDS (CDS + EDS) to any number of Envoys.
+"""The ADS server: speaks xDS (CDS + EDS) to any number of Envoys, incremental or state-of-the-world.
 
 ``update`` builds resources from the fleet (``build``), stores them as versioned snapshots (``cache``), and
-wakes every connected stream; each stream (``AdsStream``) decides what its Envoy still needs. Only the
-pools whose endpoints changed (``endpoint_key``) are built again, and a stream sends its Envoy only the
-load assignments whose version differs from the one it sent (an EDS answer need not repeat the others; a
-CDS answer always holds every cluster). ``update_off_loop`` does the build in a worker thread, so a large
-rebuild does not stall the registry API on the same event loop. Envoy keeps its last resources while the
-controller is away, so this server is never in a request's path. It answers nothing before its first
-``update`` (the caller's first full read of the fleet): a stream opened earlier waits for it.
+wakes every connected stream; each stream decides what its Envoy still needs. Only the pools whose endpoints
+changed (``endpoint_key``) are built again. The bootstraps poolgate renders use delta xDS
+(``DeltaAggregatedResources``, ``delta.DeltaAdsStream``): an Envoy is sent exactly the resources whose
+version changed, so one worker's change sends one pool's load assignment. State-of-the-world
+(``StreamAggregatedResources``, ``AdsStream``) stays served for Envoys configured with ``api_type: GRPC``:
+it sends only the load assignments whose version changed too, but every CDS answer holds every cluster.
+``update_off_loop`` does the build in a worker thread, so a large rebuild does not stall the registry API on
+the same event loop. Envoy keeps its last resources while the controller is away, so this server is never
+in a request's path. It answers nothing before its first ``update`` (the caller's first full read of the
+fleet): a stream opened earlier, delta or not, waits for it.
 """
 
 from __future__ import annotations
@@ -25,28 +28,26 @@ from google.protobuf import any_pb2
 from controller.xds.build import (
     CLUSTER_TYPE_URL,
     ENDPOINT_TYPE_URL,
+    SERVED_TYPES,
     build_clusters,
     endpoint_key,
     fallback_assignment,
+    merged_fallback,
     pool_assignment,
+    short_type,
     usable_workers,
 )
 from controller.xds.cache import Snapshot, SnapshotCache
+from controller.xds.delta import DeltaAdsStream
 from poolgate.kernel.config import PoolSpec, TlsClientFiles, TlsServerFiles
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.routing import cluster_name
 from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
 
-SERVED_TYPES = (CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL)
-"""In push order: clusters before their endpoints, as ADS expects."""
-
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """A large fleet's EDS answer can pass grpc's 4 MiB default."""
-
-
-def _short(type_url: str) -> str:
-    return type_url.rsplit(".", 1)[-1]
 
 
 @dataclass
@@ -75,6 +76,7 @@ class AdsStream:
         self.node_id = ""
         self.subscriptions: dict[str, Subscription] = {}
         self._nonce = 0
+        self.resources_sent = 0
 
     def on_request(self, request: discovery_pb2.DiscoveryRequest) -> list[discovery_pb2.DiscoveryResponse]:
         if request.node.id and not self.node_id:
@@ -93,12 +95,12 @@ class AdsStream:
         if request.HasField("error_detail"):
             subscription.last_error = request.error_detail.message
             subscription.sent_resources.clear()  # not taken: the next version offers every resource again
-            log.error("xds: node %s rejected %s version %s (keeps %r): %s", self.node_id, _short(type_url),
+            log.error("xds: node %s rejected %s version %s (keeps %r): %s", self.node_id, short_type(type_url),
                       subscription.sent_version, request.version_info, request.error_detail.message)
         elif request.response_nonce:
             subscription.acked_version = request.version_info
             subscription.last_error = ""
-            log.debug("xds: node %s acked %s version %s", self.node_id, _short(type_url), request.version_info)
+            log.debug("xds: node %s acked %s version %s", self.node_id, short_type(type_url), request.version_info)
         if not request.response_nonce or names != subscription.names:
             subscription.names = names
             return self._respond(type_url)
@@ -144,33 +146,48 @@ class AdsStream:
             packed = any_pb2.Any()
             packed.Pack(resource)
             response.resources.append(packed)
+        self.resources_sent += len(names)
         return [response]
 
 
-_Event: TypeAlias = discovery_pb2.DiscoveryRequest | tuple[str, ...] | None
+_Request: TypeAlias = discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest
+_Event: TypeAlias = _Request | tuple[str, ...] | None
 """What a stream's inbox carries: a request from Envoy, changed type URLs, or None for end of stream."""
+_Stream: TypeAlias = AdsStream | DeltaAdsStream
 
 
 class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    def __init__(self, cache: SnapshotCache, streams: dict[AdsStream, asyncio.Queue[_Event]]) -> None:
+    def __init__(self, cache: SnapshotCache, streams: dict[_Stream, asyncio.Queue[_Event]]) -> None:
         self._cache = cache
         self._streams = streams
 
+    # Both handlers must be async generators themselves: grpc.aio runs any other handler in a thread.
     async def StreamAggregatedResources(
         self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-        stream = AdsStream(self._cache, peer=context.peer())
+        async for response in self._serve(AdsStream(self._cache, peer=context.peer()), request_iterator):
+            yield response
+
+    async def DeltaAggregatedResources(
+        self, request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[discovery_pb2.DeltaDiscoveryResponse]:
+        async for response in self._serve(DeltaAdsStream(self._cache, peer=context.peer()), request_iterator):
+            yield response
+
+    async def _serve(self, stream: _Stream, request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
         inbox: asyncio.Queue[_Event] = asyncio.Queue()
         reader = asyncio.create_task(_read_requests(request_iterator, inbox))
         self._streams[stream] = inbox
         try:
             while (event := await inbox.get()) is not None:
-                if isinstance(event, discovery_pb2.DiscoveryRequest):
-                    if event.node.id and not stream.node_id:
-                        log.info("xds: node %s connected from %s", event.node.id, stream.peer)
-                    responses = stream.on_request(event)
+                if isinstance(event, tuple):
+                    responses: Sequence[Any] = stream.on_change(event)
                 else:
-                    responses = stream.on_change(event)
+                    if event.node.id and not stream.node_id:
+                        log.info("xds: node %s connected from %s (%s)", event.node.id, stream.peer,
+                                 "delta" if isinstance(stream, DeltaAdsStream) else "state of the world")
+                    responses = stream.on_request(event)  # type: ignore[arg-type]  # a stream gets its own kind
                 for response in responses:
                     yield response
         finally:
@@ -179,9 +196,7 @@ class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             log.info("xds: node %s disconnected", stream.node_id or stream.peer)
 
 
-async def _read_requests(
-    request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], inbox: asyncio.Queue[_Event]
-) -> None:
+async def _read_requests(request_iterator: AsyncIterator[_Request], inbox: asyncio.Queue[_Event]) -> None:
     try:
         async for request in request_iterator:
             inbox.put_nowait(request)
@@ -198,6 +213,10 @@ class StreamStatus:
     """What one connected Envoy has been sent and has accepted, per type URL (for status and tests)."""
 
     node_id: str
+    delta: bool
+    """On incremental ADS (else state of the world)."""
+    resources_sent: int
+    """Resources sent on this stream so far."""
     sent: dict[str, str]
     acked: dict[str, str]
     errors: dict[str, str]
@@ -209,7 +228,7 @@ class XdsServer:
     def __init__(self, pools: tuple[PoolSpec, ...], worker_tls: TlsClientFiles | None = None) -> None:
         self._pools = tuple(pools)
         self._cache = SnapshotCache()
-        self._streams: dict[AdsStream, asyncio.Queue[_Event]] = {}
+        self._streams: dict[_Stream, asyncio.Queue[_Event]] = {}
         self._server: grpc.aio.Server | None = None
         self._keys: dict[str, tuple[tuple[str, str, int, str], ...]] | None = None
         """Per pool, what Envoy saw of its workers at the last build."""
@@ -263,12 +282,19 @@ class XdsServer:
         changed = [pool for pool in by_pool if self._keys is None or keys[pool] != self._keys.get(pool)]
         if previous is not None and not changed:
             return None, keys
-        rebuilt = [pool_assignment(pool, by_pool[pool]) for pool in changed]
-        rebuilt.append(fallback_assignment(usable))
+        rebuilt = {pool: pool_assignment(pool, by_pool[pool]) for pool in changed}
         self.pools_built += len(changed)
+        addresses = {(host, port) for pool_keys in keys.values() for _, host, port, _ in pool_keys}
+        if len(addresses) == sum(map(len, keys.values())):  # no address twice: join the pools' assignments
+            built = dict(previous.resources) if previous is not None else {}
+            built.update((cluster_name(pool), assignment) for pool, assignment in rebuilt.items())
+            fallback = merged_fallback([built[cluster_name(pool)] for pool in sorted(by_pool)])  # usable's order
+        else:
+            fallback = fallback_assignment(usable)
+        assignments = [*rebuilt.values(), fallback]
         if previous is None:
-            return Snapshot.of(ENDPOINT_TYPE_URL, rebuilt), keys
-        return previous.replaced(rebuilt), keys
+            return Snapshot.of(ENDPOINT_TYPE_URL, assignments), keys
+        return previous.replaced(assignments), keys
 
     def _apply(self, endpoints: Snapshot | None, keys: dict[str, tuple[Any, ...]]) -> str:
         self._keys = keys
@@ -279,7 +305,7 @@ class XdsServer:
         version = self._cache.version()
         if changed:
             log.debug("xds: version %s (%s changed), %d streams", version,
-                      ", ".join(_short(t) for t in changed), len(self._streams))
+                      ", ".join(short_type(t) for t in changed), len(self._streams))
             for inbox in self._streams.values():
                 inbox.put_nowait(tuple(changed))
         return version
@@ -292,6 +318,8 @@ class XdsServer:
         return [
             StreamStatus(
                 node_id=stream.node_id,
+                delta=isinstance(stream, DeltaAdsStream),
+                resources_sent=stream.resources_sent,
                 sent={t: s.sent_version for t, s in stream.subscriptions.items()},
                 acked={t: s.acked_version for t, s in stream.subscriptions.items()},
                 errors={t: s.last_error for t, s in stream.subscriptions.items() if s.last_error},

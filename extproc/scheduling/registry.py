@@ -122,6 +122,7 @@ class Registry:
             scorers=[(scorers[name], settings.weights.get(name, 0.0)) for name in self.scorers],
             picker=self.pickers[picker](settings, rng),
             explain=settings.debug_header,
+            rng=rng,
         )
 
 

@@ -1,16 +1,19 @@
 """The pick: model → candidates → filters → weighted sum of scorers → the picker's choice (plus fallbacks).
 
-``Scheduler.pick`` is pure apart from the picker's injected random source (ties). Which filters, scorers and
-picker it runs comes from the registry (``registry``), by name.
+``Scheduler.pick`` is pure apart from the injected random sources (the picker's ties, the sample of a large
+model's workers: ``sampling``). Which filters, scorers and picker it runs comes from the registry
+(``registry``), by name.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from extproc import errors
 from extproc.scheduling.picker import MaxScore
 from extproc.scheduling.plugins import Decision, Filter, Outcome, PickContext, Picker, PickRequest, Scorer
+from extproc.scheduling.sampling import sample, should_sample
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.routing import cluster_name
 
@@ -23,6 +26,8 @@ class Scheduler:
         picker: Picker | None = None,
         max_fallbacks: int = 2,
         explain: bool = False,
+        sampling: bool = True,
+        rng: random.Random | None = None,
     ) -> None:
         self.filters = tuple(filters)
         self.scorers = tuple((scorer, weight) for scorer, weight in scorers if weight > 0)
@@ -31,6 +36,9 @@ class Scheduler:
         self.max_fallbacks = max_fallbacks
         self.explain = explain
         """Fill ``Decision.scores`` (for the debug header); off, a pick allocates nothing for it."""
+        self.sampling = sampling
+        """Pick over a sample of a large model's workers (``sampling``); off, always over every one."""
+        self._rng = rng or random.Random()
 
     def pick(self, request: PickRequest, context: PickContext) -> Outcome:
         snapshot = context.snapshot
@@ -38,6 +46,14 @@ class Scheduler:
         candidates: Sequence[WorkerRecord] = snapshot.workers_for(model)
         if not candidates and model not in snapshot.models:
             return errors.model_not_found(model)
+        ready = snapshot.ready_workers_for(model)
+        if self.sampling and should_sample(request, context, ready):
+            outcome = self._pick_over(sample(request, context, ready, self._rng), request, context)
+            if isinstance(outcome, Decision):
+                return outcome
+        return self._pick_over(candidates, request, context)  # every candidate: a refusal is the fleet's
+
+    def _pick_over(self, candidates: Sequence[WorkerRecord], request: PickRequest, context: PickContext) -> Outcome:
         for candidate_filter in self.filters:
             candidates = candidate_filter.filter(request, candidates, context)
             if not candidates:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
@@ -84,7 +84,7 @@ class WorkerRecord:
         return self.served_names or (self.model,)
 
     def to_redis(self) -> dict[str, str]:
-        return encode_fields(asdict(self))
+        return encode_fields({name: getattr(self, name) for name in _FIELD_NAMES})
 
     @classmethod
     def from_redis(cls, raw: Mapping[bytes, bytes] | Mapping[str, str]) -> WorkerRecord:
@@ -102,6 +102,9 @@ AGENT_FACTS = ("kv_capacity_tokens", "kv_usage", "running", "waiting", "preempti
 when ``metrics_at`` is older than their staleness bound."""
 UNKNOWN_AGENT_FACTS: Mapping[str, Any] = MappingProxyType(
     {name: WorkerRecord.__dataclass_fields__[name].default for name in AGENT_FACTS})
+_FIELD_NAMES = tuple(f.name for f in fields(WorkerRecord))
+"""Field names in order, once (``dataclasses.asdict`` deep-copies and cost a registration more than Redis)."""
+
 LIVE_FIELDS = ("state", *AGENT_FACTS, "kv_block_size", "lora_adapters", "max_loras", "updated_at", "metrics_at")
 """Fields that heartbeats and the agent rewrite; every other field is identity, written at registration."""
 

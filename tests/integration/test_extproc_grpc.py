@@ -221,6 +221,31 @@ async def _redis_total(client: Any, ids: list[str], expected: int) -> bool:
     return sum(values) == expected
 
 
+async def test_a_slow_read_leaves_no_worker_stale(redis_client: Any) -> None:
+    """A refresh whose reads take longer than the staleness bound (a loaded Redis, 10,000 workers) still
+    judges freshness from when the read ended, so the fleet stays pickable and the age metric is the read's."""
+    await FleetStore(redis_client, KEYS.prefix).register(record("w1", 9001), ttl_s=30)
+    metrics = Metrics()
+    settings = config().extproc
+    clock = [time.time()]
+    watcher = FleetWatcher(FleetStore(redis_client, KEYS.prefix), config().pools, settings, InflightTracker(),
+                           metrics, clock=lambda: clock[0])
+    sync = watcher._view.sync
+
+    async def slow_sync() -> Any:
+        delta = await sync()
+        clock[0] += 3 * settings.stale_after_s  # the read took three staleness bounds
+        return delta
+
+    watcher._view.sync = slow_sync  # type: ignore[method-assign]
+    for _ in range(2):
+        assert await watcher.refresh()
+        snapshot = watcher.snapshot
+        assert snapshot.stale_count() == 0 and [w.id for w in snapshot.ready_workers_for("llama")] == ["w1"]
+        assert metrics.registry.get_sample_value("poolgate_extproc_stale_workers") == 0
+        assert (metrics.registry.get_sample_value("poolgate_extproc_snapshot_age_seconds") or 0) < 1
+
+
 async def test_redis_outage_keeps_the_last_snapshot(redis_url: str, redis_client: Any) -> None:
     await FleetStore(redis_client, KEYS.prefix).register(record("w1", 9001), ttl_s=30)
     metrics = Metrics()

@@ -76,3 +76,38 @@ async def test_many_callers_at_once_wait_for_the_pool_instead_of_failing(api: tu
 
         statuses = await asyncio.gather(*(register(i) for i in range(64)))  # 64 callers, 4 connections
     assert statuses == [201] * 64
+
+
+async def test_single_heartbeats_at_once_share_pipelines_and_each_gets_its_own_answer(redis_url: str) -> None:
+    config = parse_config({"pools": [{"name": "chat", "model": "m1"}], "controller": {"heartbeat_ttl_s": 60}})
+    redis = connect(redis_url, max_connections=4, wait_s=5.0)
+    store = FleetStore(redis, "c")
+    registry = RegistryApi(store, TOKEN, config.pools, config.controller)
+    runner = web.AppRunner(registry.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        ids = [f"s-w{i}" for i in range(100)]
+        async with aiohttp.ClientSession(headers=AUTH) as http:
+            for i, worker_id in enumerate(ids):
+                body = {"id": worker_id, "pool": "chat", "host": "127.0.0.1", "port": 9300 + i}
+                async with http.post(f"{base}/v1/workers", json=body) as response:
+                    assert response.status == 201
+
+            async def beat(worker_id: str, body: dict[str, str]) -> int:
+                async with http.post(f"{base}/v1/workers/{worker_id}/heartbeat", json=body) as response:
+                    await response.read()
+                    return response.status
+
+            bodies = [({"state": "Busy"} if worker_id == "s-w7" else {}) for worker_id in ids]
+            statuses = await asyncio.gather(*(beat(w, b) for w, b in zip(ids, bodies, strict=True)),
+                                            beat("s-gone", {}))
+        assert statuses == [200] * 100 + [404]
+        print(f"101 heartbeats at once went in {registry.heartbeats.batches} pipelines")
+        assert registry.heartbeats.batches < 101
+        states = {r.id: r.state for r in await store.read_fleet()}
+        assert states["s-w7"] is WorkerState.BUSY and states["s-w8"] is WorkerState.READY
+    finally:
+        await runner.cleanup()
+        await redis.aclose()

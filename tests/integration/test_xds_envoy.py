@@ -114,12 +114,14 @@ async def xds() -> AsyncIterator[tuple[XdsServer, int]]:
 class Envoy:
     """One Envoy process on free ports; its stderr goes to a file shown when a test fails."""
 
-    def __init__(self, config: Config, node_id: str, xds_port: int, extproc_port: int) -> None:
+    def __init__(self, config: Config, node_id: str, xds_port: int, extproc_port: int, ads_api: str = "") -> None:
         self.node_id = node_id
         self.port = free_port()
         self.admin_port = free_port()
         bootstrap = render_bootstrap(config, node_id=node_id, listen_port=self.port, admin_port=self.admin_port,
                                      extproc_port=extproc_port, xds_port=xds_port)
+        if ads_api:  # another ADS flavour than the rendered one (delta)
+            bootstrap["dynamic_resources"]["ads_config"]["api_type"] = ads_api
         self._log = tempfile.NamedTemporaryFile(prefix="envoy-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [str(envoy_binary()), "--config-yaml", json.dumps(bootstrap), "--use-dynamic-base-id",
@@ -168,8 +170,9 @@ async def start_envoy(xds: tuple[XdsServer, int]) -> AsyncIterator[Callable[...,
     started: list[Envoy] = []
     dead_extproc = free_port()  # nothing listens: ext_proc fails, fail-open applies
 
-    async def start(node_id: str = "envoy-1", extproc_port: int = dead_extproc, config: Config = CONFIG) -> Envoy:
-        envoy = Envoy(config, node_id, xds[1], extproc_port)
+    async def start(node_id: str = "envoy-1", extproc_port: int = dead_extproc, config: Config = CONFIG,
+                    ads_api: str = "") -> Envoy:
+        envoy = Envoy(config, node_id, xds[1], extproc_port, ads_api)
         started.append(envoy)
         async with aiohttp.ClientSession() as session:
             async def ready() -> bool:
@@ -277,10 +280,65 @@ async def test_two_envoys_get_resources(xds, start_envoy, upstreams, session) ->
     assert sorted(s.node_id for s in server.streams()) == ["envoy-1", "envoy-2"]
 
 
+async def test_one_workers_change_reaches_envoy_as_one_pools_assignment(xds, start_envoy, upstreams,
+                                                                       session) -> None:
+    """Delta xDS (the rendered bootstrap's): a change sends its pool's load assignment (and the fallback's)."""
+    server, _ = xds
+    envoy = await start_envoy()
+    w1, w2, w3 = upstreams["w1"], upstreams["w2"], upstreams["w3"]
+    server.update([w1.record("a"), w2.record("a"), w3.record("b")])
+
+    async def all_healthy() -> bool:
+        return len(await host_health(session, envoy, FALLBACK_CLUSTER)) == 3 and acked(server)
+
+    await wait_for(all_healthy, PROPAGATION_S, "every endpoint, acknowledged")
+    [before] = server.streams()
+    assert before.delta
+    server.update([w1.record("a"), w2.record("a"), w3.record("b", WorkerState.DRAINING)])
+
+    async def drained() -> bool:
+        return await host_health(session, envoy, cluster_name("b")) == {w3.port: "DRAINING"}
+
+    took = await wait_for(drained, PROPAGATION_S, "w3 draining in pool b")
+    print(f"one change reached Envoy over delta xDS in {took * 1000:.0f} ms")
+    [after] = server.streams()
+    assert after.resources_sent - before.resources_sent == 2  # pool b's and the fallback's, not pool a's
+    async with session.get(f"{envoy.admin}/config_dump", params={"include_eds": ""}) as response:
+        dump = await response.json()
+    [eds] = [c for c in dump["configs"] if c["@type"].endswith("EndpointsConfigDump")]
+    assignments = {c["endpoint_config"]["cluster_name"]: c["endpoint_config"]
+                   for c in eds.get("dynamic_endpoint_configs", [])}
+    [drained_endpoint] = assignments[cluster_name("b")]["endpoints"][0]["lb_endpoints"]
+    # The dump shows a host's coarse health, in which Draining (out of rotation) reads as UNHEALTHY.
+    assert drained_endpoint["endpoint"]["hostname"] == "w3" and drained_endpoint["health_status"] != "HEALTHY"
+    assert {e["endpoint"]["hostname"]: e.get("health_status", "HEALTHY")
+            for e in assignments[cluster_name("a")]["endpoints"][0]["lb_endpoints"]} == {
+        "w1": "HEALTHY", "w2": "HEALTHY"}
+
+
+async def test_state_of_the_world_envoy_still_gets_endpoints(xds, start_envoy, upstreams, session) -> None:
+    server, _ = xds
+    envoy = await start_envoy(ads_api="GRPC")
+    w1 = upstreams["w1"]
+    server.update([w1.record("a")])
+
+    async def healthy() -> bool:
+        return await host_health(session, envoy, cluster_name("a")) == {w1.port: "HEALTHY"} and acked(server)
+
+    await wait_for(healthy, PROPAGATION_S, "endpoints over state-of-the-world ADS, acknowledged")
+    [status] = server.streams()
+    assert not status.delta
+
+
+def acked(server: XdsServer) -> bool:
+    """Every stream has acknowledged what it was sent (an Envoy applies an update, then answers)."""
+    return all(s.acked == s.sent and not s.errors for s in server.streams())
+
+
 async def test_nack_is_logged_and_serving_continues(xds, start_envoy, upstreams, session, caplog) -> None:
     server, _ = xds
     envoy = await start_envoy()
-    caplog.set_level(logging.ERROR, logger="controller.xds.server")
+    caplog.set_level(logging.ERROR, logger="controller.xds")
     bad = build_clusters(CONFIG.pools)
     bad[0].common_lb_config.healthy_panic_threshold.value = 250.0  # Envoy validates percent <= 100
     server._publish([Snapshot.of(CLUSTER_TYPE_URL, bad)])

@@ -58,7 +58,7 @@ def test_node_admin_and_ads() -> None:
     assert (bootstrap.admin.address.socket_address.address, bootstrap.admin.address.socket_address.port_value) == (
         "127.0.0.1", 9901)
     ads = bootstrap.dynamic_resources.ads_config
-    assert ads.api_type == config_source_pb2.ApiConfigSource.GRPC
+    assert ads.api_type == config_source_pb2.ApiConfigSource.DELTA_GRPC
     assert ads.transport_api_version == config_source_pb2.V3
     assert ads.grpc_services[0].envoy_grpc.cluster_name == XDS_CLUSTER
     assert bootstrap.dynamic_resources.cds_config.HasField("ads")

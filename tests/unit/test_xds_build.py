@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import health_check_pb2
@@ -9,7 +11,8 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 
-from controller.xds.build import build_clusters, build_endpoints
+from controller.xds import XdsServer
+from controller.xds.build import ENDPOINT_TYPE_URL, build_clusters, build_endpoints, fallback_assignment, usable_workers
 from poolgate.kernel.config import PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
@@ -124,3 +127,28 @@ def test_duplicate_address_becomes_one_host() -> None:
 def test_ipv6_host_is_accepted() -> None:
     assignments = by_name(build_endpoints(POOLS, [worker("a", host="::1", port=1)]))
     assert hosts(assignments[cluster_name("chat")]) == {"::1:1": health_check_pb2.HEALTHY}
+
+
+def test_the_fallback_joined_from_pools_equals_the_one_built_from_workers() -> None:
+    pools = tuple(PoolSpec(name=f"p{i}", model="m") for i in (3, 1, 2))  # config order is not name order
+    workers = [WorkerRecord(id=f"w{i:03d}", pool=f"p{i % 3 + 1}", model="m", host=f"10.0.0.{i + 1}", port=8000)
+               for i in range(30)]
+    server = XdsServer(pools)
+    server.update(workers)
+    changed = [*workers[:4], replace(workers[4], state=WorkerState.DRAINING), *workers[5:]]
+    built = server.pools_built
+    server.update(changed)
+    assert server.pools_built == built + 1  # one pool rebuilt; the fallback joined from the three
+    assert fallback(server).SerializeToString(deterministic=True) == fallback_assignment(
+        usable_workers(pools, changed)).SerializeToString(deterministic=True)
+    twice = [*changed, replace(workers[0], id="w999", pool="p2")]  # w000's address in a second pool too
+    server.update(twice)
+    assert fallback(server) == fallback_assignment(usable_workers(pools, twice))
+
+
+def fallback(server: XdsServer) -> endpoint_pb2.ClusterLoadAssignment:
+    snapshot = server._cache.get(ENDPOINT_TYPE_URL)
+    assert snapshot is not None
+    resource = snapshot.resources[FALLBACK_CLUSTER]
+    assert isinstance(resource, endpoint_pb2.ClusterLoadAssignment)
+    return resource
