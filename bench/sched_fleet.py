@@ -91,6 +91,11 @@ def plan_workers(layout: FleetLayout = LAYOUTS["heterogeneous"]) -> list[WorkerP
     return plans
 
 
+PREFILL_BACKLOG_S = 0.5
+"""The benchmark's prefill-backlog gate (model seconds): queued prefill beyond this waits in extproc, ordered
+short-first, rather than in an engine's FIFO queue."""
+
+
 def scaled_settings(time_scale: float) -> dict[str, dict[str, float]]:
     """poolgate's control-loop intervals and time bounds in wall seconds for engines running ``time_scale``
     times real speed (defaults ÷ time_scale; a rate × time_scale), so they stay the defaults in model time."""
@@ -105,7 +110,8 @@ def scaled_settings(time_scale: float) -> dict[str, dict[str, float]]:
         "health": {"probe_interval_s": 0.5 * wall, "probe_timeout_s": 5.0 * wall,
                    "replace_failed_after_s": 600.0, "kv_leak_after_s": 600.0},
         "scheduling": {"max_wait_s": 5.0 * wall, "ttft_reference_s": 0.5 * wall,
-                       "reservation_settle_s": 0.5 * wall, "default_prefill_tokens_per_s": 8000.0 * time_scale},
+                       "reservation_settle_s": 0.5 * wall, "default_prefill_tokens_per_s": 8000.0 * time_scale,
+                       "max_prefill_backlog_s": PREFILL_BACKLOG_S * wall},
     }
 
 

@@ -25,6 +25,7 @@ from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, S
 from extproc.snapshot import FleetSnapshot
 from extproc.tenancy import Tenant
 from poolgate.kernel.config import SchedulingSettings
+from poolgate.kernel.fleet import WorkerRecord
 
 DECISION_HEADER = "x-poolgate-decision"
 TENANT_HEADER = "x-poolgate-tenant"
@@ -53,6 +54,7 @@ class Place:
         self._settled_for: FleetSnapshot | None = None
         self.prefix_cache = prefix_cache
         """The workers' KV events, where they publish them (None: no cache lookups at all)."""
+        self._default_prefill_rate = settings.default_prefill_tokens_per_s
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -93,17 +95,33 @@ class Place:
             self._metrics.pick_refusals.labels(request.model, outcome.code or outcome.type).inc()
         return Refused(outcome)
 
+    def predicted_prefill_s(self, request: PickRequest) -> float:
+        """Seconds of prefill the request needs at best: the prompt part no ready worker of its model caches,
+        at the fastest of their prefill rates (what orders held requests inside a tenant)."""
+        workers = self.fleet.snapshot.ready_workers_for(request.model)
+        rate = max((w.prefill_tokens_per_s for w in workers), default=0.0) or self._default_prefill_rate
+        return self._uncached_tokens(request, workers) / rate
+
+    def _uncached_tokens(self, request: PickRequest, workers: tuple[WorkerRecord, ...]) -> int:
+        blocks = request.prompt_blocks
+        if blocks is None or self.prefix_cache is None or not workers:
+            return request.prompt_tokens
+        cached = self.prefix_cache.cached_tokens(blocks, workers)
+        return max(0, blocks.token_count - max(cached.values(), default=0))
+
     def count_no_capacity(self, request: PickRequest, outcome: NoCapacity) -> None:
         self._metrics.pick_refusals.labels(request.model, outcome.reason).inc()
 
     def commit(self, request: PickRequest, decision: Decision) -> Placement:
         worker_id = decision.worker_id
+        worker = self.fleet.snapshot.by_id.get(worker_id)
         self.inflight.acquire(worker_id)
+        # Prefill still to do there: a prompt the worker's cache holds costs it only its uncached part.
+        prefill = request.prompt_tokens if worker is None else self._uncached_tokens(request, (worker,))
         reservation = self.reservations.reserve(worker_id, request.prompt_tokens, request.output_tokens,
-                                                self._clock())
+                                                self._clock(), prefill_tokens=prefill)
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
-        worker = self.fleet.snapshot.by_id.get(worker_id)
         if self.prefix_cache is not None and worker is not None:
             self.prefix_cache.placed(worker, request)
         self._metrics.picks.labels(decision.pool, worker_id).inc()
