@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from extproc.disagg import PairDecision
 from extproc.endpoints import path_fate
 from extproc.errors import internal_error, invalid_request, no_capacity, unknown_path
 from extproc.metrics import Metrics
@@ -268,7 +269,7 @@ class Director:
         if held_since is not None:
             request = replace(request, held_s=self._timer() - held_since)
         outcome = self.place.pick(request, arrival.subset)
-        if isinstance(outcome, Decision):
+        if isinstance(outcome, Decision | PairDecision):
             return self._commit(context, outcome)
         if isinstance(outcome, NoCapacity):
             if may_hold:
@@ -278,14 +279,14 @@ class Director:
             return self.refuse(context, Refused(no_capacity(request.model, waited, outcome.retry_after_s)))
         return self.refuse(context, outcome)
 
-    def _commit(self, context: RequestContext, decision: Decision) -> Placed:
+    def _commit(self, context: RequestContext, decision: Decision | PairDecision) -> Placed:
         resolved, tenant = context.resolved, context.tenant
         assert resolved is not None
         request = resolved.request
-        context.placement = self.place.commit(request, decision)
+        placement = context.placement = self.place.commit(request, decision)
         self._metrics.requests.labels("routed").inc()
         context.response.placed(request)
         named = tenant if self.identify.names_tenants else None
-        log.debug("routed to %s (%s)", decision.worker_id, decision.endpoint)
-        return Placed(decision, request.facts.client_routing_headers, self.place.headers(decision, request, named),
-                      resolved.body)
+        log.debug("routed to %s (%s)", placement.decision.worker_id, placement.decision.endpoint)
+        return Placed(placement.decision, request.facts.client_routing_headers,
+                      self.place.headers(decision, request, named), resolved.body)

@@ -17,8 +17,16 @@ WORKER_HEADER = "x-poolgate-worker"
 FALLBACK_CLUSTER = "poolgate-fallback"
 """Every Ready worker; used by the fail-open default route when extproc is away."""
 
+PREFILL_HEADER = "x-poolgate-prefill"
+DECODE_HEADER = "x-poolgate-decode"
+"""Set by extproc on a disaggregated request: the prefill and the decode worker (``ip:port`` comma lists, best
+first) the sidecar runs the two steps on. Client-sent copies are stripped like every routing header."""
+
+PD_SIDECAR_CLUSTER = "poolgate-pd-sidecar"
+"""The static cluster of the prefill/decode sidecar; extproc names it in the cluster header."""
+
 ROUTING_HEADERS = (CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, "x-poolgate-tenant", "x-poolgate-pool",
-                   "x-poolgate-endpoint")
+                   "x-poolgate-endpoint", PREFILL_HEADER, DECODE_HEADER)
 """Headers a client must never be able to set: Envoy removes them before ext_proc, extproc again."""
 
 
