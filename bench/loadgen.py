@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -39,6 +39,9 @@ class Target:
     name: str
     url_of: Callable[[RequestSpec], str]
     headers: Callable[[RequestSpec], Mapping[str, str]] = _no_headers
+    resolve: Callable[[RequestSpec, bytes], Awaitable[str]] | None = None
+    """A router that decides in the client (the oracle): the base URL for one request and its body, awaited
+    after the request's clock started (its decision time counts in its TTFT); ``url_of`` is then unused."""
 
     @classmethod
     def single(cls, name: str, base_url: str,
@@ -142,7 +145,8 @@ async def stream_one(session: aiohttp.ClientSession, target: Target, spec: Reque
     headers = {"content-type": "application/json", **target.headers(spec)}
     tally = SseTally()
     try:
-        async with session.post(target.url_of(spec) + spec.path, data=body, headers=headers) as response:
+        base = target.url_of(spec) if target.resolve is None else await target.resolve(spec, body)
+        async with session.post(base + spec.path, data=body, headers=headers) as response:
             outcome.status = response.status
             if response.status != 200:
                 outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"

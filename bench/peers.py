@@ -15,15 +15,18 @@
 
 The full run (about an hour on two cores): poolgate, weighted least_request and both cache-aware peers on
 every scenario × both fleets at 85 % with Poisson arrivals, and with on/off bursts on the heterogeneous
-fleet; every router and the 50 / 85 / 100 % sweep on ``shared-docs`` (heterogeneous fleet, Poisson).
-``--quick`` (about 6 minutes): ``shared-docs`` on the heterogeneous fleet at 85 %, poolgate, weighted
-least_request and one cache-aware router of each peer project, at least 110 requests per router.
+fleet; every router and the 50 / 85 / 100 % sweep on ``shared-docs`` (heterogeneous fleet, Poisson); the
+oracle (the worker really holding the longest cached prefix, ``routers``) at 85 % on ``shared-docs`` and
+``sessions``, the reference of poolgate's prefix-cache hit rate.
+``--quick`` (about 7 minutes): ``shared-docs`` on the heterogeneous fleet at 85 %, poolgate, weighted
+least_request, one cache-aware router of each peer project and the oracle, at least 110 requests per router.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import subprocess
 import sys
@@ -44,11 +47,13 @@ from bench.loadgen import new_session
 from bench.peer_install import PeerVenv, default_venv_dir, ensure_peers
 from bench.peers_report import evaluate_targets, markdown, write_outputs
 from bench.replay import Progress, Window, replay
-from bench.routers import ALL_ROUTERS, PEER_ROUTERS, capacity_weights, make_router
+from bench.routers import ALL_ROUTERS, ORACLE, PEER_ROUTERS, capacity_weights, make_router
 from bench.scenarios import SCENARIOS, Scenario
 from bench.sched_fleet import LAYOUTS, MODELS, BenchFleet
 
 MAIN_ROUTERS = ("poolgate", "least_request_weighted", "vllm-router:cache_aware", "sglang-router:cache_aware")
+ORACLE_SCENARIOS = ("shared-docs", "sessions")
+"""Cells where the oracle (``routers.OracleRouter``) also runs, at 85 % only: the prefix-cache reference."""
 SWEEP_LEVELS = (0.5, 0.85, 1.0)
 TARGET_LEVEL = 0.85
 MAX_WINDOW_FACTOR = 2.0
@@ -71,6 +76,8 @@ class Plan:
     agent_wait_s: float
     min_requests: int
     """The arrival window grows (up to ``MAX_WINDOW_FACTOR`` ×) until a trace holds about this many requests."""
+    oracle: bool = True
+    """Also run the oracle on ``ORACLE_SCENARIOS`` at 85 % (its prefix-cache hit rate is the reference)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,8 @@ def cells_of(plan: Plan, fleet: str) -> list[Cell]:
             sweep_here = swept and arrivals == plan.arrivals[0]
             levels = plan.levels if sweep_here else (TARGET_LEVEL,)
             routers = plan.sweep_routers if sweep_here else plan.routers
+            if plan.oracle and name in ORACLE_SCENARIOS and ORACLE not in routers:
+                routers = (*routers, ORACLE)
             cells.append(Cell(fleet, SCENARIOS[name], arrivals, levels, routers))
     return cells
 
@@ -138,6 +147,8 @@ async def run_cell(session: aiohttp.ClientSession, fleet: BenchFleet, cell: Cell
         trace = cell.scenario.trace(offered, window.window_s * plan.time_scale, plan.seed * 100 + level_index,
                                     MODELS, bursty=cell.arrivals == "bursty")
         for name in order:
+            if name == ORACLE and not math.isclose(level, TARGET_LEVEL):
+                continue
             await fleet.wait_idle(session)
             await fleet.reset_prefix_caches(session)
             router = make_router(name, fleet, venv, cell.scenario.roles, run_dir)
@@ -233,10 +244,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
         arrivals=tuple(args.arrivals or (["poisson"] if quick else ["poisson", "bursty"])),
         routers=tuple(args.routers or main_routers),
         sweep_scenario=None if quick else args.sweep_scenario,
-        sweep_routers=tuple(r for r in ALL_ROUTERS if r not in PEER_ROUTERS or r in peers),
+        sweep_routers=tuple(r for r in ALL_ROUTERS if (r not in PEER_ROUTERS or r in peers) and r != ORACLE),
         levels=tuple(args.levels),
         seed=args.seed,
         agent_wait_s=8.0 if quick else 20.0,
+        oracle=not args.no_oracle,
     )
 
 
@@ -244,6 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory for report.json, report.md and the PNGs")
     parser.add_argument("--quick", action="store_true", help="one scenario, one fleet, 85 %% (a few minutes)")
     parser.add_argument("--no-peers", action="store_true", help="skip vllm-router and sglang-router")
+    parser.add_argument("--no-oracle", action="store_true",
+                        help="skip the oracle router (the prefix-cache reference on shared-docs and sessions)")
     parser.add_argument("--peers-venv", type=Path, default=None,
                         help="virtualenv for the peers (default: under the user cache folder)")
     parser.add_argument("--time-scale", type=float, default=0.5,

@@ -11,6 +11,13 @@
   switched off (``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``), a private ``HF_HOME`` and served names that
   are not hub ids, so nothing looks a tokenizer up on the network. Their intervals (cache-tree eviction)
   are divided by the time scale like poolgate's.
+- ``oracle``: the prefix-cache hit rate's upper reference, not a product. For each request the benchmark
+  asks every worker of the pool how many leading tokens of this very prompt its cache holds now (the
+  simulator's ``POST /sim/cached_prefix``, counted as the engine counts a hit) and sends it straight to the
+  one holding the most (ties: fewest waiting, then running requests). Asking the engines at the moment of
+  the decision, rather than following their KV events, leaves no event delay, no missed eviction and no
+  tokenisation of its own between the truth and the pick, so it is the ground truth poolgate's index is
+  measured against. It knows nothing of requests placed but not yet scheduled, as no event-fed router does.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from poolgate.procs import free_port
 
 ENVOY_POLICIES = ("least_request", "least_request_weighted", "round_robin")
 PEER_ROUTERS = ("vllm-router:cache_aware", "vllm-router:power_of_two", "sglang-router:cache_aware")
-ALL_ROUTERS = ("poolgate", *ENVOY_POLICIES, *PEER_ROUTERS)
+ORACLE = "oracle"
+ALL_ROUTERS = ("poolgate", *ENVOY_POLICIES, *PEER_ROUTERS, ORACLE)
 EVICTION_INTERVAL_S = {"vllm-router": 120.0, "sglang-router": 60.0}
 """The projects' default cache-tree eviction intervals (real time)."""
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -124,12 +132,42 @@ class PeerRouter:
         self.urls.clear()
 
 
+class OracleRouter:
+    """Sends each request to the worker whose cache holds its longest prefix (see the module docstring)."""
+
+    def __init__(self, fleet: BenchFleet, name: str = ORACLE) -> None:
+        self.name = name
+        self.fleet = fleet
+
+    async def start(self, session: aiohttp.ClientSession) -> Target:
+        pools = {role: [w.url for w in self.fleet.pool_workers(pool)] for role, pool in POOL_OF_ROLE.items()}
+
+        async def ask(url: str, body: bytes) -> tuple[int, int, int]:
+            async with session.post(url + "/sim/cached_prefix", data=body,
+                                    headers={"content-type": "application/json"}) as response:
+                answer = await response.json() if response.status == 200 else {}
+            return (int(answer.get("cached_tokens", 0)), -int(answer.get("waiting", 1 << 20)),
+                    -int(answer.get("running", 1 << 20)))
+
+        async def resolve(spec: RequestSpec, body: bytes) -> str:
+            urls = pools[spec.role]
+            facts = await asyncio.gather(*(ask(url, body) for url in urls))
+            return max(zip(facts, urls, strict=True))[1]
+
+        return Target(self.name, lambda spec: pools[spec.role][0], resolve=resolve)
+
+    async def stop(self) -> None:
+        return None
+
+
 def make_router(name: str, fleet: BenchFleet, venv: PeerVenv | None, roles: Sequence[ModelRole],
                 log_dir: Path) -> Router:
     if name == "poolgate":
         return PoolgateRouter(fleet)
     if name in ENVOY_POLICIES:
         return EnvoyRouter(fleet, name)
+    if name == ORACLE:
+        return OracleRouter(fleet)
     if name in PEER_ROUTERS:
         if venv is None:
             raise ValueError(f"{name} needs the peers' venv (run without --no-peers)")

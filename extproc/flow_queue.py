@@ -7,13 +7,27 @@ Order of release:
    tenant has a start tag; the tenant with the smallest goes next and its tag grows by the request's tokens
    divided by the tenant's weight. A tenant that was idle starts at the class's current virtual time, so
    idleness earns no credit to burst with later;
-3. first in, first out inside a tenant.
+3. inside a tenant, deadline-aware and short-prefill-first. With ``p`` the request's predicted prefill
+   (seconds of the prompt part no worker's cache holds), ``d`` its deadline (arrival + its class's
+   ``max_wait_s`` W) and ``now`` the clock:
+
+       slack  = d − now − p
+       urgent = slack ≤ URGENT_SHARE × W
+       key    = (0, slack)          if urgent      (least slack first: it is about to miss its deadline)
+              = (1, p, arrival)     otherwise      (shortest prefill first, then first in, first out)
+
+   so a short interactive request overtakes long prefills queued before it, and a long one waits at most
+   about (1 − URGENT_SHARE) × W − p before it goes ahead of every short one. Fair shares and classes are
+   untouched: the ordering only chooses which of a tenant's own requests uses the tenant's turn.
 
 Requests wait for capacity of a *domain* (the model and the pools the tenant may use): a release pass skips
-the rest of a domain once its first candidate does not fit, so a large request is not overtaken by smaller
-ones of its own domain, and a full model never holds up another. Each entry has its class's deadline. The
-queue is bounded; on overflow the newest request of the lowest class is shed (the arriving one when its
-class is the lowest present).
+the rest of a domain once its first candidate does not fit (a full model never holds up another, and a
+request that is next by the order above is not overtaken by a later one of its own domain that happens to
+fit). The queue is bounded; on overflow the newest request of the lowest class is shed (the arriving one
+when its class is the lowest present).
+
+Cost: a candidate is the minimum of its flow's keys, a scan of that tenant's backlog (``max_queued`` bounds
+it; a pass that places k requests from a backlog of n does O(k · n) key computations).
 """
 
 from __future__ import annotations
@@ -22,6 +36,9 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+URGENT_SHARE = 0.5
+"""A held request whose slack is below this share of its class's wait bound goes before shorter ones."""
 
 
 @dataclass(eq=False, slots=True)
@@ -34,6 +51,8 @@ class QueueEntry:
     enqueued_at: float
     deadline: float
     sequence: int
+    prefill_s: float = 0.0
+    """Predicted prefill of its uncached prompt part, seconds (orders requests inside a tenant)."""
     payload: Any = None
     """What the owner attaches (the service: the request's state)."""
 
@@ -82,7 +101,7 @@ class FlowQueue:
         return self._domains.get(domain, 0) > 0
 
     def push(self, domain: Hashable, tenant: str, priority: int, tokens: int, weight: float = 1.0,
-             payload: Any = None) -> Pushed:
+             payload: Any = None, prefill_s: float = 0.0) -> Pushed:
         shed: list[QueueEntry] = []
         if self._size >= self.max_entries:
             lowest = self._lowest_class()
@@ -93,7 +112,7 @@ class FlowQueue:
         now = self._clock()
         self._sequence += 1
         entry = QueueEntry(domain, tenant, priority, max(1, tokens), weight, now, now + self.max_wait_s[priority],
-                           self._sequence, payload)
+                           self._sequence, max(0.0, prefill_s), payload)
         cls = self._classes[priority]
         flow = cls.flows.get(tenant)
         if flow is None:
@@ -109,18 +128,19 @@ class FlowQueue:
     def next_candidate(self, blocked: Iterable[Hashable] = ()) -> QueueEntry | None:
         """The entry to try next, skipping domains already found full in this pass. Does not remove it."""
         skip = blocked if isinstance(blocked, set | frozenset) else set(blocked)
-        for cls in self._classes:
+        now = self._clock()
+        for priority, cls in enumerate(self._classes):
             if not cls.size:
                 continue
+            urgent_s = URGENT_SHARE * self.max_wait_s[priority]
             best: QueueEntry | None = None
             best_start = 0.0
             for flow in cls.flows.values():
                 if not flow.entries or (best is not None and flow.start >= best_start):
                     continue
-                for entry in flow.entries:
-                    if entry.domain not in skip:
-                        best, best_start = entry, flow.start
-                        break
+                chosen = _first_in_order(flow.entries, skip, now, urgent_s)
+                if chosen is not None:
+                    best, best_start = chosen, flow.start
             if best is not None:
                 return best
         return None
@@ -175,3 +195,24 @@ class FlowQueue:
     def _newest(self, priority: int) -> QueueEntry:
         flows = self._classes[priority].flows.values()
         return max((flow.entries[-1] for flow in flows if flow.entries), key=lambda e: e.sequence)
+
+
+def release_key(entry: QueueEntry, now: float, urgent_s: float) -> tuple[int, float, float]:
+    """Order inside a tenant (module docstring): urgent by slack, else shortest prefill, then arrival."""
+    slack = entry.deadline - now - entry.prefill_s
+    if slack <= urgent_s:
+        return (0, slack, float(entry.sequence))
+    return (1, entry.prefill_s, float(entry.sequence))
+
+
+def _first_in_order(entries: Iterable[QueueEntry], skip: set[Hashable] | frozenset[Hashable], now: float,
+                    urgent_s: float) -> QueueEntry | None:
+    best: QueueEntry | None = None
+    best_key = (2, 0.0, 0.0)
+    for entry in entries:
+        if entry.domain in skip:
+            continue
+        key = release_key(entry, now, urgent_s)
+        if key < best_key:
+            best, best_key = entry, key
+    return best

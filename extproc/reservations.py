@@ -3,9 +3,9 @@
 The agent refreshes a worker's record every ≤ 250 ms; between refreshes, back-to-back picks would all see
 the same free KV and pile onto one worker. So each placement reserves its footprint on its worker at once:
 
-- ``kv`` = prompt + expected output tokens, and ``prefill`` = prompt tokens, until the agent read the
-  worker's metrics ``settle_s`` after the placement (``metrics_at``; ``updated_at`` for a worker without an
-  agent): the engine has admitted the request and the usage numbers include it;
+- ``kv`` = prompt + expected output tokens, and ``prefill`` = the prompt tokens not known to be cached
+  there, until the agent read the worker's metrics ``settle_s`` after the placement (``metrics_at``;
+  ``updated_at`` for a worker without an agent): the engine has admitted the request and the usage numbers include it;
 - after that, the expected output stays reserved as decode room until the request's stream ends: a stream
   (in particular a long-lived SSE one) keeps growing its KV while the record shows only what it holds now.
 
@@ -78,10 +78,13 @@ class ReservationBook:
         pick sees them from the next ``settle``."""
         self._peer_kv, self._peer_prefill, self._replicas = kv, prefill, max(1, replicas)
 
-    def reserve(self, worker_id: str, prompt_tokens: int, output_tokens: int, placed_at: float) -> Reservation:
-        reservation = Reservation(worker_id, prompt_tokens + output_tokens, prompt_tokens, output_tokens,
-                                  placed_at)
-        self._add(worker_id, reservation.kv_tokens, prompt_tokens)
+    def reserve(self, worker_id: str, prompt_tokens: int, output_tokens: int, placed_at: float,
+                prefill_tokens: int | None = None) -> Reservation:
+        """``prefill_tokens``: the prompt part the worker must compute (default: all of it; less where its
+        cache is known to hold the rest)."""
+        prefill = prompt_tokens if prefill_tokens is None else prefill_tokens
+        reservation = Reservation(worker_id, prompt_tokens + output_tokens, prefill, output_tokens, placed_at)
+        self._add(worker_id, reservation.kv_tokens, prefill)
         self._unsettled.add(reservation)
         return reservation
 

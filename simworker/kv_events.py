@@ -7,7 +7,8 @@ the run and the run's token ids), ``BlockRemoved`` when an allocation evicts a c
 step and publishes them as one ``KVEventBatch``.
 
 Wire shape (``vllm/distributed/kv_events.py`` of current releases, msgspec msgpack, ``omit_defaults``):
-the batch is an array ``[ts, events, data_parallel_rank]``; each event is a map tagged by its class name
+names and field orders in ``poolgate.kernel.kv_event_shapes``, shared with the router's decoder.
+The batch is an array ``[ts, events, data_parallel_rank]``; each event is a map tagged by its class name
 under ``"type"``, e.g. ``{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | None,
 "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
 "extra_keys": [None, ...], "group_idx": 0, "kv_cache_spec_kind": "full_attention"}``. Fields whose value is
@@ -24,8 +25,17 @@ from typing import Protocol
 
 import msgspec
 
-MEDIUM_GPU = "GPU"
-FULL_ATTENTION = "full_attention"
+from poolgate.kernel.kv_event_shapes import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_REMOVED_FIELDS,
+    BLOCK_STORED,
+    BLOCK_STORED_FIELDS,
+    FULL_ATTENTION,
+    KV_CACHE_SPEC_KIND,
+    MEDIUM_GPU,
+    TAG_KEY,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,16 +115,15 @@ class KVEventRecorder:
 def event_wire_form(event: KVEvent) -> dict[str, object]:
     """One event as current vLLM releases encode it: a map tagged ``type``, defaults left out."""
     if isinstance(event, BlockStored):
-        return {
-            "type": "BlockStored", "block_hashes": list(event.block_hashes),
-            "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
-            "block_size": event.block_size, "lora_id": None, "medium": MEDIUM_GPU, "lora_name": event.lora_name,
-            "extra_keys": [None] * len(event.block_hashes), "group_idx": 0, "kv_cache_spec_kind": FULL_ATTENTION,
-        }
+        stored: tuple[object, ...] = (
+            list(event.block_hashes), event.parent_block_hash, list(event.token_ids), event.block_size, None,
+            MEDIUM_GPU, event.lora_name, [None] * len(event.block_hashes), 0)
+        return {TAG_KEY: BLOCK_STORED, **dict(zip(BLOCK_STORED_FIELDS, stored, strict=True)),
+                KV_CACHE_SPEC_KIND: FULL_ATTENTION}
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": MEDIUM_GPU,
-                "group_idx": 0}
-    return {"type": "AllBlocksCleared"}
+        removed: tuple[object, ...] = (list(event.block_hashes), MEDIUM_GPU, 0)
+        return {TAG_KEY: BLOCK_REMOVED, **dict(zip(BLOCK_REMOVED_FIELDS, removed, strict=True))}
+    return {TAG_KEY: ALL_BLOCKS_CLEARED}
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -96,6 +96,7 @@ class WorkerApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_post("/sim/cached_prefix", self.cached_prefix)
         if self.adapters is not None and self.config.runtime_lora_updating:
             app.router.add_post("/v1/load_lora_adapter", self.load_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_adapter)
@@ -168,6 +169,25 @@ class WorkerApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, protocol.parse_chat)
+
+    async def cached_prefix(self, request: web.Request) -> web.Response:
+        """Simulator-only ground truth (vLLM has no such endpoint): how many leading tokens of this request's
+        prompt the engine's prefix cache holds right now, counted exactly as the engine counts a hit when it
+        schedules the request, with the engine's queue lengths. Takes a chat body (``messages``) or a
+        completions body (``prompt``); reads only, so it needs neither the fault API nor a key. Benchmarks
+        use it for an oracle router that always knows which worker holds the longest prefix."""
+        body = await _read_json(request)
+        parse = protocol.parse_chat if isinstance(body, dict) and "messages" in body else protocol.parse_completion
+        generation = parse(body)
+        prompt = len(generation.prompt_tokens)
+        cached = 0
+        if self.config.enable_prefix_caching:
+            block_size = self.config.block_size
+            hashes = tokens.block_hashes(generation.prompt_tokens, block_size)
+            cached = self.driver.engine.kv.cached_prefix_blocks(hashes[:(prompt - 1) // block_size]) * block_size
+        engine = self.driver.engine
+        return _json({"cached_tokens": cached, "prompt_tokens": prompt, "running": engine.num_running,
+                      "waiting": engine.num_waiting})
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return _json(self.control.faults.as_dict())

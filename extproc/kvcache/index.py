@@ -29,7 +29,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from extproc.kvcache.keys import chain_keys, root_key
-from extproc.kvcache.wire import MEDIUM_GPU, Cleared, EngineHash, EventBatch, Removed, Stored
+from extproc.kvcache.wire import Cleared, EngineHash, EventBatch, Removed, Stored
+from poolgate.kernel.kv_event_shapes import MEDIUM_GPU
 
 _NONE: frozenset[str] = frozenset()
 

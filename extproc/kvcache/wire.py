@@ -1,6 +1,7 @@
 """Decode vLLM's KV-event messages: the ZMQ frames and the msgpack ``KVEventBatch`` they carry.
 
-Accepted shapes (``vllm/distributed/kv_events.py``; msgspec's tagged structs with ``omit_defaults``):
+Accepted shapes (``vllm/distributed/kv_events.py``; msgspec's tagged structs with ``omit_defaults``; tags
+and field orders declared once in ``poolgate.kernel.kv_event_shapes``, which the simulator encodes with):
 
 - batch: an array ``[ts, events]`` or ``[ts, events, data_parallel_rank]``, or a map with those keys;
 - event: a map tagged ``{"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared", ...fields}`` (current
@@ -21,9 +22,17 @@ from dataclasses import dataclass
 import msgspec
 
 from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.kv_event_shapes import (
+    ALL_BLOCKS_CLEARED,
+    BATCH_FIELDS,
+    BLOCK_REMOVED,
+    BLOCK_REMOVED_FIELDS,
+    BLOCK_STORED,
+    BLOCK_STORED_FIELDS,
+    TAG_KEY,
+)
 
 EngineHash = int | bytes
-MEDIUM_GPU = "GPU"
 
 
 class KVEventDecodeError(PoolgateError, ValueError):
@@ -71,9 +80,6 @@ class Frame:
     payload: bytes
 
 
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                  "lora_name", "extra_keys", "group_idx")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _decoder = msgspec.msgpack.Decoder()
 
 
@@ -92,7 +98,7 @@ def decode_batch(payload: bytes) -> EventBatch:
     except msgspec.DecodeError as error:
         raise KVEventDecodeError(f"not msgpack: {error}") from error
     if isinstance(raw, Mapping):
-        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
+        raw = [raw.get(name) for name in BATCH_FIELDS]
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[0], int | float) \
             or not isinstance(raw[1], list):
         raise KVEventDecodeError("a KVEventBatch is [ts, events, data_parallel_rank]")
@@ -103,22 +109,22 @@ def decode_batch(payload: bytes) -> EventBatch:
 
 def _event(raw: object) -> Event | None:
     if isinstance(raw, Mapping):
-        tag, fields = raw.get("type"), raw
+        tag, fields = raw.get(TAG_KEY), raw
     elif isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag = raw[0]
-        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else ()
+        names = BLOCK_STORED_FIELDS if tag == BLOCK_STORED else BLOCK_REMOVED_FIELDS if tag == BLOCK_REMOVED else ()
         fields = dict(zip(names, raw[1:], strict=False))
     else:
         raise KVEventDecodeError(f"an event is a tagged map or array, not {type(raw).__name__}")
-    if tag == "BlockStored":
+    if tag == BLOCK_STORED:
         return Stored(_hashes(fields.get("block_hashes")), _optional_hash(fields.get("parent_block_hash")),
                       _ints(fields.get("token_ids"), "token_ids"), _int(fields.get("block_size"), "block_size"),
                       _optional_str(fields.get("lora_name")), _optional_str(fields.get("medium")),
                       _optional_int(fields.get("group_idx")))
-    if tag == "BlockRemoved":
+    if tag == BLOCK_REMOVED:
         return Removed(_hashes(fields.get("block_hashes")), _optional_str(fields.get("medium")),
                        _optional_int(fields.get("group_idx")))
-    if tag == "AllBlocksCleared":
+    if tag == ALL_BLOCKS_CLEARED:
         return Cleared()
     return None
 

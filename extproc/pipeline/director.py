@@ -224,8 +224,9 @@ class Director:
         self.lengths.observe(request.model, request.task_class, tenant.name, usage.output_tokens)
 
     def place_held(self, context: RequestContext) -> Final | None:
+        held_since = context.queued.entry.enqueued_at if context.queued is not None else None
         try:
-            return self._place(context, may_hold=True)
+            return self._place(context, may_hold=True, held_since=held_since)
         except Exception:
             log.exception("extproc failed while releasing a request (answered 500)")
             return self.failed(context)
@@ -259,12 +260,14 @@ class Director:
             final = self._place(context, may_hold=may_hold)
             if final is not None:
                 return final
-        return self.hold_stage.enqueue(context, domain)
+        return self.hold_stage.enqueue(context, domain, self.place.predicted_prefill_s(request))
 
     def _place(self, context: RequestContext, may_hold: bool, held_since: float | None = None) -> Final | None:
         """Pick and conclude; None when there is no capacity now and the request may be held."""
         request, arrival = context.request, context.arrival
         assert request is not None and arrival is not None
+        if held_since is not None:
+            request = replace(request, held_s=self._timer() - held_since)
         outcome = self.place.pick(request, arrival.subset)
         if isinstance(outcome, Decision | PairDecision):
             return self._commit(context, outcome)

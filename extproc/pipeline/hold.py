@@ -1,4 +1,5 @@
-"""The hold stage: requests that fit on no worker now wait in the priority queue (``flow_queue``).
+"""The hold stage: requests that fit on no worker now wait in the priority queue (``flow_queue``), which
+releases them by class, tenant share, then deadline and predicted prefill (short and urgent ones first).
 
 extproc first asks Envoy for a longer message timeout (``Wait``), then a release pass re-picks queued
 requests in the queue's order whenever capacity may have changed (a request here ended, the fleet snapshot
@@ -72,12 +73,14 @@ class Hold:
     def retry_after_s(self) -> int:
         return max(1, round(min(self.max_wait_s, default=1.0)))
 
-    def enqueue(self, context: RequestContext, domain: Hashable) -> Routing:
-        """Queue the request behind others waiting for the same capacity: ``Wait``, or the final outcome
-        when the queue is full or it was placed at once (it only waited behind requests that now fit too)."""
+    def enqueue(self, context: RequestContext, domain: Hashable, prefill_s: float = 0.0) -> Routing:
+        """Queue the request among others waiting for the same capacity (in the queue's order: class, fair
+        share, then deadline and ``prefill_s``, its predicted prefill): ``Wait``, or the final outcome when
+        the queue is full or it was placed at once (it only waited behind requests that now fit too)."""
         tenant, request = context.tenant, context.request
         assert tenant is not None and request is not None and self._dispatch is not None
-        pushed = self.queue.push(domain, tenant.name, tenant.priority, request.total_tokens, tenant.weight, context)
+        pushed = self.queue.push(domain, tenant.name, tenant.priority, request.total_tokens, tenant.weight, context,
+                                 prefill_s)
         for shed in pushed.shed:
             self._shed(shed)
         if pushed.entry is None:

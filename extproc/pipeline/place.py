@@ -26,6 +26,7 @@ from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, S
 from extproc.snapshot import FleetSnapshot
 from extproc.tenancy import Tenant
 from poolgate.kernel.config import SchedulingSettings
+from poolgate.kernel.fleet import WorkerRecord
 
 DECISION_HEADER = "x-poolgate-decision"
 TENANT_HEADER = "x-poolgate-tenant"
@@ -57,6 +58,7 @@ class Place:
         """The workers' KV events, where they publish them (None: no cache lookups at all)."""
         self.disagg = disagg
         """Models whose long prompts are split over a prefill and a decode worker (None: no model)."""
+        self._default_prefill_rate = settings.default_prefill_tokens_per_s
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -99,6 +101,20 @@ class Place:
             self._metrics.pick_refusals.labels(request.model, outcome.code or outcome.type).inc()
         return Refused(outcome)
 
+    def predicted_prefill_s(self, request: PickRequest) -> float:
+        """Seconds of prefill the request needs at best: the prompt part no ready worker of its model caches,
+        at the fastest of their prefill rates (what orders held requests inside a tenant)."""
+        workers = self.fleet.snapshot.ready_workers_for(request.model)
+        rate = max((w.prefill_tokens_per_s for w in workers), default=0.0) or self._default_prefill_rate
+        return self._uncached_tokens(request, workers) / rate
+
+    def _uncached_tokens(self, request: PickRequest, workers: tuple[WorkerRecord, ...]) -> int:
+        blocks = request.prompt_blocks
+        if blocks is None or self.prefix_cache is None or not workers:
+            return request.prompt_tokens
+        cached = self.prefix_cache.cached_tokens(blocks, workers)
+        return max(0, blocks.token_count - max(cached.values(), default=0))
+
     def count_no_capacity(self, request: PickRequest, outcome: NoCapacity) -> None:
         self._metrics.pick_refusals.labels(request.model, outcome.reason).inc()
 
@@ -112,8 +128,11 @@ class Place:
             decision = decision.routed
         worker_id = decision.worker_id
         self._acquire(request, decision, prefill_only=False)
+        worker = self.fleet.snapshot.by_id.get(worker_id)
+        # Prefill still to do there: a prompt the worker's cache holds costs it only its uncached part.
+        uncached = request.prompt_tokens if worker is None else self._uncached_tokens(request, (worker,))
         reservation = self.reservations.reserve(worker_id, request.prompt_tokens, request.output_tokens,
-                                                self._clock())
+                                                self._clock(), prefill_tokens=uncached)
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
         return Placement(decision, reservation, prefill)

@@ -48,6 +48,8 @@ class PickRequest:
     """LoRA adapter the request names (``model`` is then its base); None for a plain model request."""
     prompt_blocks: PromptBlocks | None = None
     """The prompt as the engine tokenises it, in block keys (``kvcache.lookup``); None = not tokenised."""
+    held_s: float = 0.0
+    """How long the request has waited in extproc's queue so far (the prefill-backlog gate loosens by it)."""
 
     @property
     def model(self) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from extproc.scheduling.backlog import PrefillBacklogGate
 from extproc.scheduling.filters import (
     FitsContext,
     GpuMemoryWatermark,
@@ -54,6 +55,12 @@ def _saturation_gate(s: SchedulingSettings) -> SaturationGate | None:
                           s.retry_after_s)
 
 
+def _prefill_backlog_gate(s: SchedulingSettings) -> PrefillBacklogGate | None:
+    if not s.max_prefill_backlog_s:
+        return None
+    return PrefillBacklogGate(s.max_prefill_backlog_s, s.default_prefill_tokens_per_s, s.retry_after_s)
+
+
 FILTERS: Mapping[str, FilterFactory] = MappingProxyType({
     "tenant_pools": lambda s: TenantPools(s.retry_after_s),
     "task_class": lambda s: TaskClassPools(),
@@ -63,6 +70,7 @@ FILTERS: Mapping[str, FilterFactory] = MappingProxyType({
     "kv_fits": lambda s: KvFits(s.kv_reserve_fraction, s.retry_after_s),
     "lora_room": lambda s: AdapterRoom(),
     "saturated": _saturation_gate,
+    "prefill_backlog": _prefill_backlog_gate,
 })
 SCORERS: Mapping[str, ScorerFactory] = MappingProxyType({
     "predicted_ttft": lambda s: PredictedTtft(s.default_prefill_tokens_per_s, s.ttft_reference_s),

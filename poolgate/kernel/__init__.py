@@ -7,7 +7,8 @@
   key; ``RedisKeys`` the only place a key name is spelled.
 - ``outage``: living through a Redis outage (``OutageLog``, ``ReturnGrace``, ``REDIS_ERRORS``).
 - ``errors`` (``PoolgateError``, the base of poolgate's own exceptions), ``routing`` (names Envoy and
-  extproc agree on), ``logging_setup``, ``shutdown`` (graceful stop with a hard deadline), ``reload``
+  extproc agree on), ``kv_event_shapes`` (vLLM's KV-event tags and field orders, for the simulator's
+  encoder and extproc's decoder), ``logging_setup``, ``shutdown`` (graceful stop with a hard deadline), ``reload``
   (config file changes), ``redaction`` (no secrets in logs).
 
 It must not import ``extproc``, ``controller``, ``agent``, ``simworker`` or the application layer

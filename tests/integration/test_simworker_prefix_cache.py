@@ -83,3 +83,34 @@ async def test_a_bad_reset_flag_is_a_400(start_worker: StartWorker) -> None:
             assert response.status == 400
             body = await response.json()
     assert body["error"]["param"] == "reset_running_requests"
+
+
+async def cached_prefix(url: str, session: aiohttp.ClientSession, body: dict[str, object]) -> dict[str, int]:
+    async with session.post(url + "/sim/cached_prefix", json=body) as response:
+        assert response.status == 200
+        answer: dict[str, int] = await response.json()
+        return answer
+
+
+async def test_the_debug_endpoint_tells_the_cached_prefix_as_the_engine_counts_a_hit(
+        start_worker: StartWorker) -> None:
+    """``/sim/cached_prefix`` (the benchmark oracle's ground truth) agrees with the hit counter's next step."""
+    worker = await start_worker()
+    url = base_url(worker)
+    question = {"model": MODEL, "prompt": DOCUMENT + " and a question", "max_tokens": 2}
+    async with aiohttp.ClientSession() as session:
+        cold = await cached_prefix(url, session, question)
+        await complete(url, session, DOCUMENT)
+        warm = await cached_prefix(url, session, question)
+        before = await metric_samples(session, worker)
+        await complete(url, session, DOCUMENT + " and a question")
+        after = await metric_samples(session, worker)
+        chat = await cached_prefix(url, session, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        async with session.post(url + "/reset_prefix_cache") as response:
+            assert response.status == 200
+        reset = await cached_prefix(url, session, question)
+    assert (cold["cached_tokens"], cold["prompt_tokens"]) == (0, 303)
+    assert warm["cached_tokens"] == (300 // 16) * 16
+    assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == warm["cached_tokens"]
+    assert chat["cached_tokens"] == 0 and chat["prompt_tokens"] > 0 and chat["waiting"] == 0
+    assert reset["cached_tokens"] == 0

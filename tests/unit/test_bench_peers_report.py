@@ -46,6 +46,19 @@ def test_targets_compare_with_the_best_other_router_of_each_metric() -> None:
     assert not targets["prefix_hit_rate"]["met"]
 
 
+def test_the_oracle_is_the_hit_rate_reference_and_no_other_router_to_beat() -> None:
+    rows = [row("poolgate", ttft_p99_s=0.4, prefix_hit_rate=0.70),
+            row("sglang-router:cache_aware", ttft_p99_s=1.0, prefix_hit_rate=0.6),
+            row("oracle", ttft_p99_s=0.1, goodput_ratio=1.0, prefix_hit_rate=0.8)]
+    targets = evaluate_targets(rows)
+    assert all(t["best_router"] != "oracle" for t in targets if "oracle" not in t["target"])
+    oracle = next(t for t in targets if "oracle" in t["target"])
+    assert oracle["bound"] == pytest.approx(0.72) and not oracle["met"]  # 0.70 < 0.9 × 0.8
+    assert by_metric([t for t in targets if "oracle" not in t["target"]])["ttft_p99_s"]["met"]  # 0.4 ≤ 0.5 × 1.0
+    rows[0]["prefix_hit_rate"] = 0.75
+    assert next(t for t in evaluate_targets(rows) if "oracle" in t["target"])["met"]
+
+
 def test_an_infinite_p99_never_meets_the_ttft_target() -> None:
     rows = [row("poolgate", ttft_p99_s=math.inf), row("round_robin", ttft_p99_s=math.inf)]
     assert not by_metric(evaluate_targets(rows))["ttft_p99_s"]["met"]

@@ -87,11 +87,12 @@ def test_the_full_run_covers_every_scenario_and_fleet_and_sweeps_one() -> None:
     assert {(c.fleet, c.scenario.name) for c in cells if c.arrivals == "bursty"} == {
         ("heterogeneous", scenario) for scenario in ("mix", "sessions", "shared-docs")}
     swept = [c for c in cells if len(c.levels) > 1]
-    assert len(swept) == 1 and swept[0].levels == (0.5, 0.85, 1.0) and len(swept[0].routers) == 7
+    assert len(swept) == 1 and swept[0].levels == (0.5, 0.85, 1.0) and len(swept[0].routers) == 8
     for cell in cells:
         assert {"poolgate", "least_request_weighted", "vllm-router:cache_aware",
                 "sglang-router:cache_aware"} <= set(cell.routers)
         assert 0.85 in cell.levels
+        assert ("oracle" in cell.routers) == (cell.scenario.name in ("shared-docs", "sessions"))
 
 
 def test_quick_runs_one_shared_prefix_scenario_with_a_peer_of_each_project() -> None:
@@ -101,4 +102,4 @@ def test_quick_runs_one_shared_prefix_scenario_with_a_peer_of_each_project() -> 
     cells = [cell for fleet in plan.fleets for cell in peers.cells_of(plan, fleet)]
     assert len(cells) == 1 and cells[0].scenario.name == "shared-docs" and cells[0].levels == (0.85,)
     projects = {router.split(":")[0] for router in cells[0].routers}
-    assert {"poolgate", "vllm-router", "sglang-router"} <= projects
+    assert {"poolgate", "vllm-router", "sglang-router", "oracle"} <= projects

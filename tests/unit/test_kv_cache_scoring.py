@@ -125,6 +125,18 @@ def test_a_warm_worker_beats_an_idle_cold_one_until_its_queue_costs_more_than_th
     assert (warm > cold) is warm_wins
 
 
+@pytest.mark.parametrize(("waiting", "warm_wins"), [(0, True), (3, True), (14, True), (16, False)])
+def test_waiting_requests_cost_what_this_one_costs_on_their_worker(waiting: int, warm_wins: bool) -> None:
+    """t(w) = ((waiting + 1) × (P − c) + pending) / rate: warm (waiting + 1) × 400 against cold 6400."""
+    token_ids = list(range(1, 6401))
+    workers = [worker("warm", waiting=waiting), worker("cold")]
+    lookup = indexed(workers, {"warm": 375}, token_ids)
+    request = pick_request({"model": "llama", "prompt": token_ids}, lookup)
+    warm, cold = scorer_scores(request, workers, lookup)
+    assert warm == pytest.approx(0.5 / (0.5 + (waiting + 1) * 400 / 10_000))
+    assert (warm > cold) is warm_wins
+
+
 def test_without_precise_knowledge_every_candidate_scores_alike() -> None:
     workers = [worker("a"), worker("b", waiting=5)]
     request = PickRequest(RequestFacts("/v1/chat/completions", "POST", "llama"), 100, 100, 10, "short_chat")

@@ -1,5 +1,6 @@
 """The priority queue's discipline, pure with an injected clock: strict classes, weighted fair share by tokens,
-FIFO per tenant, deadlines, overflow shedding, and domains that do not block each other."""
+deadline-aware short-prefill-first (FIFO on ties) per tenant, deadlines, overflow shedding, and domains that do
+not block each other."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 import pytest
 
-from extproc.flow_queue import FlowQueue, QueueEntry
+from extproc.flow_queue import URGENT_SHARE, FlowQueue, QueueEntry, release_key
 from tests.manual_clock import ManualClock
 
 
@@ -115,3 +116,76 @@ def test_depth_by_class_and_tenant() -> None:
     assert queue.depth() == {(0, "a"): 2, (1, "b"): 1}
     queue.remove(entry)
     assert queue.depth() == {(0, "a"): 2} and len(queue) == 2
+
+
+def test_a_short_prefill_overtakes_long_ones_of_its_tenant() -> None:
+    clock = ManualClock()
+    queue = FlowQueue((10.0,), 100, clock)
+    for index in range(3):
+        queue.push("m", "a", 0, tokens=6000, payload=f"long{index}", prefill_s=0.8)
+        clock.now += 0.1
+    queue.push("m", "a", 0, tokens=60, payload="short", prefill_s=0.01)
+    queue.push("m", "a", 0, tokens=2000, payload="medium", prefill_s=0.2)
+    assert [e.payload for e in drain(queue)] == ["short", "medium", "long0", "long1", "long2"]
+
+
+def test_a_request_near_its_deadline_goes_before_shorter_ones() -> None:
+    """Slack = deadline − now − prefill; at or below URGENT_SHARE × W it is urgent, least slack first."""
+    clock = ManualClock()
+    wait_s = 10.0
+    queue = FlowQueue((wait_s,), 100, clock)
+    old_long = queue.push("m", "a", 0, tokens=6000, payload="old_long", prefill_s=1.0).entry
+    assert old_long is not None
+    clock.now += 2.0
+    queue.push("m", "a", 0, tokens=60, payload="short", prefill_s=0.01)
+    assert queue.next_candidate().payload == "short"  # slack 10 − 2 − 1 = 7 > 5: not urgent yet
+    clock.now = old_long.enqueued_at + wait_s * (1 - URGENT_SHARE) - old_long.prefill_s
+    assert queue.next_candidate() is old_long  # slack = 5 = URGENT_SHARE × W: urgent now
+    assert [e.payload for e in drain(queue)] == ["old_long", "short"]
+
+
+def test_urgent_requests_go_least_slack_first() -> None:
+    clock = ManualClock()
+    queue = FlowQueue((4.0,), 100, clock)
+    first = queue.push("m", "a", 0, tokens=10, payload="first", prefill_s=0.1).entry
+    clock.now += 0.5
+    second = queue.push("m", "a", 0, tokens=10_000, payload="second", prefill_s=1.5).entry
+    assert first is not None and second is not None
+    clock.now += 1.0  # slack: first 4 − 1.5 − 0.1 = 2.4, second 4 − 1.0 − 1.5 = 1.5; both ≤ 2
+    assert release_key(second, clock.now, 2.0) < release_key(first, clock.now, 2.0)
+    assert [e.payload for e in drain(queue)] == ["second", "first"]
+
+
+def test_equal_prefills_keep_arrival_order() -> None:
+    queue = FlowQueue((5.0,), 100, ManualClock())
+    for index in range(5):
+        queue.push("m", "a", 0, tokens=100, payload=index, prefill_s=0.3)
+    assert [e.payload for e in drain(queue)] == [0, 1, 2, 3, 4]
+
+
+def test_the_prefill_order_never_crosses_classes() -> None:
+    queue = FlowQueue((5.0, 5.0), 100, ManualClock())
+    queue.push("m", "a", 1, tokens=10, payload="short-low", prefill_s=0.001)
+    queue.push("m", "b", 0, tokens=8000, payload="long-high", prefill_s=2.0)
+    assert [e.payload for e in drain(queue)] == ["long-high", "short-low"]
+
+
+def test_fair_shares_hold_when_one_tenant_sends_only_short_prefills() -> None:
+    """Short prefills reorder a tenant's own requests; they buy it no larger share of the class."""
+    rng = random.Random(3)
+    queue = FlowQueue((30.0,), 10_000, ManualClock())
+    for _ in range(1000):
+        queue.push("m", "long", 0, tokens=500, prefill_s=rng.uniform(0.5, 1.0))
+        queue.push("m", "short", 0, tokens=500, prefill_s=rng.uniform(0.0, 0.05))
+    released = {"long": 0, "short": 0}
+    for entry in drain(queue, 800):
+        released[entry.tenant] += entry.tokens
+    assert abs(released["short"] / sum(released.values()) - 0.5) <= 0.025
+
+
+def test_a_blocked_domain_is_skipped_inside_the_order() -> None:
+    queue = FlowQueue((5.0,), 100, ManualClock())
+    queue.push("model-a", "a", 0, tokens=10, prefill_s=0.01)
+    long_b = queue.push("model-b", "a", 0, tokens=9000, prefill_s=1.0).entry
+    queue.push("model-b", "a", 0, tokens=9000, prefill_s=2.0)
+    assert queue.next_candidate({"model-a"}) is long_b

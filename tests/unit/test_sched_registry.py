@@ -16,7 +16,7 @@ from poolgate.kernel.fleet import WorkerRecord
 
 NOW = 1_000.0
 POOLS = (PoolSpec(name="chat", model="llama"),)
-EVERY_FILTER_ON = SchedulingSettings(max_inflight_per_worker=8, gpu_memory_min_free_mib=1.0)
+EVERY_FILTER_ON = SchedulingSettings(max_inflight_per_worker=8, gpu_memory_min_free_mib=1.0, max_prefill_backlog_s=0.5)
 
 
 class MostRunning:

@@ -7,12 +7,16 @@ leading blocks that w's cache holds:
     c_w = the index's cached prefix (w's event stream is in sync), else s_w × P with s_w the approximate
           affinity strength (``prefix_affinity``'s score: where this session or prefix went last), since an
           unknown worker may hold anything but is never assumed empty or full
-    t(w) = (waiting_w × P + pending_w + P − c_w) / rate_w
+    t(w) = ((waiting_w + 1) × (P − c_w) + pending_w) / rate_w
     score(w) = t_ref / (t_ref + t(w))
 
-pending_w, rate_w and t_ref are ``predicted_ttft``'s. The trade-off between a warm busy worker and an idle
-cold one falls out of t(w): a worker holding 6k of a 6.5k prompt behind one waiting request beats an idle
-one that must prefill all 6.5k, and loses to it once its queue costs more than the prefill it saves.
+pending_w, rate_w and t_ref are ``predicted_ttft``'s (pending_w counts placed prompts without the part their
+worker caches). Each request the engine reports waiting is assumed to cost what this one costs *there*: the
+requests that queue at a worker are mostly the ones its cache drew (the same documents, sessions, system
+prompts), so a warm worker's queue is made of cheap prefills and a cold one's of full ones. The trade-off
+between a warm busy worker and an idle cold one falls out of t(w): a worker holding 6k of a 6.5k prompt
+behind three waiting requests (4 × 0.5k) beats an idle one that must prefill all 6.5k, and loses to it once
+its queue costs more than the prefill it saves.
 
 Without precise knowledge for the request (not tokenised, or no candidate's stream in sync) every
 candidate scores 0: the weight then changes no pick, and ``predicted_ttft`` and ``prefix_affinity`` decide
@@ -55,6 +59,6 @@ class CacheAwareTtft:
             if hit is None:
                 hit = int(strength * prompt)
             rate = worker.prefill_tokens_per_s if worker.prefill_tokens_per_s > 0 else self.default_rate
-            seconds = (worker.waiting * prompt + pending(worker.id, 0) + prompt - hit) / rate
+            seconds = ((worker.waiting + 1) * (prompt - hit) + pending(worker.id, 0)) / rate
             scores.append(reference / (reference + seconds))
         return scores

@@ -94,6 +94,10 @@ class SchedulingSettings(Section):
     lower_class_inflight_fraction: float = Field(1.0, gt=0, le=1)
     """Classes below the highest may fill a worker only to this fraction of ``max_inflight_per_worker``; the
     rest is headroom the highest class finds free when lower classes burst (1 = no headroom)."""
+    max_prefill_backlog_s: float = Field(0.0, ge=0, le=MAX_WAIT_LIMIT_S)
+    """Prefill-backlog gate: a worker whose predicted queued prefill exceeds this many seconds (plus what the
+    request has already waited) takes no new request; it waits in the priority queue, where short and urgent
+    requests go first, instead of in the engine's FIFO queue (0 = off)."""
     queue_when_waiting: bool = False
     """Classes below the highest are not placed on a worker whose engine reports waiting requests (it is full:
     they would queue there, out of priority order)."""
