@@ -72,6 +72,9 @@ class WorkerSpec:
     step_jitter: float = STEP_JITTER
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     """vLLM's ``--kv-events-config``; publishes nothing by default, as vLLM."""
+    startup_delay_s: float = 0.0
+    """Model load: the port opens only this long after start (vLLM listens once its engine is built), so
+    ``/health`` refuses connections and the controller registers the worker only after it."""
 
     @property
     def random_seed(self) -> int:
@@ -164,6 +167,12 @@ class SimWorker:
                                shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         try:
+            if spec.startup_delay_s:
+                log.info("worker %s loading its model for %.1f s", spec.worker_id, spec.startup_delay_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), spec.startup_delay_s)
+                if stop.is_set():
+                    return
             await web.TCPSite(runner, spec.host, spec.port, reuse_address=True).start()
             self.listening.set()
             log.info("worker %s (%s, %d KV blocks) listening on %s:%d", spec.worker_id, spec.preset.name,
