@@ -33,6 +33,7 @@ from extproc.kvcache.wiring import build_kv_cache
 from extproc.metrics import Metrics
 from extproc.peers import PeerExchange, PeerKeys
 from extproc.pipeline import CapacitySignal
+from extproc.pipeline.cold_start import ColdStarts
 from extproc.quota import QuotaStore
 from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
 from extproc.service import ExtProcService
@@ -143,7 +144,8 @@ def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics, pro
                             genai_metrics=config.observability.genai_metrics,
                             header_pin=config.extproc.endpoint_picker_mode == GIE_MODE,
                             model_tasks={pool.model: pool.task for pool in config.pools},
-                            prefix_cache=kv_cache[0] if kv_cache is not None else None)
+                            prefix_cache=kv_cache[0] if kv_cache is not None else None,
+                            cold_starts=ColdStarts.from_config(config.pools, config.autoscale))
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
     watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
                                             service.director.place.reservations))

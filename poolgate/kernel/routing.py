@@ -17,8 +17,12 @@ WORKER_HEADER = "x-poolgate-worker"
 FALLBACK_CLUSTER = "poolgate-fallback"
 """Every Ready worker; used by the fail-open default route when extproc is away."""
 
+QUEUE_WAIT_HEADER = "x-poolgate-queue-wait-ms"
+"""Set by extproc on a request it held (for capacity or a cold start): milliseconds it waited; the access log
+reads it."""
+
 ROUTING_HEADERS = (CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, "x-poolgate-tenant", "x-poolgate-pool",
-                   "x-poolgate-endpoint")
+                   "x-poolgate-endpoint", QUEUE_WAIT_HEADER)
 """Headers a client must never be able to set: Envoy removes them before ext_proc, extproc again."""
 
 

@@ -28,6 +28,7 @@ from poolgate.kernel.config.catalogue import (
     ParameterValue,
 )
 from poolgate.kernel.config.lifecycle import (
+    MAX_COLD_START_WAIT_S,
     AutoscaleSettings,
     DrainSettings,
     HealthSettings,
@@ -58,6 +59,7 @@ from poolgate.kernel.config.tenancy import PRIORITY_CLASS_PATTERN, PriorityClass
 
 __all__ = [
     "DEFAULT_WEIGHTS",
+    "MAX_COLD_START_WAIT_S",
     "MAX_WAIT_LIMIT_S",
     "MODEL_NAME_PATTERN",
     "PRIORITY_CLASS_PATTERN",
