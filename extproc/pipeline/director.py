@@ -22,7 +22,7 @@ from extproc.errors import cold_start_timeout, internal_error, invalid_request, 
 from extproc.metrics import Metrics
 from extproc.output_lengths import OutputLengths
 from extproc.pipeline.admit import Admit
-from extproc.pipeline.cold_start import COLD_START_RETRY_AFTER_S, ColdStarts
+from extproc.pipeline.cold_start import COLD_START_RETRY_AFTER_S, ColdStarts, settled
 from extproc.pipeline.context import Arrival, RequestContext
 from extproc.pipeline.hold import Hold
 from extproc.pipeline.identify import Identify
@@ -289,6 +289,9 @@ class Director:
         outcome = self.place.pick(request, arrival.subset)
         if isinstance(outcome, Decision):
             queued = context.queued
+            if queued is not None and queued.cold_start and not settled(
+                    self.place.snapshot.by_id.get(outcome.worker_id), self._clock()):
+                return None  # Envoy may not have the new endpoint yet; the hold's poll tries again soon
             since = held_since if held_since is not None else queued.entry.enqueued_at if queued else None
             return self._commit(context, outcome, since)
         if isinstance(outcome, Refused) and outcome.error.code == "no_ready_worker" and self._cold_start_s(request):

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import replace
 
 import pytest
 from test_extproc_service import CHAT, LIMIT, NOW, Fleet, Rig, body_answer, error_of, ready, rig
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
-from extproc.pipeline.cold_start import ColdStarts
+from extproc.pipeline.cold_start import ENDPOINT_SETTLE_S, ColdStarts
 from extproc.request import RequestFacts
 from extproc.scheduling import PickRequest, default_scheduler
 from extproc.service import Phase, RequestState
@@ -80,13 +81,18 @@ async def test_request_for_an_empty_pool_waits_and_is_served_when_a_worker_is_re
     waiting = asyncio.create_task(service.hold(state))
     await asyncio.sleep(0.3)
     assert not waiting.done()
-    fleet.snapshot = build_snapshot([ready("chat-w1", 9001)], POOLS, taken_at=NOW, stale_after_s=3)
+    just_registered = replace(ready("chat-w1", 9001), registered_at=NOW)
+    fleet.snapshot = build_snapshot([just_registered], POOLS, taken_at=NOW, stale_after_s=3)
     service.capacity_changed.notify()
-    answer = await asyncio.wait_for(waiting, 2)
+    await asyncio.sleep(0.3)
+    assert not waiting.done(), "Envoy may not know the new endpoint yet: its empty cluster would answer 503"
+    settled = replace(just_registered, registered_at=NOW - ENDPOINT_SETTLE_S)
+    fleet.snapshot = build_snapshot([settled], POOLS, taken_at=NOW, stale_after_s=3)
+    answer = await asyncio.wait_for(waiting, 2)  # the hold's own poll finds it
     mutation = answer.request_body.response
     assert mutation.clear_route_cache
     sent = {h.header.key: h.header.raw_value for h in mutation.header_mutation.set_headers}
-    assert int(sent[QUEUE_WAIT_HEADER]) >= 300
+    assert int(sent[QUEUE_WAIT_HEADER]) >= 600
     assert metrics.registry.get_sample_value("poolgate_extproc_cold_start_wait_seconds_count",
                                              {"model": "llama", "outcome": "placed"}) == 1
     assert len(service.queue) == 0
