@@ -23,7 +23,6 @@ import heapq
 import json
 import math
 import random
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -265,20 +264,24 @@ def run(scenario: Scenario, out: Path) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--real" in argv:  # the same comparison on real processes (``bench.autoscale_real``)
-        from bench import autoscale_real
+    from bench import autoscale_real
 
-        return autoscale_real.main([a for a in argv if a != "--real"])
     parser = argparse.ArgumentParser(prog="poolgate bench autoscale", description=__doc__.splitlines()[0])
-    parser.add_argument("--real", action="store_true",
-                        help="run the trace through the real stack instead (see --real --help)")
-    parser.add_argument("--out", required=True, help="directory for autoscale.json/.md and the timeline CSV")
+    parser.add_argument("--out", required=True, help="directory for the reports")
     parser.add_argument("--quick", action="store_true", help="a shorter, lighter trace (seconds, for CI)")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=None, help="arrivals' seed (default 7; 11 with --real)")
+    real = parser.add_argument_group("real processes (--real)")
+    real.add_argument("--real", action="store_true",
+                      help="run a compressed trace through the real stack (``bench.autoscale_real``): "
+                           "autoscale_real.json, .md and .png")
+    autoscale_real.add_arguments(real)
     args = parser.parse_args(argv)
+    if args.real:
+        if args.seed is None:
+            args.seed = autoscale_real.RealScenario().seed
+        return autoscale_real.run_real(args)
     scenario = QUICK if args.quick else Scenario()
-    scenario = Scenario(**{**asdict(scenario), "seed": args.seed})
+    scenario = Scenario(**{**asdict(scenario), "seed": 7 if args.seed is None else args.seed})
     run(scenario, Path(args.out))
     return 0
 

@@ -360,29 +360,37 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The trace's options (``poolgate bench autoscale --real``); defaults take about four minutes."""
     defaults = RealScenario()
-    parser = argparse.ArgumentParser(prog="poolgate bench autoscale --real", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--plateau-s", type=float, default=defaults.plateau_s)
-    parser.add_argument("--cycles", type=int, default=defaults.cycles)
+    parser.add_argument("--plateau-s", type=float, default=defaults.plateau_s,
+                        help="seconds of each load plateau (default %(default)s)")
+    parser.add_argument("--cycles", type=int, default=defaults.cycles,
+                        help="trough → peak → trough cycles (default %(default)s)")
     parser.add_argument("--startup-s", type=float, default=defaults.startup_s,
                         help="model load of each autoscaled worker (default %(default)s)")
-    parser.add_argument("--peak-rps", type=float, default=defaults.peak_rps)
-    parser.add_argument("--static-workers", type=int, default=defaults.static_workers)
-    parser.add_argument("--max-workers", type=int, default=defaults.max_workers)
-    parser.add_argument("--slo-ttft-s", type=float, default=defaults.slo_ttft_s)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    args = parser.parse_args(argv)
+    parser.add_argument("--peak-rps", type=float, default=defaults.peak_rps,
+                        help="requests per second to each pool at the peak (default %(default)s)")
+    parser.add_argument("--static-workers", type=int, default=defaults.static_workers,
+                        help="size of the static fleet (default %(default)s: sized for the peak)")
+    parser.add_argument("--max-workers", type=int, default=defaults.max_workers,
+                        help="the autoscaled pool's max_workers (default %(default)s)")
+    parser.add_argument("--slo-ttft-s", type=float, default=defaults.slo_ttft_s,
+                        help="TTFT SLO in seconds (default %(default)s)")
+
+
+def run_real(args: argparse.Namespace) -> int:
+    """Run with parsed options (``--out`` and ``--seed`` come from ``bench.autoscale``'s parser)."""
+    out = Path(args.out)
     scenario = RealScenario(plateau_s=args.plateau_s, cycles=args.cycles, startup_s=args.startup_s,
                             peak_rps=args.peak_rps, static_workers=args.static_workers,
                             max_workers=args.max_workers, slo_ttft_s=args.slo_ttft_s, seed=args.seed)
     began = time.monotonic()
     report = asyncio.run(run(scenario, Path(tempfile.mkdtemp(prefix="poolgate-bench-autoscale-"))))
     report["wall_s"] = round(time.monotonic() - began, 1)
-    write_report("autoscale_real", report, plot, panels=2, directory=args.out)
+    write_report("autoscale_real", report, plot, panels=2, directory=out)
     lines = summary_lines(report)
-    (args.out / "autoscale_real.md").write_text("\n".join(lines) + "\n")
+    (out / "autoscale_real.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"took {report['wall_s']:.0f} s")
     return 0
