@@ -165,8 +165,7 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
         elif kind == "ready":
             dispatch(now)
         elif kind == "record":
-            alive = sum(1 for w in workers if w.ended_at is None)
-            timeline.append((now, alive, round(scenario.rate(now), 2)))
+            timeline.append((now, sum(1 for w in workers if w.ended_at is None), round(scenario.rate(now), 2)))
         elif kind == "tick":
             if now < scenario.period_s:
                 push(now + settings.interval_s, "tick", 0)

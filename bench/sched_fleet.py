@@ -141,8 +141,7 @@ class BenchFleet:
         config_path = run_dir / "poolgate.yaml"
         config_path.write_text(yaml.safe_dump(fleet_config(self.workers, time_scale), sort_keys=False))
         self.config = load_config(config_path)
-        ports = StackPorts(envoy=free_port(), admin=free_port(), extproc=free_port(), xds=free_port(),
-                           controller_http=free_port())
+        ports = StackPorts.all_free(self.config.extproc.process_count())
         self.stack = Stack(self.config, config_path, run_dir, ports, None, "127.0.0.1")
 
     def pool_workers(self, pool: str) -> list[WorkerPlan]:
@@ -187,7 +186,7 @@ class BenchFleet:
                 os.killpg(child.process.pid, signal.SIGKILL)
             await child.process.wait()
         await self.stack.restart(child)
-        if not await wait_port("127.0.0.1", self.stack.ports.extproc, 30):
+        if not await wait_port("127.0.0.1", self.stack.ports.extproc[0], 30):
             raise RuntimeError(f"extproc did not come back (log: {child.log_path})")
         await self.stack.wait_until_serving()
 

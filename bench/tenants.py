@@ -41,6 +41,7 @@ import orjson
 import yaml
 
 from bench.harness import lag_quantile, scrape
+from bench.measure import percentile
 from bench.report import write_report
 from extproc.tenancy import key_digest
 from poolgate.kernel.config import load_config
@@ -196,8 +197,8 @@ async def capacity(session: aiohttp.ClientSession, url: str, warmup_s: float, du
 
 
 def p99(values: Sequence[float]) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else None
+    """Nearest-rank p99 (bench.measure's), None when nothing was measured."""
+    return percentile(values, 0.99) if values else None
 
 
 def busiest_minute(results: Sequence[Result]) -> float:
@@ -306,9 +307,9 @@ def worker_figures(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 async def start_stack(config_path: Path, run_dir: Path) -> Stack:
-    ports = StackPorts(envoy=free_port(), admin=free_port(), extproc=free_port(), xds=free_port(),
-                       controller_http=free_port())
-    stack = Stack(load_config(config_path), config_path, run_dir, ports, None, "127.0.0.1")
+    config = load_config(config_path)
+    stack = Stack(config, config_path, run_dir, StackPorts.all_free(config.extproc.process_count()), None,
+                  "127.0.0.1")
     await stack.start()
     await stack.wait_until_serving()
     async with aiohttp.ClientSession() as session:  # READY with keys required: wait for a keyed answer too

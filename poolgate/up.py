@@ -65,6 +65,12 @@ class StackPorts:
     extproc_metrics: tuple[int, ...] = ()
     """The extproc processes' metrics ports (none when ``observability.extproc_metrics_port`` is unset)."""
 
+    @classmethod
+    def all_free(cls, extproc_processes: int) -> StackPorts:
+        """Free ports for everything (benchmarks and tests that start their own stack)."""
+        return cls(envoy=free_port(), admin=free_port(), extproc=tuple(free_port() for _ in range(extproc_processes)),
+                   xds=free_port(), controller_http=free_port())
+
 
 class Stack:
     """Starts the children in dependency order and stops them all, whatever state they are in."""
