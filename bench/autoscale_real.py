@@ -42,7 +42,6 @@ import yaml
 
 from bench.report import write_report
 from poolgate.kernel.config import load_config
-from poolgate.procs import free_port
 from poolgate.up import Stack, StackPorts
 
 SAMPLE_S = 0.5
@@ -251,8 +250,7 @@ def pool_figures(pool: str, sent: Sequence[Sent], fleet: Fleet, scenario: RealSc
 async def run(scenario: RealScenario, run_dir: Path) -> dict[str, Any]:
     config_path = run_dir / "poolgate.yaml"
     config_path.write_text(yaml.safe_dump(stack_config(scenario)))
-    ports = StackPorts(envoy=free_port(), admin=free_port(), extproc=(free_port(),), xds=free_port(),
-                       controller_http=free_port())
+    ports = StackPorts.all_free(extproc_processes=1)
     stack = Stack(load_config(config_path), config_path, run_dir, ports, None, "127.0.0.1")
     fleet = Fleet()
     times = arrivals(scenario)
