@@ -26,11 +26,13 @@ pytestmark = pytest.mark.e2e
 
 STARTUP_S = 2.0
 """Model load of every worker the autoscaler starts for the pool ``zero``."""
-COOLDOWN_S = 8.0
+COOLDOWN_S = 15.0
+"""Longer than a worker takes to start here even on a loaded machine: the two woken workers must both serve."""
 CONFIG = {
     "key_prefix": "lcz",
     "controller": {"token": "lcz-token", "heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0},
     "health": {"probe_interval_s": 0.25, "probe_timeout_s": 0.5},
+    "extproc": {"processes": 1},  # one in-flight count: two processes picking at once may both pick one worker
     "drain": {"grace_s": 60, "settle_s": 0.5, "poll_s": 0.1},
     "autoscale": {
         "enabled": True, "interval_s": 0.5, "up_step": 2, "up_sustain_s": 2.0, "down_running_per_worker": 2.0,
@@ -80,7 +82,7 @@ def test_first_request_to_an_empty_pool_is_served_once_a_worker_is_ready(stack: 
     print(f"\nmeasured: first request to the empty pool served {took:.2f} s after it was sent (start-up "
           f"{STARTUP_S:g} s; target start-up + 2 s = {STARTUP_S + 2:g} s)")
     assert answer.choices[0].message.content
-    assert took < STARTUP_S + 30, "served within the start-up time plus a generous bound for a loaded machine"
+    assert took < STARTUP_S + 60, "served within the start-up time plus a generous bound for a loaded machine"
     placed = summed(stack.extproc_metrics(), "poolgate_extproc_cold_start_wait_seconds_count",
                     'model="zero-model",outcome="placed"')
     assert placed == 1
@@ -102,13 +104,15 @@ async def test_scale_down_drains_a_worker_with_a_running_stream_then_the_idle_po
     two streams are running and they would fit on one worker fewer: after the cooldown the autoscaler drains one
     of the two, each carrying a stream, which finishes. When the streams end the pool goes back to zero."""
     await asyncio.to_thread(wait_for, lambda: sum(stack.state(w) == "Ready" for w in workers_of(stack, "zero")) == 2,
-                            60, 0.1)
+                            120, 0.1)
     http = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
 
-    async def stream(tokens: int) -> tuple[str, int, bool]:
+    async def stream(tokens: int, topic: str) -> tuple[str, int, bool]:
+        """Each stream has its own prompt: a shared one would send them all to one worker (prefix affinity)."""
         worker, chunks, finished = "?", 0, False
         response = await http.chat.completions.with_raw_response.create(
-            model="zero-model", messages=MESSAGES, max_tokens=tokens, stream=True,
+            model="zero-model", messages=[{"role": "user", "content": f"{topic}: tell me everything"}],
+            max_tokens=tokens, stream=True,
             extra_body={"ignore_eos": True})
         worker = response.headers.get("x-poolgate-worker", "?")
         async for chunk in response.parse():
@@ -116,9 +120,11 @@ async def test_scale_down_drains_a_worker_with_a_running_stream_then_the_idle_po
             finished = finished or bool(chunk.choices and chunk.choices[0].finish_reason)
         return worker, chunks, finished
 
-    long_streams = [asyncio.create_task(stream(1600)) for _ in range(2)]
+    long_streams = [asyncio.create_task(stream(2400, "oceans"))]
+    await asyncio.sleep(0.5)  # placed and counted in flight: the next pick goes to the other, idle worker
+    long_streams.append(asyncio.create_task(stream(2400, "volcanoes")))
     await asyncio.sleep(0.3)
-    short = await stream(150)
+    short = await stream(150, "deserts")
     states: dict[str, set[str]] = {}
 
     def one_left() -> bool:
@@ -127,14 +133,14 @@ async def test_scale_down_drains_a_worker_with_a_running_stream_then_the_idle_po
         return len(workers_of(stack, "zero")) == 1
 
     started = time.monotonic()
-    shrunk = await asyncio.to_thread(wait_for, one_left, 60, 0.05)
+    shrunk = await asyncio.to_thread(wait_for, one_left, 120, 0.05)
     drained = [w for w, seen in states.items() if "Draining" in seen]
     outcomes = await asyncio.gather(*long_streams)
-    zero = await asyncio.to_thread(wait_for, lambda: workers_of(stack, "zero") == [], 60, 0.1)
+    zero = await asyncio.to_thread(wait_for, lambda: workers_of(stack, "zero") == [], 120, 0.1)
     print(f"\nmeasured: 2 → 1 after {shrunk:.1f} s (drained {drained}); long streams {outcomes} (worker, chunks, "
           f"finished); short stream on {short[0]}; the idle pool was back at zero {zero:.1f} s after the streams "
           f"ended ({time.monotonic() - started:.1f} s after the short stream)")
-    assert all(finished and chunks > 1000 for _, chunks, finished in outcomes), outcomes
+    assert all(finished and chunks > 2000 for _, chunks, finished in outcomes), outcomes
     assert len({worker for worker, _, _ in outcomes}) == 2, "the long streams ran on both workers"
     assert len(drained) == 1 and drained[0] in {worker for worker, _, _ in outcomes}, (
         "the drained worker carried a running stream, and that stream finished")
