@@ -37,6 +37,7 @@ from poolgate.kernel.errors import PoolgateError
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog
 from poolgate.kernel.store import FleetStore
+from poolgate.kernel.tls import client_context, worker_scheme
 
 log = logging.getLogger("poolgate.agent")
 
@@ -53,13 +54,14 @@ class MetricsSource(Protocol):
 class HttpMetricsSource:
     """``GET http://host:port/metrics`` over one shared aiohttp session."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, timeout_s: float, scheme: str = "http") -> None:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._scheme = scheme
 
     async def fetch(self, host: str, port: int) -> str:
         netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        async with self._session.get(f"http://{netloc}/metrics", timeout=self._timeout) as response:
+        async with self._session.get(f"{self._scheme}://{netloc}/metrics", timeout=self._timeout) as response:
             if response.status != 200:
                 raise ScrapeError(f"/metrics answered HTTP {response.status}")
             return await response.text()
@@ -299,9 +301,10 @@ async def run_agent(
                      "configured GPU ids", node, pod_resources_socket)
     session: aiohttp.ClientSession | None = None
     if source is None:
-        session = aiohttp.ClientSession()
+        tls = config.tls.workers
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_context(tls) or True))
         # A scrape may outlast one tick a little (busy Python server), never by seconds.
-        source = HttpMetricsSource(session, timeout_s=max(0.2, min(2 * interval, 2.0)))
+        source = HttpMetricsSource(session, timeout_s=max(0.2, min(2 * interval, 2.0)), scheme=worker_scheme(tls))
     agent = Agent(store, source, gpus, worker_ids=worker_ids, node=node, local_names=local_names,
                   gpu_ids=configured_gpu_ids(config.workers, gpu_ids), pod_gpus=pod_gpus,
                   pod_namespace=config.kubernetes.namespace, clock=clock)

@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     import uvloop
 
     from agent.agent import Agent, run_agent
-    from poolgate.kernel.store import FleetStore
+    from poolgate.kernel.store import FleetStore, connect
 
     def ready(agent: Agent) -> None:
         if args.workers:
@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
               f"(GPUs: {config.agent.gpu_source}; redis {redact_url(redis_url)})", flush=True)
 
     async def run() -> None:
-        redis = aioredis.from_url(redis_url)
+        redis = connect(redis_url, max_connections=None)
         stop = asyncio.Event()
         on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
         try:

@@ -2,14 +2,17 @@
 
 Envoys run at once from the same rendered bootstrap: ``alone`` has the ext_proc filter removed (it serves
 through the default route), ``one`` asks a single extproc process, ``many`` asks N processes (one endpoint
-each of the ext_proc cluster), ``observed`` asks one process that reads the response (GenAI metrics on).
+each of the ext_proc cluster), ``observed`` asks one process that reads the response (GenAI metrics on),
+``observer`` asks one process that does not read it plus a second ext_proc filter in ``observability_mode``
+whose server (``harness.py observer``) runs the same per-chunk observers and answers nothing.
 The upstream answers a fixed completion at once (or 64 paced SSE chunks), so the difference is the extproc
 hop. Runs alternate (alone, one, many, …) and the report quotes medians over rounds, so machine noise hits
 every side alike. One run reports, side by side:
 
 - latency and req/s at each concurrency (default 1, 16, 64, 256) for alone / one / many;
 - the body-size sweep (4 KB, 64 KB, 256 KB, 1 MB prompts) at one client, alone vs one;
-- streamed responses: extproc CPU per SSE chunk while it observes them, and the stream's latency;
+- streamed responses: extproc CPU per SSE chunk while it observes them (answering each chunk, today's way,
+  against the observability-mode filter), and the stream's latency;
 - routed requests per extproc CPU-second (all processes' CPU from /proc).
 
 Load comes from ``wrk`` (Debian package ``wrk``).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import os
 import re
 import shutil
@@ -40,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import STREAM_CHUNKS, ProcessGroup, cpu_seconds
 from bench.report import write_report
-from poolgate.envoy_bootstrap import render_bootstrap
+from poolgate.envoy_bootstrap import EXTPROC_CLUSTER, render_bootstrap
 from poolgate.kernel.config import Config, parse_config
 from poolgate.procs import envoy_binary, free_port, wait_port
 
@@ -82,7 +86,9 @@ def parse_wrk(output: str) -> dict[str, float]:
 
 def run_wrk(url: str, concurrency: int, seconds: float, script: Path) -> dict[str, float]:
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script), url],
+        # wrk's default 2 s timeout would drop slow answers (a 65-chunk stream on a loaded box) from the figures
+        ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "30s", "--latency", "-s",
+         str(script), url],
         capture_output=True, text=True, check=True, timeout=seconds + 30,
     ).stdout
     return parse_wrk(out)
@@ -108,6 +114,40 @@ def without_ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
             for network_filter in chain["filters"]:
                 hcm = network_filter["typed_config"]
                 hcm["http_filters"] = [f for f in hcm["http_filters"] if "ext_proc" not in f["name"]]
+    return bootstrap
+
+
+OBSERVER_CLUSTER = "poolgate-observer"
+
+
+def with_observer(bootstrap: dict[str, Any], port: int) -> dict[str, Any]:
+    """The bootstrap with a second ext_proc filter before the router: ``observability_mode``, response headers
+    and body (STREAMED) only, to the observer server's cluster."""
+    clusters = bootstrap["static_resources"]["clusters"]
+    extproc_cluster = next(c for c in clusters if c["name"] == EXTPROC_CLUSTER)
+    observer_cluster = copy.deepcopy(extproc_cluster)
+    observer_cluster.update(name=OBSERVER_CLUSTER, lb_policy="ROUND_ROBIN")
+    observer_cluster.pop("health_checks", None)
+    observer_cluster["load_assignment"] = {"cluster_name": OBSERVER_CLUSTER, "endpoints": [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}
+    clusters.append(observer_cluster)
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                filters = network_filter["typed_config"]["http_filters"]
+                routing = next(f for f in filters if "ext_proc" in f["name"])
+                observing = copy.deepcopy(routing)
+                observing["name"] = "poolgate-observer"
+                config = observing["typed_config"]
+                config["grpc_service"]["envoy_grpc"]["cluster_name"] = OBSERVER_CLUSTER
+                config["observability_mode"] = True
+                config["response_attributes"] = ["request.id"]
+                config["processing_mode"] = {"request_header_mode": "SKIP", "response_header_mode": "SEND",
+                                             "request_body_mode": "NONE", "response_body_mode": "STREAMED",
+                                             "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+                for key in ("allow_mode_override", "metadata_options", "max_message_timeout", "mutation_rules"):
+                    config.pop(key, None)
+                filters.insert(filters.index(routing) + 1, observing)
     return bootstrap
 
 
@@ -137,6 +177,7 @@ class Bench:
         self.urls: dict[str, str] = {}
         self.extproc_pids: dict[str, list[int]] = {}
         """Side → the pids of the extproc processes it asks (none for ``alone``)."""
+        self.observer_pid = 0
         self.ports = {name: free_port() for name in ("redis", "upstream", "xds", "api")}
         self.redis_url = f"redis://127.0.0.1:{self.ports['redis']}/0"
 
@@ -166,8 +207,16 @@ class Bench:
         path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
         return path
 
-    async def start_side(self, side: str, processes: int, observed: bool = False) -> None:
-        """An Envoy asking ``processes`` extproc processes (none: Envoy alone)."""
+    def start_observer(self) -> tuple[int, int]:
+        """The observability-mode server: its port and pid."""
+        port = free_port()
+        child = self.group.start("observer", [sys.executable, str(Path(__file__).parent / "harness.py"), "observer",
+                                              str(port)])
+        return port, child.pid
+
+    async def start_side(self, side: str, processes: int, observed: bool = False, observer: bool = False) -> None:
+        """An Envoy asking ``processes`` extproc processes (none: Envoy alone); ``observer``: and a second
+        ext_proc filter in observability mode."""
         config = self.config(observed)
         config_path = self.write_config(side, config)
         extproc_ports = [free_port() for _ in range(processes)]
@@ -185,6 +234,12 @@ class Bench:
                                      extproc_port=extproc_ports or [free_port()], xds_port=self.ports["xds"])
         if not processes:
             bootstrap = without_ext_proc(bootstrap)
+        if observer:
+            observer_port, observer_pid = self.start_observer()
+            if not await wait_port("127.0.0.1", observer_port, 30):
+                raise RuntimeError(f"the observer did not start; logs in {self.run_dir}")
+            bootstrap = with_observer(bootstrap, observer_port)
+            self.observer_pid = observer_pid
         path = self.run_dir / f"envoy-{side}.yaml"
         path.write_text(yaml.safe_dump(bootstrap))
         self.group.start(f"envoy-{side}", [str(envoy_binary()), "-c", str(path), "-l", "error",
@@ -212,8 +267,11 @@ class Bench:
         for _ in range(self.rounds):
             for side in sides:
                 before = self.extproc_cpu(side)
+                observer_before = cpu_seconds(self.observer_pid) if side == "observer" else 0.0
                 result = await asyncio.to_thread(run_wrk, self.urls[side], concurrency, self.seconds, script)
                 result["extproc_cpu_s"] = self.extproc_cpu(side) - before
+                if side == "observer":
+                    result["observer_cpu_s"] = cpu_seconds(self.observer_pid) - observer_before
                 samples[side].append(result)
         return samples
 
@@ -243,21 +301,33 @@ def load_row(concurrency: int, samples: dict[str, list[dict[str, float]]]) -> di
 
 
 async def stream_row(bench: Bench, concurrency: int = 16) -> dict[str, Any]:
-    """Streamed responses through ``alone`` and ``observed``: extproc CPU per chunk is the observed side's CPU
-    per streamed request less its CPU per plain request, over the chunks of one stream."""
+    """Streamed responses through ``alone``, ``observed`` (extproc answers every chunk) and ``observer`` (an
+    observability-mode filter sees them): extproc CPU per chunk is the observing process's CPU per streamed
+    request less its CPU per plain request (``observed``), or the observer server's CPU per streamed
+    request (``observer``: nothing else reaches it), over the chunks of one stream."""
     plain = await bench.measure(("observed",), concurrency, bench.script("plain", chat_body()))
-    streamed = await bench.measure(("alone", "observed"), concurrency, bench.script("stream", chat_body(stream=True)))
+    streamed = await bench.measure(("alone", "observed", "observer"), concurrency,
+                                   bench.script("stream", chat_body(stream=True)))
     per_plain = side_figures(plain["observed"])["cpu_us_per_request"]
     observed = side_figures(streamed["observed"])
     chunks = STREAM_CHUNKS + 1  # the [DONE] event
+    alone_p50 = med(streamed["alone"], "p50_ms")
+    observer_runs = streamed["observer"]
+    observer_requests = sum(r["requests"] for r in observer_runs)
+    observer_cpu = sum(r.get("observer_cpu_s", 0.0) for r in observer_runs)
+    observer_us = 1e6 * observer_cpu / observer_requests if observer_requests else 0.0
     return {"concurrency": concurrency, "chunks_per_stream": chunks,
-            "alone_stream_p50_ms": med(streamed["alone"], "p50_ms"),
+            "alone_stream_p50_ms": alone_p50,
             "observed_stream_p50_ms": observed["p50_ms"],
-            "added_stream_p50_ms": observed["p50_ms"] - med(streamed["alone"], "p50_ms"),
+            "added_stream_p50_ms": observed["p50_ms"] - alone_p50,
             "cpu_us_per_stream": observed["cpu_us_per_request"],
             "cpu_us_per_chunk": (observed["cpu_us_per_request"] - per_plain) / chunks,
             "chunks_per_cpu_s": 1e6 * chunks / observed["cpu_us_per_request"] if observed["cpu_us_per_request"] else 0,
-            "errors": observed["errors"]}
+            "observer_stream_p50_ms": med(observer_runs, "p50_ms"),
+            "observer_added_stream_p50_ms": med(observer_runs, "p50_ms") - alone_p50,
+            "observer_cpu_us_per_chunk": observer_us / chunks,
+            "observer_routing_cpu_us_per_stream": side_figures(observer_runs)["cpu_us_per_request"],
+            "errors": observed["errors"] + sum(r["non_2xx"] for r in observer_runs)}
 
 
 async def bench_all(seconds: float, rounds: int, concurrencies: list[int], processes: int,
@@ -273,6 +343,7 @@ async def bench_all(seconds: float, rounds: int, concurrencies: list[int], proce
         for side, count in (("alone", 0), ("one", 1), ("many", processes)):
             await bench.start_side(side, count)
         await bench.start_side("observed", 1, observed=True)
+        await bench.start_side("observer", 1, observer=True)
         small = bench.script("small", chat_body())
         rows = [load_row(c, await bench.measure(LOAD_SIDES, c, small)) for c in concurrencies]
         body_rows = []
@@ -308,6 +379,9 @@ def print_report(report: dict[str, Any]) -> None:
           f"{s['alone_stream_p50_ms']:.1f} ms, observed p50 {s['observed_stream_p50_ms']:.1f} ms "
           f"(added {s['added_stream_p50_ms']:+.2f}); extproc {s['cpu_us_per_chunk']:.1f} µs CPU per chunk "
           f"beyond the request, {s['chunks_per_cpu_s']:.0f} chunks per extproc CPU-second overall")
+    print(f"observability-mode filter instead: stream p50 {s['observer_stream_p50_ms']:.1f} ms (added "
+          f"{s['observer_added_stream_p50_ms']:+.2f}); observer {s['observer_cpu_us_per_chunk']:.1f} µs CPU per "
+          f"chunk; routing extproc {s['observer_routing_cpu_us_per_stream']:.0f} µs per streamed request")
 
 
 def plot(report: dict[str, Any], axes: list[Any]) -> None:

@@ -185,8 +185,58 @@ def run_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
+def run_observer(port: int) -> None:
+    """An ext_proc server for a second filter in ``observability_mode``: it answers nothing (Envoy does not
+    wait) and does per response what extproc's observers do (GenAI timing scan and usage scan per chunk,
+    metrics recorded at the end), so its CPU is what moving those observers to such a filter would cost.
+    The request is named by the ``request.id`` response attribute (what correlating with the routing
+    stream would key on)."""
+    import asyncio
+    import time
+    from typing import Any
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+
+    from extproc.genai import GenAiCall
+    from extproc.metrics import Metrics
+    from extproc.usage import UsageWatch
+
+    metrics = Metrics()
+
+    class Observer(ext_proc_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator: Any, context: Any) -> Any:
+            call, usage, request_id = GenAiCall("/v1/chat/completions", time.perf_counter()), UsageWatch(True), ""
+            async for message in request_iterator:
+                kind = message.WhichOneof("request")
+                if kind == "response_headers":
+                    attributes = message.attributes.get("envoy.filters.http.ext_proc")
+                    request_id = attributes.fields["request.id"].string_value if attributes else ""
+                    call.stream = True
+                    call.response_headers(200, message.response_headers.end_of_stream, time.perf_counter())
+                elif kind == "response_body":
+                    body = message.response_body
+                    call.response_chunk(body.body, body.end_of_stream, time.perf_counter())
+                    usage.feed(body.body, body.end_of_stream)
+            if request_id:
+                call.record(metrics, usage.input_tokens, usage.output_tokens, time.perf_counter())
+            return
+            yield  # an async generator that yields nothing: observability mode wants no answers
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(Observer(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "upstream":
         run_upstream(int(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "observer":
+        run_observer(int(sys.argv[2]))
     else:
-        sys.exit("usage: harness.py upstream PORT")
+        sys.exit("usage: harness.py upstream|observer PORT")

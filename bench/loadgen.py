@@ -62,6 +62,9 @@ class Outcome:
     error: str | None = None
     completed: bool = False
     cut: bool = False
+    token_gaps_s: list[float] = field(default_factory=list)
+    """Wall seconds between a stream's chunks of tokens after its first (inter-token latency samples)."""
+    last_token_s: float | None = None
 
     @property
     def refused(self) -> bool:
@@ -117,6 +120,9 @@ class SseTally:
 
 
 def _note_tokens(outcome: Outcome, counters: Counters, new_tokens: int, now: float, started: float) -> None:
+    if outcome.last_token_s is not None:
+        outcome.token_gaps_s.append(now - outcome.last_token_s)
+    outcome.last_token_s = now
     if outcome.ttft_s is None:
         outcome.ttft_s = now - started
         counters.first_tokens += 1

@@ -74,6 +74,8 @@ def client_figures(outcomes: Sequence[Outcome], time_scale: float, class_names: 
         "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
         "tpot_p50_s": percentile(tpots, 0.5), "tpot_p99_s": percentile(tpots, 0.99),
         "e2e_p99_s": percentile(e2es, 0.99),
+        "itl_p99_s": percentile([g * time_scale for o in outcomes for g in o.token_gaps_s], 0.99),
+        "itl_p50_s": percentile([g * time_scale for o in outcomes for g in o.token_gaps_s], 0.5),
         "goodput_ratio": sum(good) / len(good) if good else math.nan,
         "goodput_by_class": by_class,
         "output_tokens": sum(o.tokens for o in outcomes),

@@ -27,11 +27,10 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
-import redis.asyncio as aioredis
 import yaml
 
 from bench.baseline_envoy import BENCH_CLUSTER_HEADER, baseline_bootstrap, baseline_cluster
@@ -39,7 +38,7 @@ from bench.harness import ProcessGroup, answers_chat, scrape
 from bench.loadgen import Target
 from bench.workload import ModelRole, RequestSpec
 from poolgate.kernel.config import load_config
-from poolgate.kernel.store import FleetStore
+from poolgate.kernel.store import FleetStore, connect
 from poolgate.procs import envoy_binary, free_port, wait_port
 from poolgate.up import Stack, StackPorts
 
@@ -55,6 +54,11 @@ class FleetLayout:
     name: str
     groups: tuple[tuple[str, str, int], ...]
     """(pool, preset, count) per group of identical workers."""
+    prefill_pool: str | None = None
+    """Disaggregated: this extra pool (``role: prefill``) prefills the chat model's long prompts and the
+    chat pool decodes them (``role: decode``)."""
+    min_prompt_tokens: int = 2048
+    """``disaggregation.min_prompt_tokens`` of a disaggregated layout."""
 
     def describe(self) -> str:
         pools: dict[str, list[str]] = {}
@@ -109,16 +113,25 @@ def scaled_settings(time_scale: float) -> dict[str, dict[str, float]]:
     }
 
 
-def fleet_config(workers: list[WorkerPlan], time_scale: float) -> dict[str, object]:
+def fleet_config(workers: list[WorkerPlan], time_scale: float,
+                 layout: FleetLayout | None = None) -> dict[str, object]:
     """The poolgate config of the benchmark (YAML-shaped)."""
     settings = scaled_settings(time_scale)
+    pools: list[dict[str, object]] = [{"name": pool, "model": MODELS[role], "max_model_len": POOL_MAX_MODEL_LEN[pool]}
+                                      for role, pool in POOL_OF_ROLE.items()]
+    split: dict[str, object] = {}
+    if layout is not None and layout.prefill_pool is not None:
+        chat = pools[0]
+        chat["role"] = "decode"
+        pools.append({**chat, "name": layout.prefill_pool, "role": "prefill"})
+        split = {"disaggregation": {"min_prompt_tokens": layout.min_prompt_tokens}}
     return {
         "key_prefix": KEY_PREFIX,
         "ports": {"envoy": 0},
         **{section: values for section, values in settings.items() if section != "scheduling"},
         "scheduling": {"task_classes": {"code_models": [MODELS["code"]]}, **settings["scheduling"]},
-        "pools": [{"name": pool, "model": MODELS[role], "max_model_len": POOL_MAX_MODEL_LEN[pool]}
-                  for role, pool in POOL_OF_ROLE.items()],
+        "pools": pools,
+        **split,
         "workers": [{"id": w.id, "pool": w.pool, "backend": "sim", "preset": w.preset, "port": w.port,
                      "extra_args": ["--time-scale", repr(time_scale), "--log-level", "WARNING"]}
                     for w in workers],
@@ -139,9 +152,11 @@ class BenchFleet:
         """A separate agent, when the controller runs none."""
         self.baseline_weights: dict[str, int] = {}
         config_path = run_dir / "poolgate.yaml"
-        config_path.write_text(yaml.safe_dump(fleet_config(self.workers, time_scale), sort_keys=False))
+        config_path.write_text(yaml.safe_dump(fleet_config(self.workers, time_scale, layout), sort_keys=False))
         self.config = load_config(config_path)
         ports = StackPorts.all_free(self.config.extproc.process_count())
+        if layout.prefill_pool is not None:
+            ports = replace(ports, pd_sidecar=free_port())
         self.stack = Stack(self.config, config_path, run_dir, ports, None, "127.0.0.1")
 
     def pool_workers(self, pool: str) -> list[WorkerPlan]:
@@ -230,7 +245,7 @@ class BenchFleet:
     async def wait_agent_data(self, timeout_s: float) -> bool:
         """Until every worker's Redis record carries live KV data (the agent is scraping); False on timeout."""
         assert self.stack.redis_url is not None
-        redis = aioredis.from_url(self.stack.redis_url)
+        redis = connect(self.stack.redis_url, max_connections=None)
         store = FleetStore(redis, self.config.key_prefix)
         deadline = time.monotonic() + timeout_s
         try:

@@ -9,6 +9,9 @@ Reported: success rate per request kind (target ≥ 99.9 % for non-streaming req
 token per window (first SSE event for streams, the whole answer otherwise), and the resident memory of every
 poolgate process (``up``, controller, extproc, Envoy, Redis, workers) after warm-up and at the end (target:
 within ±10 %). A restarted worker is a new process, so workers are compared as a group.
+
+``--chaos`` runs the chaos soak instead (``bench.chaos_soak``): the mixed workload on a stack with two
+controllers, two extproc processes and Redis, all of which are killed in turn.
 """
 
 from __future__ import annotations
@@ -313,15 +316,28 @@ def run(args: argparse.Namespace) -> SoakReport:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="poolgate bench soak", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--chaos", action="store_true",
+                        help="the chaos soak (bench/chaos_soak.py): mixed workload on a two-controller stack "
+                             "while workers, extproc, the leading controller and Redis are killed in turn")
+    parser.add_argument("--minutes", type=float, default=None, help="default 10 (--chaos: 30)")
     parser.add_argument("--out", default=None, help="report directory (default: a new temporary directory)")
     parser.add_argument("--load", type=float, default=0.7, help="share of the measured capacity (default 0.7)")
     parser.add_argument("--kill-every-s", type=float, default=30.0)
     parser.add_argument("--window-s", type=float, default=30.0, help="p99 TTFT window")
-    parser.add_argument("--calibrate-s", type=float, default=15.0)
+    parser.add_argument("--calibrate-s", type=float, default=None,
+                        help="capacity run (--chaos: each step's counted window); default 15 (--chaos: 30)")
     parser.add_argument("--concurrency", type=int, default=32, help="clients of the capacity run")
+    parser.add_argument("--fault-every-s", type=float, default=60.0, help="--chaos: one fault this often")
+    parser.add_argument("--calibrate-warmup-s", type=float, default=10.0, help="--chaos: warm-up of each step")
+    parser.add_argument("--sample-s", type=float, default=20.0, help="--chaos: RSS sampling interval")
     args = parser.parse_args(argv)
     args.out = args.out or tempfile.mkdtemp(prefix="poolgate-soak-")
+    args.minutes = args.minutes if args.minutes is not None else (30.0 if args.chaos else 10.0)
+    args.calibrate_s = args.calibrate_s if args.calibrate_s is not None else (30.0 if args.chaos else 15.0)
+    if args.chaos:
+        from bench.chaos_soak import run as run_chaos
+
+        return run_chaos(args)
     report = run(args)
     return 0 if report.passed else 1
 

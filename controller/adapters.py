@@ -36,10 +36,11 @@ REQUEST_TIMEOUT_S = 30.0
 
 class AdapterLoader:
     def __init__(self, adapters: Sequence[LoraAdapter], store: FleetStore,
-                 session: aiohttp.ClientSession, is_leader: Callable[[], bool]) -> None:
+                 session: aiohttp.ClientSession, is_leader: Callable[[], bool], scheme: str = "http") -> None:
         self.adapters = tuple(a for a in adapters if a.path)
         self._store = store
         self._session = session
+        self._scheme = scheme
         self._is_leader = is_leader
         self._no_runtime_loading: set[str] = set()
         """Workers that answered 404 to a load (runtime loading off); logged once each."""
@@ -64,7 +65,7 @@ class AdapterLoader:
 
     async def _loaded_on(self, worker: WorkerRecord) -> set[str] | None:
         try:
-            async with self._session.get(f"http://{worker.address}/v1/models",
+            async with self._session.get(f"{self._scheme}://{worker.address}/v1/models",
                                          timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as response:
                 if response.status != 200:
                     return None
@@ -77,7 +78,7 @@ class AdapterLoader:
 
     async def _load(self, worker: WorkerRecord, adapter: LoraAdapter) -> bool:
         try:
-            async with self._session.post(f"http://{worker.address}/v1/load_lora_adapter",
+            async with self._session.post(f"{self._scheme}://{worker.address}/v1/load_lora_adapter",
                                           json={"lora_name": adapter.name, "lora_path": adapter.path},
                                           timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as response:
                 detail = (await response.text())[:200]

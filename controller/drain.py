@@ -4,6 +4,10 @@ Draining in Redis makes Envoy's endpoint DRAINING (no new connections from its l
 stop choosing the worker; requests and streams already on it continue, because Envoy never moves an
 open stream. The worker may stop once nothing is in flight on it — neither in extproc's cross-replica
 count nor in the engine's own running/waiting queues — or when the grace period ends.
+
+A drain outlives the controller that began it: how it ends and when it began are kept in Redis
+(``FleetStore.record_drain``) until it is over, and a controller that takes the leader lease over resumes
+every drain left there (``resume``), its grace period still counted from the original start.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from poolgate.kernel.config import DrainSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -46,6 +51,13 @@ def drain_finished(view: DrainView, settings: DrainSettings) -> str | None:
     return None
 
 
+class DrainEnd(StrEnum):
+    """What happens to the worker when its drain is over (for a worker this controller runs)."""
+
+    STOP = "stop"
+    RESTART = "restart"
+
+
 @dataclass
 class DrainStatus:
     worker_id: str
@@ -57,10 +69,11 @@ class Drainer:
     """Runs drains as tasks, one per worker; ``then`` stops or replaces the worker when its drain ends."""
 
     def __init__(self, store: FleetStore, settings: DrainSettings,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self._store = store
         self._settings = settings
         self._clock = clock
+        self._wall = wall
         self._tasks: dict[str, asyncio.Task[str]] = {}
         self.history: dict[str, DrainStatus] = {}
 
@@ -68,17 +81,31 @@ class Drainer:
         task = self._tasks.get(worker_id)
         return task is not None and not task.done()
 
-    async def start(self, worker_id: str, then: Callable[[], Awaitable[None]]) -> bool:
-        """Mark the worker Draining and finish the drain in the background; False if it is not registered."""
+    async def start(self, worker_id: str, end: DrainEnd, then: Callable[[], Awaitable[None]]) -> bool:
+        """Mark the worker Draining and finish the drain in the background (``then`` runs when it is over);
+        False if it is not registered."""
         if self.draining(worker_id):
             return True
+        await self._store.record_drain(worker_id, end.value, self._wall())
         if not await self._store.set_state(worker_id, WorkerState.DRAINING):
+            await self._store.forget_drain(worker_id)
             return False
-        status = DrainStatus(worker_id, self._clock())
-        self.history[worker_id] = status
+        self._run(worker_id, self._clock(), then)
         log.info("worker %s: draining (grace %.0f s)", worker_id, self._settings.grace_s)
-        self._tasks[worker_id] = asyncio.create_task(self._finish(status, then), name=f"drain-{worker_id}")
         return True
+
+    def resume(self, worker_id: str, started_at: float, then: Callable[[], Awaitable[None]]) -> None:
+        """Finish a drain another controller began at ``started_at`` (epoch seconds)."""
+        if self.draining(worker_id):
+            return
+        elapsed = max(0.0, self._wall() - started_at)
+        self._run(worker_id, self._clock() - elapsed, then)
+        log.info("worker %s: resuming a drain begun %.1f s ago", worker_id, elapsed)
+
+    def _run(self, worker_id: str, started_at: float, then: Callable[[], Awaitable[None]]) -> None:
+        status = DrainStatus(worker_id, started_at)
+        self.history[worker_id] = status
+        self._tasks[worker_id] = asyncio.create_task(self._finish(status, then), name=f"drain-{worker_id}")
 
     async def wait(self, worker_id: str) -> str | None:
         task = self._tasks.get(worker_id)
@@ -103,6 +130,7 @@ class Drainer:
         status.finished = reason
         log.info("worker %s: drain over (%s)", status.worker_id, reason)
         await then()
+        await self._store.forget_drain(status.worker_id)
         return reason
 
     async def close(self) -> None:

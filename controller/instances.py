@@ -7,11 +7,11 @@ already Failed: nothing reaches it, so it is replaced at once. Actions happen on
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from controller.backend import InstanceBackend
-from controller.drain import Drainer
+from controller.drain import DrainEnd, Drainer
 from controller.health import Remedy
 from poolgate.kernel.errors import PoolgateError
 from poolgate.kernel.store import FleetStore
@@ -57,17 +57,37 @@ class InstanceController:
             await self.backend.restart(worker_id)
         elif remedy is Remedy.DRAIN_AND_REPLACE:
             log.warning("draining worker %s to replace it: %s", worker_id, reason)
-            await self.drainer.start(worker_id, lambda: self.backend.restart(worker_id))
+            await self.drainer.start(worker_id, DrainEnd.RESTART, self._ending(worker_id, DrainEnd.RESTART))
 
     async def drain(self, worker_id: str) -> bool:
         """Operator drain: a worker this controller runs is stopped afterwards; another stays Draining."""
         self._require_leader()
+        return await self.drainer.start(worker_id, DrainEnd.STOP, self._ending(worker_id, DrainEnd.STOP))
 
-        async def stop() -> None:
-            if self.backend.owns(worker_id):
+    async def resume_drains(self) -> list[str]:
+        """On taking the lease: finish every drain the previous leader left in Redis; returns their ids."""
+        if not self._is_leader():
+            return []
+        resumed = []
+        for worker_id, (end, started_at) in sorted((await self._store.read_drains()).items()):
+            if self.drainer.draining(worker_id):
+                continue
+            ending = DrainEnd(end) if end in {e.value for e in DrainEnd} else DrainEnd.STOP
+            self.drainer.resume(worker_id, started_at, self._ending(worker_id, ending))
+            resumed.append(worker_id)
+        return resumed
+
+    def _ending(self, worker_id: str, end: DrainEnd) -> Callable[[], Awaitable[None]]:
+        """What a finished drain does: stop or restart a worker the backend runs; another stays Draining."""
+        async def finish() -> None:
+            if not self.backend.owns(worker_id):
+                return
+            if end is DrainEnd.RESTART:
+                await self.backend.restart(worker_id)
+            else:
                 await self.backend.stop(worker_id)
 
-        return await self.drainer.start(worker_id, stop)
+        return finish
 
     async def active_workers(self, pool: str) -> list[str]:
         """The pool's workers that count toward its size: run by the backend and not draining."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -87,6 +88,17 @@ def task_launch(task: str, backend: str, extra_args: tuple[str, ...]) -> list[st
     return list(POOL_TASK_ARGS.get(task, ()))
 
 
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def role_launch(role: str, extra_args: tuple[str, ...]) -> list[str]:
+    """``--kv-transfer-config`` for a prefill or decode pool's worker (vLLM's NixlConnector; the simulator
+    takes the same flag), unless ``extra_args`` sets one itself (another connector, a link speed)."""
+    if role not in KV_ROLES or _has_flag(extra_args, "--kv-transfer-config"):
+        return []
+    return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role]})]
+
+
 def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[str, ...], max_model_len: int,
                  gpu_memory_utilization: float, gpus: tuple[int, ...],
                  extra_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
@@ -113,7 +125,8 @@ def worker_command(config: Config, spec: WorkerSpec, port: int,
     key = config.worker_api_key()
     lora_args, lora_env = lora_launch(config.catalogue.adapters, pool.model, spec.extra_args)
     extra_env = {**lora_env, **({WORKER_KEY_ENV: key} if key else {})}
-    extra_args = (*task_launch(pool.task, spec.backend, spec.extra_args), *lora_args,
+    extra_args = (*task_launch(pool.task, spec.backend, spec.extra_args), *role_launch(pool.role, spec.extra_args),
+                  *lora_args,
                   *(kv_events.args if kv_events is not None else ()), *spec.extra_args)
     if spec.backend == "sim":
         cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--host", spec.host, "--port", str(port),
@@ -195,8 +208,15 @@ class LocalProcessBackend:
         """Get ready to run workers, and start the config's (unless ``configured`` is False)."""
         await asyncio.to_thread(self._log_dir.mkdir, parents=True, exist_ok=True)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
-        for spec in self._configured if configured else ():
+        if configured:
+            self.start_configured()
+
+    def start_configured(self) -> list[str]:
+        """Start the config's workers not running yet (a controller taking the lease over); their ids."""
+        specs = [spec for spec in self._configured if spec.id not in self._workers]
+        for spec in specs:
             self._start(spec)
+        return [spec.id for spec in specs]
 
     def _start(self, spec: WorkerSpec) -> WorkerProcess:
         worker = WorkerProcess(spec=spec, port=spec.port or free_port(spec.host),

@@ -2,8 +2,10 @@
 backend, the in-process agent, the health monitor, the drainer, the adapter loader, the autoscaler and the
 leader lease, each over the one ``FleetStore`` and the config section it reads.
 
-Every controller serves xDS (``controller.xds_bridge``); only the lease holder probes, drains, replaces
-and scales.
+Every controller serves xDS (``controller.xds_bridge``), the same resources at the same versions (both
+are built from Redis), so an Envoy may hold its ADS stream to any of them; only the lease holder runs the
+config's workers, probes, drains, replaces and scales. A controller that takes the lease over starts the
+config's workers and finishes the drains the old leader left (``InstanceController.resume_drains``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from poolgate.kernel.logging_setup import add_log_format_argument, configure_log
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
 from poolgate.kernel.store import FleetStore, connect
+from poolgate.kernel.tls import ServerTls, client_context, worker_scheme
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -96,18 +99,21 @@ async def _instance_backend(config: Config, store: FleetStore, log_dir: Path) ->
                                kv_events=config.extproc.kv_events.enabled)
 
 
-async def _serve_api(registry: RegistryApi, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """The registry API listening; returns its runner and base URL (with the bound port)."""
+async def _serve_api(registry: RegistryApi, host: str, port: int,
+                     tls: ServerTls | None = None) -> tuple[web.AppRunner, str]:
+    """The registry API listening (HTTPS with ``tls``); returns its runner and base URL (with the bound port)."""
     api = web.AppRunner(registry.app(), access_log=None)
     await api.setup()
-    await web.TCPSite(api, host, port).start()
-    return api, f"http://{host}:{api.addresses[0][1]}"
+    await web.TCPSite(api, host, port, ssl_context=tls.context if tls is not None else None).start()
+    return api, f"{'https' if tls is not None else 'http'}://{host}:{api.addresses[0][1]}"
 
 
 def _probe_session(config: Config) -> aiohttp.ClientSession:
     """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards."""
     worker_key = config.worker_api_key()
-    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None)
+    connector = aiohttp.TCPConnector(ssl=client_context(config.tls.workers) or True)
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None,
+                                 connector=connector)
 
 
 def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceController, probe_session: aiohttp.ClientSession,
@@ -116,9 +122,10 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
     """The loops that keep the fleet: the in-process agent, and (acting on the leader only) the health
     monitor, the adapter loader, the pod sync and the autoscaler."""
     health = config.health
-    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models)
+    scheme = worker_scheme(config.tls.workers)
+    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models, scheme=scheme)
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
-    adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader)
+    adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader, scheme=scheme)
     loops: list[Coroutine[object, object, object]] = [
         # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us):
         # workers that name another node have that node's agent, even at an address that looks local.
@@ -144,34 +151,46 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     stop = asyncio.Event()
     lease = LeaderLease(store, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                         config.autoscale.lease_ttl_s)
-    xds = XdsServer(config.pools)
-    bound_xds = await xds.start(host, xds_port)
+    xds = XdsServer(config.pools, config.tls.workers)
+    bound_xds = await xds.start(host, xds_port, config.tls.xds)
+    api_tls = ServerTls(config.tls.registry_api, "tls.registry_api") if config.tls.registry_api else None
     backend = await _instance_backend(config, store, log_dir)
     local = backend if isinstance(backend, LocalProcessBackend) else None
     drainer = Drainer(store, config.drain)
     instances = InstanceController(store, backend, drainer, is_leader=lease.is_leader)
     metrics = CollectorRegistry()
     registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics)
-    api, api_url = await _serve_api(registry, host, http_port)
-    if local is not None:
-        await local.start_all(configured=start_workers)
-    print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
-          f"workers {len(config.workers) if start_workers and local else 0}", flush=True)
+    api, api_url = await _serve_api(registry, host, http_port, api_tls)
     await lease.renew()
+    # The config's workers run on the leader only (a standby starting them too would run each twice);
+    # a standby starts them when it takes the lease over.
+    if local is not None:
+        await local.start_all(configured=start_workers and lease.is_leader())
+    print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
+          f"workers {len(config.workers) if start_workers and local and lease.is_leader() else 0}", flush=True)
     announcements: set[asyncio.Task[object]] = set()
 
-    def announce_api() -> None:
-        # Operator commands (`poolgate drain`, `poolgate scale`) find the leader here.
-        task: asyncio.Task[object] = asyncio.create_task(_publish_api(store, api_url))
+    async def take_over() -> None:
+        await _publish_api(store, api_url)  # operator commands (`poolgate drain`, `poolgate scale`) find it
+        if local is not None and start_workers:
+            local.start_configured()
+        with contextlib.suppress(*REDIS_ERRORS):
+            resumed = await instances.resume_drains()
+            if resumed:
+                log.info("resumed the drains of %s", ", ".join(resumed))
+
+    def on_gain() -> None:
+        task: asyncio.Task[object] = asyncio.create_task(take_over())
         announcements.add(task)
         task.add_done_callback(announcements.discard)
 
     if lease.is_leader():
-        announce_api()
+        on_gain()
     probe_session = _probe_session(config)
     tasks = [
         asyncio.create_task(bridge_fleet_to_xds(store, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
-        asyncio.create_task(lease.run(stop, on_gain=announce_api)),
+        asyncio.create_task(lease.run(stop, on_gain=on_gain)),
+        *([asyncio.create_task(api_tls.watch(config.tls.reload_s, stop))] if api_tls is not None else []),
         *_fleet_tasks(config, store, instances, probe_session, metrics, lease.is_leader, stop),
     ]
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)

@@ -21,8 +21,9 @@ class HttpProber:
     """Probes through one shared session; each probe is bounded by ``timeout_s`` in total."""
 
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float, check_models: bool,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, scheme: str = "http") -> None:
         self._session = session
+        self._scheme = scheme
         self._timeout = timeout_s
         self._check_models = check_models
         self._clock = clock
@@ -41,7 +42,7 @@ class HttpProber:
         return ProbeResult(ok=not reason, latency_s=self._clock() - started, reason=reason)
 
     async def _probe(self, record: WorkerRecord) -> str:
-        base = f"http://{record.address}"
+        base = f"{self._scheme}://{record.address}"
         async with self._session.get(f"{base}/health") as response:
             await response.read()
             if response.status != 200:

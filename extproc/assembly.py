@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 
 from extproc.catalogue import EMPTY_CATALOGUE
 from extproc.catalogue_source import CatalogueSource
+from extproc.disagg import DisaggPlan
 from extproc.inflight import InflightTracker
 from extproc.kvcache.lookup import CacheLookup
 from extproc.metrics import Metrics
@@ -56,12 +57,14 @@ def build_service(
     rng: random.Random | None = None,
     model_tasks: Mapping[str, PoolTask] | None = None,
     prefix_cache: CacheLookup | None = None,
+    disagg: DisaggPlan | None = None,
     cold_starts: ColdStarts | None = None,
 ) -> ExtProcService:
     """``clock`` is the wall clock worker records are stamped with; ``timer`` the monotonic one for durations
     and queue deadlines; ``rng`` draws catalogue traffic splits; ``model_tasks`` says what each served model
-    does (from the pools), so an endpoint its kind does not serve is refused before routing; ``cold_starts``
-the pools that may scale to zero (a request finding them empty waits for a worker)."""
+    does (from the pools), so an endpoint its kind does not serve is refused before routing; ``disagg`` names
+    the models whose long prompts are split over a prefill and a decode worker; ``cold_starts`` the pools that may
+    scale to zero (a request finding them empty waits for a worker)."""
     scheduling = scheduling or SchedulingSettings()
     tenants = tenants or TenantDirectory(TenancySettings(), ())
     tenancy = tenants.settings
@@ -73,7 +76,7 @@ the pools that may scale to zero (a request finding them empty waits for a worke
                         rng or random.Random(), model_tasks),
         admit=Admit(quotas, tenancy, metrics),
         hold=Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed),
-        place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache),
+        place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache, disagg),
         respond=Respond(metrics, genai_metrics),
         metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling), cold_starts=cold_starts)
     return ExtProcService(director, metrics, header_pin=header_pin)

@@ -10,6 +10,9 @@ Keys (named in ``poolgate.kernel.keys.PeerKeys``; the store runs the pipelines):
   reservation on that worker (absolute, so a lost or repeated write heals at the next one). Written when it
   changes (batched with the in-flight deltas), removed at zero; a field older than ``PRESENCE_TTL_S`` is
   ignored (its replica died holding it) and the key expires after it unless renewed.
+- ``{prefix}:extproc:affinity`` stream: one entry per write that has new affinity records (``r`` the replica,
+  ``d`` JSON ``[[key, worker], …]``, a session key as a list), capped near ``AFFINITY_LOG_ENTRIES``. Each
+  replica reads the entries after the last one it saw and applies the others' records to its map.
 
 Nothing here runs on the pick: the watcher's flush loop writes, its refresh reads (one pipeline each).
 """
@@ -17,25 +20,34 @@ Nothing here runs on the pick: the watcher's flush loop writes, its refresh read
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
+import orjson
+
+from extproc.affinity import AffinityMap
 from extproc.reservations import ReservationBook
 from poolgate.kernel.keys import PeerKeys
 
 PRESENCE_REFRESH_S = 1.0
 PRESENCE_TTL_S = 5.0
+AFFINITY_LOG_ENTRIES = 10_000
+"""Entries the affinity stream keeps (each one replica's records of one write, ~20 ms of its placements)."""
+AFFINITY_READ_ENTRIES = 10_000
 
 
 class PeerExchange:
     """This replica's side of the exchange over one ``ReservationBook``."""
 
     def __init__(self, keys: PeerKeys, replica_id: str, book: ReservationBook,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, affinity: AffinityMap | None = None) -> None:
         self._keys = keys
         self.replica_id = replica_id
         self._book = book
         self._clock = clock
+        self._affinity = affinity
+        self._affinity_seen = f"{int(clock() * 1000)}-0"
+        """Last affinity entry read; a replica starts with what is written after it starts."""
         self._published: dict[str, tuple[int, int]] = {}
         self._present_at = float("-inf")
         self.replicas = 1
@@ -53,14 +65,15 @@ class PeerExchange:
     def has_writes(self) -> bool:
         """Whether ``queue_writes`` would write anything now."""
         _, _, changed, gone, due = self._pending()
-        return bool(changed or gone or due)
+        return bool(changed or gone or due or (self._affinity is not None and self._affinity.has_unpublished))
 
     def queue_writes(self, pipe: Any) -> Callable[[], None] | None:
         """Queue the changed reservations (and the presence beat when due) on ``pipe``; None when nothing is
         to write, else a callback to run once the pipeline succeeded."""
         now, current, changed, gone, due = self._pending()
+        affinity = self._queue_affinity(pipe)
         if not (changed or gone or due):
-            return None
+            return (lambda: None) if affinity else None
         ttl_ms = int(PRESENCE_TTL_S * 1000)
         for worker_id, (kv_tokens, prefill_tokens) in (current.items() if due else changed.items()):
             key = self._keys.reserved(worker_id)
@@ -77,15 +90,29 @@ class PeerExchange:
                 self._present_at = now
         return written
 
+    def _queue_affinity(self, pipe: Any) -> bool:
+        """Queue this replica's new affinity records, if any (lost if the write fails: they are only a hint)."""
+        if self._affinity is None or not self._affinity.has_unpublished:
+            return False
+        records = [[list(k) if isinstance(k, tuple) else k, w] for k, w in self._affinity.take_unpublished()]
+        pipe.xadd(self._keys.affinity, {"r": self.replica_id, "d": orjson.dumps(records)},
+                  maxlen=AFFINITY_LOG_ENTRIES, approximate=True)
+        return True
+
     def queue_reads(self, pipe: Any, worker_ids: Iterable[str]) -> Callable[[list[Any]], None]:
-        """Queue the reads of the replicas and the workers' reservations; the callback takes the pipeline's
-        results for them (in order) and hands the other replicas' totals to the book."""
+        """Queue the reads of the replicas, the workers' reservations and the new affinity records; the callback
+        takes the pipeline's results for them (in order), hands the other replicas' totals to the book and
+        their affinity records to the map."""
         ids = list(worker_ids)
         pipe.hgetall(self._keys.replicas)
         for worker_id in ids:
             pipe.hgetall(self._keys.reserved(worker_id))
+        if self._affinity is not None:
+            pipe.xread({self._keys.affinity: self._affinity_seen}, count=AFFINITY_READ_ENTRIES)
 
         def apply(results: list[Any]) -> None:
+            if self._affinity is not None:
+                self._apply_affinity(results.pop())
             oldest = self._clock() - PRESENCE_TTL_S
             replicas = {_text(r) for r, at in results[0].items() if _stamp(at) >= oldest}
             replicas.add(self.replica_id)
@@ -103,6 +130,16 @@ class PeerExchange:
             self._book.apply_peers(kv, prefill, self.replicas)
         return apply
 
+    def _apply_affinity(self, streams: Any) -> None:
+        """The other replicas' affinity records from an XREAD answer (its own are skipped)."""
+        assert self._affinity is not None
+        for _, entries in streams or ():
+            for entry_id, fields in entries:
+                self._affinity_seen = _text(entry_id)
+                fields = {_text(k): v for k, v in fields.items()}
+                if _text(fields.get("r", b"")) != self.replica_id:
+                    self._affinity.apply(_records(fields.get("d", b"[]")))
+
     def queue_leave(self, pipe: Any) -> None:
         """Remove this replica's presence and reservations (a clean stop; a killed one fades by TTL)."""
         pipe.hdel(self._keys.replicas, self.replica_id)
@@ -112,6 +149,20 @@ class PeerExchange:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _records(data: bytes | str) -> list[tuple[Hashable, str]]:
+    """Decoded ``[[key, worker], …]``; a list key is a tuple again (a session key); malformed ones are skipped."""
+    try:
+        records = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return []
+    decoded: list[tuple[Hashable, str]] = []
+    for record in records if isinstance(records, list) else ():
+        if isinstance(record, list) and len(record) == 2 and isinstance(record[1], str):
+            key = record[0]
+            decoded.append((tuple(key) if isinstance(key, list) else key, record[1]))
+    return decoded
 
 
 def _stamp(value: bytes | str) -> float:

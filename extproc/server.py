@@ -13,18 +13,16 @@ import logging
 from collections.abc import Callable
 
 import grpc
-import redis.asyncio as redis_asyncio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
 from extproc.assembly import build_service
 from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
+from extproc.disagg import DisaggPlan
 from extproc.endpoint_picker import GIE_MODE
 from extproc.inflight import InflightTracker
 from extproc.kvcache.lookup import CacheLookup
@@ -39,10 +37,11 @@ from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
 from extproc.service import ExtProcService
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
-from poolgate.kernel.config import Config
+from poolgate.kernel.config import Config, TlsServerFiles
 from poolgate.kernel.keys import QuotaKeys
 from poolgate.kernel.reload import ConfigFileWatch
-from poolgate.kernel.store import FleetStore
+from poolgate.kernel.store import FleetStore, RedisLike, connect
+from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +62,10 @@ def grpc_options(max_request_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def redis_client(redis_url: str) -> redis_asyncio.Redis:
+def redis_client(redis_url: str) -> RedisLike:
     """Short timeouts and few quick retries: a refresh that fails fast keeps the snapshot-age metric honest
     and the next periodic refresh is the real retry."""
-    return redis_asyncio.Redis.from_url(
-        redis_url, socket_timeout=1.0, socket_connect_timeout=1.0,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
-    )
+    return connect(redis_url, max_connections=None, socket_timeout=1.0, socket_connect_timeout=1.0, retries=1)
 
 
 async def serve(
@@ -92,7 +88,8 @@ async def serve(
         log.info("extproc metrics on http://%s:%d/metrics", host, metrics_server.server_port)
     client = redis_client(redis_url)
     service, watcher, catalogue, kv_cache = _assemble(config, client, metrics, profiler)
-    server, health, bound = await _grpc_server(service, host, port, config.extproc.max_request_bytes)
+    server, health, bound = await _grpc_server(service, host, port, config.extproc.max_request_bytes,
+                                               config.tls.extproc)
     watch_task = asyncio.create_task(watcher.run(), name="fleet-watcher")
     kv_task = (asyncio.create_task(kv_cache[1].follow(watcher, metrics=metrics), name="kv-events")
                if kv_cache is not None else None)
@@ -125,7 +122,7 @@ async def serve(
 KvCache = tuple[CacheLookup, KVEventSubscriptions]
 
 
-def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics, profiler: RequestProfiler) -> (
+def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: RequestProfiler) -> (
         tuple[ExtProcService, FleetWatcher, CatalogueSource, KvCache | None]):
     """The servicer over the fleet watcher, each part given the configuration's section it reads; the KV-event
     parts raise ConfigError (before anything listens) when a pool's tokenizer cannot load."""
@@ -145,23 +142,26 @@ def _assemble(config: Config, client: redis_asyncio.Redis, metrics: Metrics, pro
                             header_pin=config.extproc.endpoint_picker_mode == GIE_MODE,
                             model_tasks={pool.model: pool.task for pool in config.pools},
                             prefix_cache=kv_cache[0] if kv_cache is not None else None,
+                            disagg=DisaggPlan.from_config(config),
                             cold_starts=ColdStarts.from_config(config.pools, config.autoscale))
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
-    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
-                                            service.director.place.reservations))
+    place = service.director.place
+    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id, place.reservations,
+                                            affinity=place.affinity))
     return service, watcher, catalogue, kv_cache
 
 
-async def _grpc_server(service: ExtProcService, host: str, port: int, max_request_bytes: int) -> (
-        tuple[grpc.aio.Server, health_aio.HealthServicer, int]):
-    """The ext_proc and health services on one server, NOT_SERVING until the first snapshot; and its port."""
+async def _grpc_server(service: ExtProcService, host: str, port: int, max_request_bytes: int,
+                       tls: TlsServerFiles | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
+    """The ext_proc and health services on one server (TLS from ``tls``'s files, rotating, when given),
+    NOT_SERVING until the first snapshot; and its port."""
     server = grpc.aio.server(options=grpc_options(max_request_bytes))
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health = health_aio.HealthServicer()
     for name in HEALTH_SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = bind_grpc(server, f"{host}:{port}", tls, "tls.extproc")
     if bound == 0:
         raise OSError(f"extproc cannot listen on {host}:{port}")
     return server, health, bound
@@ -178,7 +178,7 @@ async def _serving_after_first_snapshot(watcher: FleetWatcher, health: health_ai
 
 
 async def _stop(server: grpc.aio.Server, watch_task: asyncio.Task[None], watcher: FleetWatcher,
-                client: redis_asyncio.Redis, health: health_aio.HealthServicer) -> None:
+                client: RedisLike, health: health_aio.HealthServicer) -> None:
     await health.enter_graceful_shutdown()  # NOT_SERVING first, so probes stop sending while streams drain
     await server.stop(SHUTDOWN_GRACE_S)
     watch_task.cancel()

@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("poolgate.up", "start the whole stack locally (Redis, controller, extproc, Envoy, workers)"),
     "controller": ("controller.main", "run the controller (registry API, xDS, local workers)"),
     "extproc": ("extproc.cli", "run the Envoy external processor"),
+    "pd-sidecar": ("extproc.sidecar_cli", "run the prefill/decode sidecar (two steps for one split request)"),
     "simworker": ("simworker.cli", "run simulated vLLM workers"),
     "agent": ("agent.cli", "scrape workers' metrics and GPUs into Redis"),
     "status": ("poolgate.status", "show the fleet from Redis"),

@@ -49,9 +49,15 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, message, struct_pb2
 from google.protobuf.wrappers_pb2 import BoolValue, UInt32Value
 
-from controller.xds.build import relaxed_circuit_breakers
-from poolgate.kernel.config import Config
-from poolgate.kernel.routing import CLUSTER_HEADER, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, ROUTING_HEADERS
+from controller.xds.build import relaxed_circuit_breakers, upstream_tls
+from poolgate.kernel.config import Config, TlsClientFiles, TlsServerFiles
+from poolgate.kernel.routing import (
+    CLUSTER_HEADER,
+    FALLBACK_CLUSTER,
+    LB_METADATA_NAMESPACE,
+    PD_SIDECAR_CLUSTER,
+    ROUTING_HEADERS,
+)
 
 EXTPROC_CLUSTER = "poolgate-extproc"
 XDS_CLUSTER = "poolgate-xds"
@@ -92,15 +98,17 @@ REQUEST_ACCESS_LOG_FORMAT = (
     "%RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION% ttfb=%RESPONSE_DURATION% "
     "cluster=%UPSTREAM_CLUSTER% host=%UPSTREAM_HOST% worker=%RESP(X-POOLGATE-WORKER)% "
     "tenant=%REQ(X-POOLGATE-TENANT)% details=%RESPONSE_CODE_DETAILS% id=%REQ(X-REQUEST-ID)% "
-    "queue_wait_ms=%REQ(X-POOLGATE-QUEUE-WAIT-MS)% decision=\"%REQ(X-POOLGATE-DECISION):512%\"\n"
+    "queue_wait_ms=%REQ(X-POOLGATE-QUEUE-WAIT-MS)% decision=\"%REQ(X-POOLGATE-DECISION):512%\" "
+    "pd=\"%RESP(X-POOLGATE-PD)%\"\n"
 )
 """One line per request. The pool is the cluster (``pool-<name>``) and the worker the upstream host: the
 ``x-poolgate-cluster`` header is removed by the route before the log is written. ``tenant`` is the header
 extproc sets when tenants are configured; ``details`` is Envoy's reason for its own replies or extproc's
 ``poolgate_<code>`` for a refusal; ``queue_wait_ms`` how long extproc held the request (for capacity or while
 a pool scaled to zero started a worker), ``-`` when it was placed at once; ``decision`` is the debug header
-(``scheduling.debug_header``), else ``-``. ``worker`` is the response header a simulated worker sets (vLLM
-sets none)."""
+(``scheduling.debug_header``), else ``-``.
+``worker`` is the response header a simulated worker sets (vLLM sets none). ``pd`` is the split of a request
+the prefill/decode sidecar ran (prefill and decode worker, prefill time, KV tokens, fallback), else ``-``."""
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -140,6 +148,14 @@ def _local_cluster(name: str, ports: Sequence[int]) -> cluster_pb2.Cluster:
     return cluster
 
 
+def _with_tls(cluster: cluster_pb2.Cluster, envoy: TlsClientFiles | None,
+              server: TlsServerFiles | None) -> cluster_pb2.Cluster:
+    """The cluster speaking TLS (``tls.envoy``'s files, ALPN h2 for gRPC) when its server serves TLS."""
+    if server is not None and envoy is not None:
+        cluster.transport_socket.CopyFrom(upstream_tls(envoy, alpn=("h2",)))
+    return cluster
+
+
 def _extproc_cluster(ports: Sequence[int]) -> cluster_pb2.Cluster:
     """One endpoint per extproc process. Envoy balances each ext_proc stream (one per HTTP request) over the
     endpoints, so several processes share the load evenly (measured: ``bench/extproc_overhead.py``);
@@ -156,6 +172,14 @@ def _extproc_cluster(ports: Sequence[int]) -> cluster_pb2.Cluster:
             healthy_threshold=UInt32Value(value=1),
             grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(),
         ))
+    return cluster
+
+
+def _pd_sidecar_cluster(port: int) -> cluster_pb2.Cluster:
+    """The prefill/decode sidecar (``extproc/sidecar.py``): extproc names this cluster for split requests.
+    HTTP/1.1 like the workers (the sidecar is an aiohttp server), one endpoint on this host."""
+    cluster = _local_cluster(PD_SIDECAR_CLUSTER, [port])
+    cluster.typed_extension_protocol_options.clear()
     return cluster
 
 
@@ -360,19 +384,23 @@ def build_bootstrap(
     listen_port: int,
     admin_port: int,
     extproc_port: int | Sequence[int],
-    xds_port: int,
+    xds_port: int | Sequence[int],
     access_log_path: str | None = None,
     listen_host: str = "127.0.0.1",
     access_log: bool = False,
+    pd_sidecar_port: int | None = None,
 ) -> bootstrap_pb2.Bootstrap:
     """The bootstrap as a protobuf message (``render_bootstrap`` gives the dict Envoy reads); ``extproc_port``
-    may list one port per extproc process."""
+    may list one port per extproc process, ``xds_port`` one per controller (every controller serves the same
+    xDS: Envoy holds its ADS stream to one and reconnects to another when that one goes); ``pd_sidecar_port``
+    adds the prefill/decode sidecar's cluster."""
     log = _access_log(access_log_path) if (access_log or access_log_path) else None
     bootstrap = bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id=node_id, cluster="poolgate"),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
             listeners=[_listener(config, listen_host, listen_port, log)],
-            clusters=[_extproc_cluster(_ports(extproc_port)), _local_cluster(XDS_CLUSTER, [xds_port])],
+            clusters=[_with_tls(_extproc_cluster(_ports(extproc_port)), config.tls.envoy, config.tls.extproc),
+                      _with_tls(_local_cluster(XDS_CLUSTER, _ports(xds_port)), config.tls.envoy, config.tls.xds)],
         ),
         dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
             ads_config=config_source_pb2.ApiConfigSource(
@@ -388,6 +416,8 @@ def build_bootstrap(
             ),
         ),
     )
+    if pd_sidecar_port is not None:
+        bootstrap.static_resources.clusters.append(_pd_sidecar_cluster(pd_sidecar_port))
     bootstrap.admin.address.socket_address.address = "127.0.0.1"
     bootstrap.admin.address.socket_address.port_value = admin_port
     return bootstrap
@@ -400,10 +430,11 @@ def render_bootstrap(
     listen_port: int,
     admin_port: int,
     extproc_port: int | Sequence[int],
-    xds_port: int,
+    xds_port: int | Sequence[int],
     access_log_path: str | None = None,
     listen_host: str = "127.0.0.1",
     access_log: bool = False,
+    pd_sidecar_port: int | None = None,
 ) -> dict[str, Any]:
     """Envoy's bootstrap as a plain dict; dump it as YAML or JSON for ``envoy -c`` / ``--config-yaml``.
 
@@ -413,6 +444,7 @@ def render_bootstrap(
     bootstrap = build_bootstrap(
         config, node_id=node_id, listen_port=listen_port, admin_port=admin_port, extproc_port=extproc_port,
         xds_port=xds_port, access_log_path=access_log_path, listen_host=listen_host, access_log=access_log,
+        pd_sidecar_port=pd_sidecar_port,
     )
     rendered: dict[str, Any] = json.loads(
         json_format.MessageToJson(bootstrap, preserving_proto_field_name=True, sort_keys=True)  # stable text

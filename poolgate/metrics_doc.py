@@ -113,10 +113,17 @@ def genai_section() -> list[str]:
     return [*lines, "", GENAI_PROSE]
 
 
+def _pd_sidecar() -> CollectorRegistry:
+    from extproc.sidecar import SidecarMetrics
+
+    return SidecarMetrics().registry
+
+
 PROCESSES = {
     "extproc": (_extproc, "`poolgate extproc --metrics-port P` (or `observability.extproc_metrics_port`), "
                           "`/metrics`"),
     "controller": (_controller, "the controller's HTTP API port, `/metrics` (no token needed)"),
+    "pd-sidecar": (_pd_sidecar, "`poolgate pd-sidecar`'s port, `/metrics` (a config with `role: prefill` pools)"),
     "simworker": (_simworker, "each simulated worker's port, `/metrics` (vLLM's names; a real `vllm serve` "
                               "exports these vLLM series and more)"),
 }

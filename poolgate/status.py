@@ -10,11 +10,11 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-import redis.asyncio as aioredis
-
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.redaction import redact_url
-from poolgate.kernel.store import FleetStore
+from poolgate.kernel.redis_client import parse_redis_url
+from poolgate.kernel.store import FleetStore, connect
 
 COLUMNS = ("worker", "model", "pool", "state", "address", "in-flight", "kv", "running", "waiting", "age")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -55,7 +55,7 @@ async def fleet_view(store: FleetStore, *, summary: bool = False) -> str:
 
 
 async def fleet_table(redis_url: str, key_prefix: str) -> str:
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url, max_connections=None)
     try:
         return await fleet_view(FleetStore(redis, key_prefix))
     finally:
@@ -70,7 +70,7 @@ async def watch(read: Callable[[], Awaitable[str]], interval_s: float, write: Ca
     while not stop.is_set():
         try:
             body = await read()
-        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             body = f"cannot reach Redis at {source}: {exc} (retrying)"
         stamp = time.strftime("%H:%M:%S")
         write(f"{CLEAR_SCREEN if clear else ''}poolgate fleet at {stamp}, every {interval_s:g} s "
@@ -86,7 +86,7 @@ async def _watch_main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    redis = aioredis.from_url(args.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    redis = connect(args.redis_url, max_connections=None, socket_timeout=2.0, socket_connect_timeout=2.0)
     store = FleetStore(redis, args.key_prefix)
 
     def write(text: str) -> None:
@@ -107,8 +107,19 @@ def _interval(text: str) -> float:
     return value
 
 
+def redis_url_argument(text: str) -> str:
+    """An argparse type: a Redis URL in one of the forms ``poolgate.kernel.redis_client`` accepts."""
+    try:
+        parse_redis_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--redis-url", type=redis_url_argument, default="redis://127.0.0.1:6379/0",
+                        help="redis://, rediss://, unix://, redis+sentinel://HOST:PORT[,…]/SERVICE or "
+                             "redis+cluster://HOST:PORT[,…]")
     parser.add_argument("--key-prefix", default="poolgate")
     parser.add_argument("--watch", action="store_true", help="redraw the fleet table until Ctrl-C")
     parser.add_argument("--interval", type=_interval, default=1.0, help="seconds between redraws (default 1)")
@@ -120,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     try:
         print(asyncio.run(fleet_table(args.redis_url, args.key_prefix)))
-    except (aioredis.ConnectionError, OSError) as exc:
+    except REDIS_ERRORS as exc:
         print(f"cannot reach Redis at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
         return 1
     return 0

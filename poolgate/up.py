@@ -24,13 +24,14 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-import redis.asyncio as aioredis
 import yaml
 
 from poolgate.kernel.config import Config, ConfigError, load_config
+from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.redaction import redact_url
+from poolgate.kernel.store import connect
 from poolgate.procs import envoy_binary, free_port, wait_port
-from poolgate.status import fleet_table
+from poolgate.status import fleet_table, redis_url_argument
 
 READY_TIMEOUT_S = 120.0
 
@@ -64,6 +65,8 @@ class StackPorts:
     controller_http: int
     extproc_metrics: tuple[int, ...] = ()
     """The extproc processes' metrics ports (none when ``observability.extproc_metrics_port`` is unset)."""
+    pd_sidecar: int | None = None
+    """The prefill/decode sidecar's port, when a pool has ``role: prefill``."""
 
     @classmethod
     def all_free(cls, extproc_processes: int) -> StackPorts:
@@ -144,6 +147,7 @@ class Stack:
             env={self.config.controller.token_env: self.token},
         )
         extprocs = await self._spawn_extprocs([*python, "extproc", *common])
+        await self._spawn_pd_sidecar(python)
         await self._await_port(controller, self.ports.xds, 30)
         for extproc, port in zip(extprocs, self.ports.extproc, strict=True):
             await self._await_port(extproc, port, 30)
@@ -152,12 +156,22 @@ class Stack:
         bootstrap = render_bootstrap(self.config, node_id="poolgate-local", listen_port=self.ports.envoy,
                                      admin_port=self.ports.admin, extproc_port=self.ports.extproc,
                                      xds_port=self.ports.xds, listen_host=self.listen_host,
-                                     access_log_path=str(self.run_dir / "envoy-access.log"))
+                                     access_log_path=str(self.run_dir / "envoy-access.log"),
+                                     pd_sidecar_port=self.ports.pd_sidecar)
         bootstrap_path = self.run_dir / "envoy.yaml"
         bootstrap_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
         envoy = await self._spawn("envoy", [str(envoy_binary()), "-c", str(bootstrap_path), "-l", "warning",
                                             "--use-dynamic-base-id", "--disable-hot-restart"])
         await self._await_port(envoy, self.ports.admin, 30)
+
+    async def _spawn_pd_sidecar(self, python: list[str]) -> None:
+        """The sidecar that runs split requests' two steps, for a config with prefill pools."""
+        port = self.ports.pd_sidecar
+        if port is None:
+            return
+        child = await self._spawn("pd-sidecar", [*python, "pd-sidecar", "--config", str(self.config_path),
+                                                 "--port", str(port)])
+        await self._await_port(child, port, 30)
 
     async def _spawn_extprocs(self, command: list[str]) -> list[Child]:
         """One extproc per port; ``extproc.json`` in the run directory names each one's ports."""
@@ -317,14 +331,15 @@ def _resolve_ports(config: Config, args: argparse.Namespace) -> StackPorts:
         extproc_metrics=(metrics, *(free_port() for _ in range(processes - 1))) if metrics else (),
         xds=ports.xds or free_port(),
         controller_http=ports.controller_http or free_port(),
+        pd_sidecar=(config.disaggregation.sidecar_port or free_port()) if config.disaggregated_models() else None,
     )
 
 
 async def _redis_reachable(url: str) -> bool:
-    client = aioredis.from_url(url, socket_connect_timeout=1)
+    client = connect(url, max_connections=None, socket_connect_timeout=1)
     try:
         return bool(await client.ping())
-    except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+    except REDIS_ERRORS:
         return False
     finally:
         await client.aclose()
@@ -414,7 +429,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="deploy/local.yaml")
     parser.add_argument("--port", type=int, help="Envoy listener port (default: config ports.envoy)")
     parser.add_argument("--admin-port", type=int, help="Envoy admin port (default: a free port)")
-    parser.add_argument("--redis-url", help="use this Redis instead of starting one")
+    parser.add_argument("--redis-url", type=redis_url_argument, help="use this Redis instead of starting one")
     parser.add_argument("--listen-host", default="127.0.0.1", help="address Envoy listens on")
     parser.add_argument("--log-dir", help="where child logs go (default: a new temporary directory)")
     parser.add_argument("--demo", action="store_true", help="send a short demo load once ready")

@@ -14,11 +14,14 @@ import logging
 import os
 import sys
 
+from poolgate.kernel.config import ConfigError, TlsServerFiles
 from poolgate.kernel.shutdown import on_stop_signal
+from poolgate.kernel.tls import check_files
 from simworker import model_tasks
 from simworker.engine import Engine
 from simworker.faults import FaultSettings
 from simworker.kv_publisher import KVEventsConfig
+from simworker.kv_transfer import KVTransferConfig
 from simworker.presets import DEFAULT_PRESET, PRESETS, STEP_JITTER
 from simworker.worker import SimWorker, WorkerSpec
 
@@ -56,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's KV-cache events as JSON, e.g. '{\"enable_kv_cache_events\": true, "
                              "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'; "
                              "with --ports each worker publishes on these ports plus its index")
+    parser.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
+                        help="vLLM's KV transfer for prefill/decode disaggregation as JSON, e.g. "
+                             "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_producer\"}' "
+                             "(kv_producer: prefill worker, kv_consumer: decode worker, kv_both); the link's "
+                             "speed in kv_connector_extra_config.sim_link_gb_per_s (default 50, RDMA; NVLink "
+                             "450) and the producer's hold time in sim_abort_timeout_s (default 480)")
     parser.add_argument("--legacy-kv-metric", action="store_true",
                         help="also export vllm:gpu_cache_usage_perc (the pre-V1 name)")
     parser.add_argument("--time-scale", type=float, default=1.0,
@@ -69,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s; 0 for exact modelled times)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help=f"require this key on /v1 paths, as vLLM does (default: ${API_KEY_ENV})")
+    tls = parser.add_argument_group("HTTPS (vLLM's flags)")
+    tls.add_argument("--ssl-certfile", help="serve HTTPS with this certificate chain (PEM)")
+    tls.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
+    tls.add_argument("--ssl-ca-certs", help="require client certificates signed by this CA bundle (PEM)")
     model_tasks.add_arguments(parser)
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true",
@@ -96,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _kv_events_config(text: str) -> KVEventsConfig:
     try:
         return KVEventsConfig.from_json(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _kv_transfer_config(text: str) -> KVTransferConfig:
+    try:
+        return KVTransferConfig.from_json(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from error
 
@@ -137,10 +157,21 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             enable_fault_api=args.enable_fault_api, enable_lora=args.enable_lora, max_loras=args.max_loras,
             lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
             seed=args.seed, step_jitter=args.step_jitter, kv_events=args.kv_events_config.offset(index),
-            tasks=tasks, startup_delay_s=args.startup_delay_s,
+            tasks=tasks, kv_transfer=args.kv_transfer_config, tls=_tls_files(args),
+            startup_delay_s=args.startup_delay_s,
         )
         for index, (port, worker_id) in enumerate(zip(ports, ids, strict=True))
     ]
+
+
+def _tls_files(args: argparse.Namespace) -> TlsServerFiles | None:
+    if not args.ssl_certfile and not args.ssl_keyfile:
+        if args.ssl_ca_certs:
+            raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+        return None
+    if not (args.ssl_certfile and args.ssl_keyfile):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    return TlsServerFiles(cert_file=args.ssl_certfile, key_file=args.ssl_keyfile, client_ca_file=args.ssl_ca_certs)
 
 
 async def serve_workers(workers: list[SimWorker], stop: asyncio.Event) -> int:
@@ -164,7 +195,9 @@ def main(args: argparse.Namespace) -> int:
         specs = worker_specs(args)
         for spec in specs:
             Engine(spec.engine_config())  # fail fast on a model or context that does not fit the card
-    except ValueError as error:
+            if spec.tls is not None:
+                check_files(spec.tls, "--ssl-certfile/--ssl-keyfile/--ssl-ca-certs")
+    except (ValueError, ConfigError) as error:
         print(f"poolgate simworker: {error}", file=sys.stderr)
         return 2
     runner_factory = None

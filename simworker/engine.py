@@ -61,6 +61,9 @@ class EngineRequest:
     prompt_block_hashes: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     """The prompt's token ids, for the ``BlockStored`` events of its blocks (empty: events carry none)."""
+    remote_computed_tokens: int = 0
+    """Prompt tokens whose KV a producer computed and this (decode) worker read (``kv_transfer``): not
+    prefilled at the first admission; after a preemption they are recomputed, as vLLM does."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +259,9 @@ class Engine:
             reusable = sequence.request.prompt_block_hashes[:(sequence.total_tokens - 1) // block_size]
             hit_blocks = self.kv.cached_prefix_blocks(reusable)
             hit_hashes = reusable[:hit_blocks]
-            computed = hit_blocks * block_size
+            local_hits = computed = hit_blocks * block_size
+            if not sequence.scheduled_before:
+                computed = max(computed, sequence.request.remote_computed_tokens)
             tokens = min(sequence.total_tokens - computed, budget)
             needed = self.kv.blocks_for(computed + tokens) - hit_blocks
             if needed > self.kv.free_blocks - self.kv.evictable_among(hit_hashes):
@@ -274,7 +279,7 @@ class Engine:
             if not sequence.scheduled_before:
                 if self.config.enable_prefix_caching:
                     log.prefix_cache_queries += sequence.total_tokens
-                    log.prefix_cache_hits += computed
+                    log.prefix_cache_hits += local_hits  # vLLM counts a connector's tokens apart
                 sequence.scheduled_before = True
                 log.queue_times.append((sequence.request.request_id, now - sequence.arrival_time))
             self._running.append(sequence)

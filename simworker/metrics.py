@@ -20,6 +20,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                       20.0, 40.0, 80.0)
+"""vLLM's buckets for ``vllm:inter_token_latency_seconds``."""
 STEP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
 ENGINE_LABELS = ("engine", "model_name")
@@ -63,6 +66,10 @@ class WorkerMetrics:
                         for reason in FINISH_REASONS}
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token = histogram("vllm:inter_token_latency_seconds",
+                                     "Histogram of inter-token latency in seconds.", INTER_TOKEN_BUCKETS)
+        """One sample per output token after a request's first: the step that produced it (a running
+        sequence gets a token every step), so a prefill sharing the step shows as a stall here."""
         self.e2e = histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
@@ -104,6 +111,9 @@ class WorkerMetrics:
         for request_id, queue_s in outcome.queue_times:
             self.queue_time.observe(queue_s)
             self._queued_for[request_id] = queue_s
+        later_tokens = len(outcome.emitted) - len(outcome.first_token_times)
+        for _ in range(later_tokens):
+            self.inter_token.observe(outcome.duration_s)
         for request_id, ttft_s in outcome.first_token_times:
             self.ttft.observe(ttft_s)
             if request_id in self._queued_for:

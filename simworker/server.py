@@ -25,6 +25,8 @@ from simworker import protocol, tokens
 from simworker.driver import EngineDriver, TokenStream
 from simworker.engine import EngineRequest
 from simworker.faults import FaultSettings
+from simworker.kv_transfer import RemoteDecodeAsk, RemotePrefill, TransferParamsError, read_params
+from simworker.kv_transfer_http import PARAMS_FIELD, KVTransferAgent
 from simworker.lora import AdapterTable
 from simworker.metrics import WorkerMetrics
 from simworker.protocol import ApiError, GenerationPlan, GenerationRequest
@@ -71,7 +73,8 @@ class ServingConfig:
 
 class WorkerApi:
     def __init__(self, config: ServingConfig, driver: EngineDriver, metrics: WorkerMetrics,
-                 control: WorkerControl, rng: random.Random, adapters: AdapterTable | None = None) -> None:
+                 control: WorkerControl, rng: random.Random, adapters: AdapterTable | None = None,
+                 kv_transfer: KVTransferAgent | None = None) -> None:
         self.config = config
         self.driver = driver
         self.metrics = metrics
@@ -79,6 +82,8 @@ class WorkerApi:
         self.rng = rng
         self.adapters = adapters
         """None without ``--enable-lora``: adapter names are unknown models."""
+        self.kv_transfer = kv_transfer
+        """None without ``--kv-transfer-config``: ``kv_transfer_params`` are ignored, as vLLM ignores them."""
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth_middleware, self._hang_middleware, self._error_middleware])
@@ -94,6 +99,8 @@ class WorkerApi:
         if self.adapters is not None and self.config.runtime_lora_updating:
             app.router.add_post("/v1/load_lora_adapter", self.load_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_adapter)
+        if self.kv_transfer is not None:
+            self.kv_transfer.add_routes(app)
         if self.config.enable_fault_api:
             app.router.add_get("/sim/faults", self.get_faults)
             app.router.add_post("/sim/faults", self.set_faults)
@@ -179,7 +186,9 @@ class WorkerApi:
     async def _generate(self, request: web.Request,
                         parse: Callable[[object], GenerationRequest]) -> web.StreamResponse:
         self._require_serving()
-        generation = parse(await _read_json(request))
+        body = await _read_json(request)
+        generation = parse(body)
+        transfer = self._transfer_step(body)
         served = self.config.model_name
         adapter: str | None = None
         if generation.model is not None and generation.model != served:
@@ -195,19 +204,25 @@ class WorkerApi:
         if faults.added_latency_s:
             await asyncio.sleep(faults.added_latency_s)
         request_id = protocol.new_request_id(generation.kind)
+        remote_tokens = 0
+        if isinstance(transfer, RemotePrefill) and self.kv_transfer is not None:
+            read = await self.kv_transfer.read(transfer)
+            remote_tokens = min(read.tokens, plan.prompt_tokens - 1)  # the last prompt token is run here
         hashes = (tokens.block_hashes(generation.prompt_tokens, self.config.block_size)
                   if self.config.enable_prefix_caching else ())
         stream = self.driver.submit(EngineRequest(
             request_id=request_id, prompt_tokens=plan.prompt_tokens, output_target=plan.output_target,
             finish_reason_at_target=plan.finish_reason, prompt_block_hashes=hashes,
             prompt_token_ids=tuple(tokens.token_ids(generation.prompt_tokens)) if hashes else (),
+            remote_computed_tokens=remote_tokens,
         ))
         if adapter is not None and self.adapters is not None:
             self.adapters.begin(request_id, adapter)
         try:
             if generation.stream:
                 return await self._stream(request, generation, plan, request_id, stream, served)
-            return await self._respond_when_done(generation, plan, request_id, stream, served)
+            return await self._respond_when_done(generation, plan, request_id, stream, served,
+                                                 produce=isinstance(transfer, RemoteDecodeAsk))
         finally:
             self.driver.abort(request_id)  # no-op once finished; frees KV if the client went away
             if adapter is not None and self.adapters is not None:
@@ -218,8 +233,23 @@ class WorkerApi:
         if self.adapters is not None and (stream.tokens or stream.finished is not None):
             self.adapters.started(request_id)
 
+    def _transfer_step(self, body: object) -> RemoteDecodeAsk | RemotePrefill | None:
+        """Which step of the KV-transfer protocol a request is, for this worker's ``kv_role``."""
+        if self.kv_transfer is None:
+            return None
+        try:
+            step = read_params(body)
+        except TransferParamsError as error:
+            raise ApiError(400, str(error), PARAMS_FIELD) from error
+        role = self.kv_transfer.config
+        if isinstance(step, RemoteDecodeAsk):
+            return step if role.produces else None
+        if isinstance(step, RemotePrefill):
+            return step if role.consumes else None
+        return None
+
     async def _respond_when_done(self, generation: GenerationRequest, plan: GenerationPlan, request_id: str,
-                                 stream: TokenStream, model: str) -> web.Response:
+                                 stream: TokenStream, model: str, produce: bool = False) -> web.Response:
         while stream.finished is None:
             await stream.wait_change()
             self._note_progress(request_id, stream)
@@ -227,10 +257,13 @@ class WorkerApi:
         if finished.reason == "error":
             raise ApiError(500, "the engine failed while serving this request")
         text = protocol.generated_text(plan.text_seed, 0, finished.output_tokens)
-        return _json(protocol.full_response(
+        answer = protocol.full_response(
             generation.kind, request_id, model, int(time.time()), text, finished.reason,
             plan.prompt_tokens, finished.output_tokens,
-        ))
+        )
+        if produce and self.kv_transfer is not None:
+            answer[PARAMS_FIELD] = self.kv_transfer.produced(request_id, plan.prompt_tokens)
+        return _json(answer)
 
     async def _stream(self, request: web.Request, generation: GenerationRequest, plan: GenerationPlan,
                       request_id: str, stream: TokenStream, model: str) -> web.StreamResponse:

@@ -17,12 +17,16 @@ from typing import Any
 import zmq.asyncio
 from aiohttp import web
 
+from poolgate.kernel.config import TlsServerFiles
+from poolgate.kernel.tls import ServerTls
 from simworker import tokens
 from simworker.driver import EngineDriver
 from simworker.engine import Engine, EngineConfig
 from simworker.faults import FaultSettings
 from simworker.kv_events import KVEventRecorder
 from simworker.kv_publisher import KVEventsConfig, ZmqKVEventPublisher
+from simworker.kv_transfer import KVTransferConfig
+from simworker.kv_transfer_http import KVTransferAgent
 from simworker.lora import AdapterTable
 from simworker.metrics import WorkerMetrics
 from simworker.model_endpoints import install as install_model_endpoints
@@ -35,6 +39,8 @@ log = logging.getLogger(__name__)
 CRASH_LINGER_S = 1.0
 SHUTDOWN_TIMEOUT_S = 0.5
 LEAK_INTERVAL_S = 0.25
+TLS_RELOAD_S = 5.0
+"""How often an HTTPS worker looks at its certificate files (a rotated one is served from then on)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,12 @@ class WorkerSpec:
     step_jitter: float = STEP_JITTER
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     """vLLM's ``--kv-events-config``; publishes nothing by default, as vLLM."""
+    kv_transfer: KVTransferConfig | None = None
+    """vLLM's ``--kv-transfer-config``: a prefill (``kv_producer``) or decode (``kv_consumer``) worker of a
+    disaggregated pair, or both (``kv_both``); None = neither."""
+    tls: TlsServerFiles | None = None
+    """Serve HTTPS from these files (vLLM's ``--ssl-certfile``, ``--ssl-keyfile``, ``--ssl-ca-certs`` with
+    client certificates required), re-read when they change."""
     startup_delay_s: float = 0.0
     """Model load: the port opens only this long after start (vLLM listens once its engine is built), so
     ``/health`` refuses connections and the controller registers the worker only after it."""
@@ -106,6 +118,7 @@ class SimWorker:
         self._inference_requests = 0
         self._started_at = 0.0
         self._driver: EngineDriver | None = None
+        self._transfer: KVTransferAgent | None = None
 
     @property
     def health(self) -> Health:
@@ -114,6 +127,10 @@ class SimWorker:
         if asyncio.get_running_loop().time() - self._started_at < self._faults.slow_start_s:
             return "starting"
         return "ready"
+
+    def kv_transfer_held(self) -> int:
+        """Prefills whose KV this (producer) worker still holds for a decode worker."""
+        return self._transfer.blocks.held if self._transfer is not None else 0
 
     @property
     def faults(self) -> FaultSettings:
@@ -160,12 +177,19 @@ class SimWorker:
             api_key=spec.api_key,
         )
         adapters = AdapterTable(spec.max_loras, metrics.registry) if spec.enable_lora else None
-        api = WorkerApi(serving, driver, metrics, self, random.Random(spec.random_seed + 1), adapters)
+        transfer = None
+        if spec.kv_transfer is not None:
+            transfer = KVTransferAgent(spec.kv_transfer, spec.kv_transfer.engine_id or spec.worker_id, spec.host,
+                                       spec.port, config.block_size, spec.model.kv_bytes_per_token,
+                                       spec.time_scale, driver.model_now)
+        self._transfer = transfer
+        api = WorkerApi(serving, driver, metrics, self, random.Random(spec.random_seed + 1), adapters, transfer)
         app = api.build_app()
         install_model_endpoints(app, api, spec.tasks)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
+        tls = ServerTls(spec.tls, "simworker --ssl-certfile/--ssl-keyfile") if spec.tls is not None else None
         try:
             if spec.startup_delay_s:
                 log.info("worker %s loading its model for %.1f s", spec.worker_id, spec.startup_delay_s)
@@ -173,7 +197,8 @@ class SimWorker:
                     await asyncio.wait_for(stop.wait(), spec.startup_delay_s)
                 if stop.is_set():
                     return
-            await web.TCPSite(runner, spec.host, spec.port, reuse_address=True).start()
+            await web.TCPSite(runner, spec.host, spec.port, reuse_address=True,
+                              ssl_context=tls.context if tls is not None else None).start()
             self.listening.set()
             log.info("worker %s (%s, %d KV blocks) listening on %s:%d", spec.worker_id, spec.preset.name,
                      config.num_gpu_blocks, spec.host, spec.port)
@@ -182,6 +207,8 @@ class SimWorker:
                               tasks.create_task(self._crash_timer())]
                 if publisher is not None:
                     background.append(tasks.create_task(publisher.serve_replays()))
+                if tls is not None:
+                    background.append(tasks.create_task(tls.watch(TLS_RELOAD_S)))
                 await _first_of(stop.wait(), self.crashed.wait())
                 if self.crashed.is_set() and not stop.is_set():
                     await _first_of(asyncio.sleep(CRASH_LINGER_S), stop.wait())
@@ -191,6 +218,8 @@ class SimWorker:
         finally:
             if publisher is not None:
                 publisher.close()
+            if transfer is not None:
+                await transfer.close()
             await runner.cleanup()
 
     async def _leak_loop(self, driver: EngineDriver) -> None:

@@ -6,7 +6,8 @@ pools whose endpoints changed (``endpoint_key``) are built again, and a stream s
 load assignments whose version differs from the one it sent (an EDS answer need not repeat the others; a
 CDS answer always holds every cluster). ``update_off_loop`` does the build in a worker thread, so a large
 rebuild does not stall the registry API on the same event loop. Envoy keeps its last resources while the
-controller is away, so this server is never in a request's path.
+controller is away, so this server is never in a request's path. It answers nothing before its first
+``update`` (the caller's first full read of the fleet): a stream opened earlier waits for it.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from controller.xds.build import (
     usable_workers,
 )
 from controller.xds.cache import Snapshot, SnapshotCache
-from poolgate.kernel.config import PoolSpec
+from poolgate.kernel.config import PoolSpec, TlsClientFiles, TlsServerFiles
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +206,7 @@ class StreamStatus:
 class XdsServer:
     """ADS for the pools of one config. ``update`` may be called as often as the fleet changes."""
 
-    def __init__(self, pools: tuple[PoolSpec, ...]) -> None:
+    def __init__(self, pools: tuple[PoolSpec, ...], worker_tls: TlsClientFiles | None = None) -> None:
         self._pools = tuple(pools)
         self._cache = SnapshotCache()
         self._streams: dict[AdsStream, asyncio.Queue[_Event]] = {}
@@ -213,12 +215,14 @@ class XdsServer:
         """Per pool, what Envoy saw of its workers at the last build."""
         self.pools_built = 0
         """Pool load assignments built so far (a one-worker change builds one)."""
-        self._clusters = Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools))
+        self._clusters = Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools, worker_tls))
         """The pools' clusters: fixed by the config, built once (re-offered by each update)."""
-        self.update(())  # clusters with no endpoints yet, so a connecting Envoy is never left waiting
+        # Nothing is cached, so nothing is served, before the first ``update``: a controller binds its port
+        # before it has read the fleet, and an Envoy that reconnects meanwhile kept its endpoints. An empty
+        # first snapshot would make it drop them all until the read came; unanswered, it keeps them.
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Bind and serve; returns the bound port (useful with port 0)."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, tls: TlsServerFiles | None = None) -> int:
+        """Bind and serve (over TLS from ``tls``'s files, rotating, when given); returns the bound port."""
         server = grpc.aio.server(options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -226,16 +230,17 @@ class XdsServer:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
             _AdsServicer(self._cache, self._streams), server
         )
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = bind_grpc(server, f"{host}:{port}", tls, "tls.xds")
         if bound == 0:
             raise OSError(f"xds: cannot bind {host}:{port}")
         await server.start()
         self._server = server
-        log.info("xds: serving ADS on %s:%d", host, bound)
+        log.info("xds: serving ADS on %s:%d%s", host, bound, " (TLS)" if tls is not None else "")
         return bound
 
     def update(self, workers: Sequence[WorkerRecord]) -> str:
         """Rebuild the pools whose endpoints changed, cache them, push changes; returns the snapshot version.
+        ``workers`` is the whole fleet as read (the first call opens the service to every waiting stream).
 
         Call it from the event loop the server runs on (it wakes streams without awaiting).
         """

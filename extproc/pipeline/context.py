@@ -54,6 +54,8 @@ class Placement:
     decision: Decision
     reservation: Reservation
     """KV and prefill this request reserves on its worker until its stream ends (its in-flight count too)."""
+    prefill: Reservation | None = None
+    """A split request's reservation (and in-flight count) on its prefill worker; None when not split."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from extproc.disagg import PairDecision
 from extproc.endpoints import path_fate
 from extproc.errors import cold_start_timeout, internal_error, invalid_request, no_capacity, unknown_path
 from extproc.metrics import Metrics
@@ -287,9 +288,9 @@ class Director:
         request, arrival = context.request, context.arrival
         assert request is not None and arrival is not None
         outcome = self.place.pick(request, arrival.subset)
-        if isinstance(outcome, Decision):
+        if isinstance(outcome, Decision | PairDecision):
             queued = context.queued
-            if queued is not None and queued.cold_start and not settled(
+            if queued is not None and queued.cold_start and isinstance(outcome, Decision) and not settled(
                     self.place.snapshot.by_id.get(outcome.worker_id), self._clock()):
                 return None  # Envoy may not have the new endpoint yet; the hold's poll tries again soon
             since = held_since if held_since is not None else queued.entry.enqueued_at if queued else None
@@ -307,16 +308,16 @@ class Director:
             return self.refuse(context, Refused(no_capacity(request.model, waited, outcome.retry_after_s)))
         return self.refuse(context, outcome)
 
-    def _commit(self, context: RequestContext, decision: Decision, held_since: float | None) -> Placed:
+    def _commit(self, context: RequestContext, decision: Decision | PairDecision, held_since: float | None) -> Placed:
         resolved, tenant = context.resolved, context.tenant
         assert resolved is not None
         request = resolved.request
-        context.placement = self.place.commit(request, decision)
+        placement = context.placement = self.place.commit(request, decision)
         self._metrics.requests.labels("routed").inc()
         context.response.placed(request)
         named = tenant if self.identify.names_tenants else None
-        log.debug("routed to %s (%s)", decision.worker_id, decision.endpoint)
+        log.debug("routed to %s (%s)", placement.decision.worker_id, placement.decision.endpoint)
         headers = self.place.headers(decision, request, named)
         if held_since is not None:
             headers += ((QUEUE_WAIT_HEADER, str(round((self._timer() - held_since) * 1000))),)
-        return Placed(decision, request.facts.client_routing_headers, headers, resolved.body)
+        return Placed(placement.decision, request.facts.client_routing_headers, headers, resolved.body)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from extproc.affinity import AffinityMap
+from extproc.disagg import DisaggPlan, PairDecision, pick_pair
 from extproc.endpoint_picker import within
 from extproc.errors import no_worker
 from extproc.inflight import InflightTracker
@@ -20,7 +21,7 @@ from extproc.kvcache.lookup import CacheLookup
 from extproc.metrics import Metrics
 from extproc.pipeline.context import Placement
 from extproc.pipeline.outcomes import Refused
-from extproc.reservations import ReservationBook
+from extproc.reservations import Reservation, ReservationBook
 from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, Scheduler
 from extproc.snapshot import FleetSnapshot
 from extproc.tenancy import Tenant
@@ -39,7 +40,8 @@ class SnapshotSource(Protocol):
 class Place:
     def __init__(self, scheduler: Scheduler, fleet: SnapshotSource, inflight: InflightTracker, metrics: Metrics,
                  settings: SchedulingSettings, clock: Callable[[], float] = time.time,
-                 timer: Callable[[], float] = time.perf_counter, prefix_cache: CacheLookup | None = None) -> None:
+                 timer: Callable[[], float] = time.perf_counter, prefix_cache: CacheLookup | None = None,
+                 disagg: DisaggPlan | None = None) -> None:
         self.scheduler = scheduler
         self.fleet = fleet
         self.inflight = inflight
@@ -53,6 +55,8 @@ class Place:
         self._settled_for: FleetSnapshot | None = None
         self.prefix_cache = prefix_cache
         """The workers' KV events, where they publish them (None: no cache lookups at all)."""
+        self.disagg = disagg
+        """Models whose long prompts are split over a prefill and a decode worker (None: no model)."""
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -76,7 +80,8 @@ class Place:
         """The request with its prompt's block keys (tokenised off the loop when long)."""
         return request if self.prefix_cache is None else await self.prefix_cache.prepare(request, body)
 
-    def pick(self, request: PickRequest, subset: frozenset[str] | None) -> Decision | NoCapacity | Refused:
+    def pick(self, request: PickRequest, subset: frozenset[str] | None) -> (
+            Decision | PairDecision | NoCapacity | Refused):
         """The scheduler's answer, among the gateway's ``subset`` of endpoints when it sent one."""
         started = self._timer()
         context = self.context()
@@ -85,9 +90,10 @@ class Place:
             context = replace(context, snapshot=within(fleet, subset))
             if not context.snapshot.workers_for(request.model) and request.model in fleet.models:
                 return Refused(no_worker(request.model))  # the gateway left no endpoint
-        outcome = self.scheduler.pick(request, context)
+        outcome = (self.scheduler.pick(request, context) if self.disagg is None
+                   else pick_pair(self.scheduler, request, context, self.disagg))
         self._metrics.pick_seconds.observe(self._timer() - started)
-        if isinstance(outcome, Decision | NoCapacity):
+        if isinstance(outcome, Decision | PairDecision | NoCapacity):
             return outcome
         if outcome.code != "model_not_found":  # a client's unknown model names must not become label values
             self._metrics.pick_refusals.labels(request.model, outcome.code or outcome.type).inc()
@@ -96,22 +102,38 @@ class Place:
     def count_no_capacity(self, request: PickRequest, outcome: NoCapacity) -> None:
         self._metrics.pick_refusals.labels(request.model, outcome.reason).inc()
 
-    def commit(self, request: PickRequest, decision: Decision) -> Placement:
+    def commit(self, request: PickRequest, decision: Decision | PairDecision) -> Placement:
+        """Count and reserve on the worker (on both of a pair: the prompt on the prefill worker, the prompt's
+        KV and the output on the decode worker, which holds the KV after the transfer)."""
+        prefill: Reservation | None = None
+        if isinstance(decision, PairDecision):
+            self._acquire(request, decision.prefill, prefill_only=True)
+            prefill = self.reservations.reserve(decision.prefill.worker_id, request.prompt_tokens, 1, self._clock())
+            decision = decision.routed
         worker_id = decision.worker_id
-        self.inflight.acquire(worker_id)
+        self._acquire(request, decision, prefill_only=False)
         reservation = self.reservations.reserve(worker_id, request.prompt_tokens, request.output_tokens,
                                                 self._clock())
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
+        return Placement(decision, reservation, prefill)
+
+    def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> None:
+        worker_id = decision.worker_id
+        self.inflight.acquire(worker_id)
         worker = self.fleet.snapshot.by_id.get(worker_id)
         if self.prefix_cache is not None and worker is not None:
             self.prefix_cache.placed(worker, request)
         self._metrics.picks.labels(decision.pool, worker_id).inc()
-        return Placement(decision, reservation)
 
-    def headers(self, decision: Decision, request: PickRequest, tenant: Tenant | None) -> tuple[tuple[str, str], ...]:
-        """Upstream headers of a placed request: the debug header when on, the tenant when one is named."""
+    def headers(self, decision: Decision | PairDecision, request: PickRequest,
+                tenant: Tenant | None) -> tuple[tuple[str, str], ...]:
+        """Upstream headers of a placed request: the debug header when on, the tenant when one is named, the
+        pair of a split request (for the sidecar)."""
         extra: list[tuple[str, str]] = []
+        if isinstance(decision, PairDecision):
+            extra.extend(decision.headers())
+            decision = decision.routed
         if self._debug_header:
             extra.append((DECISION_HEADER, describe(decision, request)))
         if tenant is not None:
@@ -121,6 +143,9 @@ class Place:
     def release(self, placement: Placement) -> None:
         self.inflight.release(placement.decision.worker_id)
         self.reservations.release(placement.reservation)
+        if placement.prefill is not None:
+            self.inflight.release(placement.prefill.worker_id)
+            self.reservations.release(placement.prefill)
 
 
 def describe(decision: Decision, request: PickRequest) -> str:

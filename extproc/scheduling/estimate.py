@@ -24,6 +24,7 @@ feed back into the estimate, so there is no per-pool history.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Protocol
@@ -119,8 +120,10 @@ def prefix_keys(facts: RequestFacts, chunk_chars: int, max_chunks: int) -> tuple
     """Chained hashes of the prompt's leading whole chunks, longest prefix first, after the session key.
 
     Equal keys mean equal leading text (up to hash collisions, which only cost a cache miss), so a request
-    sharing a long prefix with an earlier one can follow it to the worker that has those KV blocks. Python's
-    ``hash`` is salted per process; the map is process-local, so that is fine.
+    sharing a long prefix with an earlier one can follow it to the worker that has those KV blocks. The hash
+    is CRC-32 continued chunk by chunk from the model's (the key of k chunks is the CRC of the model name and
+    those k·chunk characters): the same in every extproc process, which share the map (Python's ``hash`` is
+    salted per process).
     """
     keys: list[Hashable] = []
     if facts.session_id:
@@ -129,10 +132,10 @@ def prefix_keys(facts: RequestFacts, chunk_chars: int, max_chunks: int) -> tuple
     chunks = min(len(text) // chunk_chars, max_chunks)
     if chunks:
         chained: list[Hashable] = []
-        running = hash(facts.model)
+        running = zlib.crc32(facts.model.encode())
         for index in range(chunks):
             start = index * chunk_chars
-            running = hash((running, text[start:start + chunk_chars]))
+            running = zlib.crc32(text[start:start + chunk_chars].encode("utf-8", "surrogatepass"), running)
             chained.append(running)
         chained.reverse()
         keys.extend(chained)

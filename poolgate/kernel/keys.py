@@ -1,6 +1,11 @@
 """Every Redis key name poolgate uses, under one prefix; nothing else spells a key.
 
-Fleet keys (every one single-key or within one hash slot, so Redis Cluster works):
+Fleet keys all begin with the prefix in braces, ``{poolgate}:…`` (the braces are literal: they are the
+fleet's Redis Cluster hash tag). Cluster hashes only the tag, so every fleet key lies in one slot on one
+master, and the fleet's scripts and pipelines, which touch many of them at once, run there in one step;
+a single server or Sentinel's master ignores the braces. The fleet is written per worker and heartbeat,
+never per request, so one slot carries it; the per-request quota keys spread over the cluster, one slot
+per tenant. Fleet keys (``{prefix}`` below is that braced tag):
 
 - ``{prefix}:worker:{id}``  hash: one ``WorkerRecord`` (identity and live facts). It expires when heartbeats
   stop.
@@ -23,8 +28,13 @@ Fleet keys (every one single-key or within one hash slot, so Redis Cluster works
   count fades); the autoscaler reads the sum as queue pressure.
 - ``{prefix}:leader``       the controller leader lease (holder id, ``SET NX PX``).
 - ``{prefix}:controller``   the leader controller's API base URL, for operator commands.
+- ``{prefix}:drains``       hash: worker id → how its drain ends (``stop`` or ``restart``) and when it began
+  (epoch seconds), written by the leader when a drain starts and removed when it ends, so a controller
+  that takes the lease over finishes the drains the old leader left.
 
-Tenant quota keys (``RedisKeys.quota``) are described where they are used, in ``extproc.quota``.
+The peer exchange's keys (``RedisKeys.peers``) are fleet keys too (``extproc.peers``). Tenant quota keys
+(``RedisKeys.quota``: ``prefix:quota:{tenant:NAME}:…``, no braces on the prefix) are described where they
+are used, in ``extproc.quota``.
 """
 
 from __future__ import annotations
@@ -57,38 +67,50 @@ class QuotaKeys:
         return f"{self.tenant(name)}:tpm:{minute}"
 
 
+def fleet_tag(prefix: str) -> str:
+    """The fleet keys' common beginning: the prefix as one Redis Cluster hash tag."""
+    return f"{{{prefix}}}"
+
+
 class PeerKeys:
-    """What extproc replicas tell each other (``extproc/peers.py``): who is alive, and each one's reservations."""
+    """What extproc replicas tell each other (``extproc/peers.py``): who is alive, each one's reservations, and
+    their affinity records (a stream). In the fleet's slot: the watcher writes them in the same pipeline as the
+    in-flight counts."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.replicas = f"{prefix}:extproc:replicas"
+        self.replicas = f"{fleet_tag(prefix)}:extproc:replicas"
+        self.affinity = f"{fleet_tag(prefix)}:extproc:affinity"
 
     def reserved(self, worker_id: str) -> str:
-        return f"{self.prefix}:reserved:{worker_id}"
+        return f"{fleet_tag(self.prefix)}:reserved:{worker_id}"
 
 
 class RedisKeys:
-    """Key names under one prefix: the fleet's here, the tenants' quotas in ``quota``."""
+    """Key names under one prefix: the fleet's here (all beginning with ``fleet``, the hash tag the store's
+    scripts build their key names from), the peers' in ``peers``, the tenants' quotas in ``quota``."""
 
     def __init__(self, prefix: str = "poolgate") -> None:
         self.prefix = prefix
-        self.workers = f"{prefix}:workers"
-        self.events = f"{prefix}:events"
-        self.leader = f"{prefix}:leader"
-        self.controller = f"{prefix}:controller"
-        self.fleet_version = f"{prefix}:fleet:version"
-        self.fleet_epoch = f"{prefix}:fleet:epoch"
+        self.fleet = fleet = fleet_tag(prefix)
+        self.workers = f"{fleet}:workers"
+        self.events = f"{fleet}:events"
+        self.leader = f"{fleet}:leader"
+        self.controller = f"{fleet}:controller"
+        self.drains = f"{fleet}:drains"
+        self.fleet_version = f"{fleet}:fleet:version"
+        self.fleet_epoch = f"{fleet}:fleet:epoch"
+        self.peers = PeerKeys(prefix)
         self.quota = QuotaKeys(prefix)
 
     def worker(self, worker_id: str) -> str:
-        return f"{self.prefix}:worker:{worker_id}"
+        return f"{self.fleet}:worker:{worker_id}"
 
     def inflight(self, worker_id: str) -> str:
-        return f"{self.prefix}:inflight:{worker_id}"
+        return f"{self.fleet}:inflight:{worker_id}"
 
     def passive(self, worker_id: str) -> str:
-        return f"{self.prefix}:passive:{worker_id}"
+        return f"{self.fleet}:passive:{worker_id}"
 
     def queued(self, pool: str) -> str:
-        return f"{self.prefix}:queued:{pool}"
+        return f"{self.fleet}:queued:{pool}"

@@ -12,12 +12,13 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from poolgate.kernel.fleet import WorkerRecord
 
-REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError)
-"""What a Redis call raises when Redis is away or slow (``TimeoutError`` is an ``OSError``)."""
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+"""What a Redis call raises when Redis is away or slow (``TimeoutError`` is an ``OSError``; a Cluster client
+that reaches no node raises ``RedisClusterException``)."""
 
 
 class OutageLog:

@@ -20,29 +20,34 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any, TypeAlias
+from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from poolgate.kernel import store_scripts
 from poolgate.kernel.fleet import WorkerRecord, WorkerState, encode_fields
 from poolgate.kernel.keys import RedisKeys
 from poolgate.kernel.outage import REDIS_ERRORS
-
-RedisLike: TypeAlias = Redis
-"""The async client every poolgate process uses (works with redis://, rediss://, unix:// URLs)."""
+from poolgate.kernel.redis_client import RedisLike, open_client
 
 POOL_CONNECTIONS = 256
-"""Redis connections one process opens at most; a caller past them waits for one (``POOL_WAIT_S``)."""
+"""Redis connections one process opens at most (per node on Cluster); a caller past them waits for one
+(``POOL_WAIT_S``)."""
 POOL_WAIT_S = 10.0
 """How long a caller waits for a free connection before the call fails (as an outage does)."""
 
 
-def connect(url: str, max_connections: int = POOL_CONNECTIONS, wait_s: float = POOL_WAIT_S) -> RedisLike:
-    """A client over a blocking pool: a burst of callers (192 registrations at once) queues for the pool's
-    connections instead of failing at once with "too many connections"."""
-    return Redis.from_pool(BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s))
+def connect(url: str, max_connections: int | None = POOL_CONNECTIONS, wait_s: float = POOL_WAIT_S, *,
+            socket_timeout: float | None = None, socket_connect_timeout: float | None = None,
+            retries: int | None = None) -> RedisLike:
+    """The client every poolgate process opens, for any URL form ``poolgate.kernel.redis_client`` accepts
+    (one server, Sentinel, Cluster). A burst of callers (192 registrations at once) queues for the pool's
+    connections instead of failing at once with "too many connections"; ``max_connections=None`` opens as
+    many as callers need (extproc, short-lived commands)."""
+    return open_client(url, max_connections=max_connections, wait_s=wait_s, socket_timeout=socket_timeout,
+                       socket_connect_timeout=socket_connect_timeout, retries=retries)
 
 
 PASSIVE_TTL_S = 60.0
@@ -112,10 +117,16 @@ class ChangeFeed:
     """The fleet's change notifications, subscribed while the ``async with`` block runs."""
 
     def __init__(self, redis: RedisLike, channel: str) -> None:
+        self._redis = redis
         self._channel = channel
         self._pubsub: PubSub = redis.pubsub(ignore_subscribe_messages=True)
 
     async def __aenter__(self) -> ChangeFeed:
+        if isinstance(self._redis, RedisCluster):
+            # The subscription goes to the node the client maps the channel's slot to, without asking the
+            # cluster: a keyed command first loads the map, and after a failover renews it (a dead master
+            # fails the command and the client re-reads the topology), so the feed follows the new master.
+            await self._redis.exists(self._channel)
         await self._pubsub.subscribe(self._channel)
         return self
 
@@ -141,6 +152,9 @@ class FleetStore:
     def __init__(self, redis: RedisLike, prefix: str = "poolgate") -> None:
         self._redis = redis
         self.keys = RedisKeys(prefix)
+        self._route = [self.keys.fleet_version]
+        """The one key each fleet script names: Cluster sends the script to the master of the fleet's slot
+        (the script builds its other key names from the tag, all in that slot)."""
         self._register = redis.register_script(store_scripts.REGISTER)
         self._write_facts = redis.register_script(store_scripts.WRITE_FACTS)
         self._deregister = redis.register_script(store_scripts.DEREGISTER)
@@ -157,14 +171,14 @@ class FleetStore:
         ``updated_at`` is stamped now, so a record built earlier (and re-sent after an expiry) is not stale."""
         now = time.time()
         record = replace(record, updated_at=now, registered_at=record.registered_at or now)
-        await self._register(client=self._redis, args=[self.keys.prefix, record.id, _ttl_ms(ttl_s),
+        await self._register(client=self._redis, keys=self._route, args=[self.keys.fleet, record.id, _ttl_ms(ttl_s),
                                    *(p for pair in record.to_redis().items() for p in pair)])
 
     async def heartbeat(self, worker_id: str, ttl_s: float, announce: bool = False, **facts: Any) -> bool:
         """Refresh a worker's TTL and the given facts in one round trip; False means it is not registered
         (expired): register again. A changed ``state`` is announced; other facts only with ``announce``."""
         facts.setdefault("updated_at", time.time())
-        return bool(await self._write_facts(client=self._redis,
+        return bool(await self._write_facts(client=self._redis, keys=self._route,
                                              args=self._facts_args(worker_id, _ttl_ms(ttl_s), announce, facts)))
 
     async def heartbeat_many(self, beats: Mapping[str, Mapping[str, Any]], ttl_s: float) -> list[str]:
@@ -172,19 +186,20 @@ class FleetStore:
         if not beats:
             return []
         now = time.time()
-        pipe = self._redis.pipeline(transaction=False)
-        for worker_id, facts in beats.items():
-            await self._write_facts(args=self._facts_args(worker_id, _ttl_ms(ttl_s), False,
-                                                         {"updated_at": now, **facts}), client=pipe)
-        alive = await pipe.execute()
+
+        def queue(pipe: Any) -> None:
+            for worker_id, facts in beats.items():
+                self._queue_facts(pipe, self._facts_args(worker_id, _ttl_ms(ttl_s), False,
+                                                         {"updated_at": now, **facts}))
+        alive = await self._scripted_pipeline(queue)
         return [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
 
     def _facts_args(self, worker_id: str, ttl_ms: int, announce: bool | str, facts: Mapping[str, Any]) -> list[Any]:
         flag = announce if isinstance(announce, str) else int(announce)
-        return [self.keys.prefix, worker_id, ttl_ms, flag, *_pairs(facts)]
+        return [self.keys.fleet, worker_id, ttl_ms, flag, *_pairs(facts)]
 
     async def deregister(self, worker_id: str) -> None:
-        await self._deregister(client=self._redis, args=[self.keys.prefix, worker_id])
+        await self._deregister(client=self._redis, keys=self._route, args=[self.keys.fleet, worker_id])
 
     # Observed facts and states: the agent's and the health monitor's.
 
@@ -192,24 +207,43 @@ class FleetStore:
         """Write observed facts (the agent's) without touching the TTL: liveness stays the registrant's job,
         so a worker whose heartbeats stop still leaves even while its /metrics answers. False = not
         registered."""
-        return bool(await self._write_facts(client=self._redis, args=self._facts_args(worker_id, 0, announce, live)))
+        return bool(await self._write_facts(client=self._redis, keys=self._route,
+                                             args=self._facts_args(worker_id, 0, announce, live)))
 
     async def set_state(self, worker_id: str, state: WorkerState) -> bool:
         """Change a registered worker's state and announce it; False when it is not registered."""
         return await self.update_live(worker_id, announce=True, state=state.value)
 
     async def set_states(self, states: Mapping[str, WorkerState]) -> list[str]:
-        """Many state changes in one pipeline with one announcement (the health monitor's round); returns
+        """Many state changes in one pipeline, then one announcement (the health monitor's round); returns
         the ids written. Each change is logged, so readers take the whole batch in one read."""
         if not states:
             return []
-        pipe = self._redis.pipeline(transaction=False)
-        for worker_id, state in states.items():
-            await self._write_facts(args=self._facts_args(worker_id, 0, "q", {"state": state.value}),
-                                    client=pipe)
-        pipe.publish(self.keys.events, f"batch {len(states)}")
-        *written, _ = await pipe.execute()
+
+        def queue(pipe: Any) -> None:
+            for worker_id, state in states.items():
+                self._queue_facts(pipe, self._facts_args(worker_id, 0, "q", {"state": state.value}))
+        written = await self._scripted_pipeline(queue)
+        await self._redis.publish(self.keys.events, f"batch {len(states)}")  # a Cluster pipeline has no PUBLISH
         return [worker_id for worker_id, ok in zip(states, written, strict=True) if ok]
+
+    def _queue_facts(self, pipe: Any, args: list[Any]) -> None:
+        """``WRITE_FACTS`` by its digest on a pipeline (a Cluster pipeline has no ``evalsha`` method)."""
+        pipe.execute_command("EVALSHA", self._write_facts.sha, len(self._route), *self._route, *args)
+
+    async def _scripted_pipeline(self, queue: Callable[[Any], None]) -> list[Any]:
+        """Run the ``WRITE_FACTS`` calls ``queue`` puts on one pipeline. A server that does not know the
+        script (restarted, or a replica a failover promoted) answers NOSCRIPT: load it and send the
+        pipeline again (its writes bear repeating)."""
+        pipe = self._redis.pipeline(transaction=False)
+        queue(pipe)
+        try:
+            return list(await pipe.execute())
+        except NoScriptError:
+            await self._redis.script_load(store_scripts.WRITE_FACTS)
+        pipe = self._redis.pipeline(transaction=False)
+        queue(pipe)
+        return list(await pipe.execute())
 
     # Reads.
 
@@ -242,7 +276,7 @@ class FleetStore:
         """Ids changed since version ``since`` (expiring workers whose TTL ran out first); see ``ChangePoll``.
         More than ``limit`` changes in one log also means: read everything."""
         epoch, version, _, changed, changed_live = await self._poll(
-            client=self._redis, args=[self.keys.prefix, since, int(live), limit])
+            client=self._redis, keys=self._route, args=[self.keys.fleet, since, int(live), limit])
 
         def ids(values: list[bytes] | None) -> frozenset[str] | None:
             return None if values is None or len(values) >= limit else frozenset(_text(v) for v in values)
@@ -316,6 +350,22 @@ class FleetStore:
     async def release_lease(self, holder: str) -> None:
         """Give the lease up, if ``holder`` still has it."""
         await self._redis.eval(_RELEASE_LEASE, 1, self.keys.leader, holder)
+
+    # Drains in progress: the leader's, kept where its successor finds them.
+
+    async def record_drain(self, worker_id: str, end: str, started_at: float) -> None:
+        await self._redis.hset(self.keys.drains, worker_id, f"{end} {started_at!r}")
+
+    async def forget_drain(self, worker_id: str) -> None:
+        await self._redis.hdel(self.keys.drains, worker_id)
+
+    async def read_drains(self) -> dict[str, tuple[str, float]]:
+        """Worker id → (how the drain ends, epoch seconds it began), for every drain not finished."""
+        drains: dict[str, tuple[str, float]] = {}
+        for worker_id, value in (await self._redis.hgetall(self.keys.drains)).items():
+            end, _, started = _text(value).partition(" ")
+            drains[_text(worker_id)] = (end, float(started or 0.0))
+        return drains
 
     async def announce_controller(self, api_url: str) -> None:
         await self._redis.set(self.keys.controller, api_url)

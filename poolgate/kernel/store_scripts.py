@@ -7,8 +7,9 @@ identity and state (what Envoy's endpoints depend on), the ``live`` log the fact
 report (KV, queue): the xDS bridge follows the first only. The ``epoch`` (Redis's clock when the version
 was first written) tells a reader that Redis lost its data and it must read everything again.
 
-Key names are built from the prefix inside the scripts (``ARGV[1]``), as ``poolgate.kernel.keys`` spells
-them; on Redis Cluster the prefix must then be one hash tag (``{poolgate}``) so all fleet keys share a slot.
+Key names are built inside the scripts from the fleet tag (``ARGV[1]``, ``{poolgate}``), as
+``poolgate.kernel.keys`` spells them: all share that Cluster hash tag and so one slot. ``KEYS[1]`` is one
+key of that slot, which only routes the call to its master on Cluster.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ local v = bump(id, 'changed')
 redis.call('PUBLISH', P .. ':events', 'register ' .. id .. ' ' .. v)
 return v
 """
-"""ARGV: prefix, id, ttl ms, field/value pairs of the full record."""
+"""KEYS: one key of the fleet slot (routes the call on Cluster). ARGV: the fleet tag, id, ttl ms, field/value
+pairs of the full record."""
 
 WRITE_FACTS = _COMMON + """
 local id, ttl, announce, quiet = ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', ARGV[4] == 'q'
@@ -71,7 +73,7 @@ if live then
 end
 return 1
 """
-"""ARGV: prefix, id, ttl ms (0: leave the TTL alone), announce (1, 0, or q: publish nothing, the caller
+"""ARGV: fleet tag, id, ttl ms (0: leave the TTL alone), announce (1, 0, or q: publish nothing, the caller
 announces a batch), field/value pairs. Returns 0 when the
 worker is not registered, 2 when its state changed (announced), else 1. A state change is announced and
 goes to the ``changed`` log; other facts go to the ``live`` log, announced only when asked; a heartbeat
@@ -127,7 +129,7 @@ if with_live then
 end
 return {epoch, version, floor, changed, live}
 """
-"""ARGV: prefix, the reader's version, 1 to include the live log, the most ids to return per log.
+"""ARGV: fleet tag, the reader's version, 1 to include the live log, the most ids to return per log.
 
 First expires the workers whose TTL ran out (a key expiry publishes nothing, so the first reader to look
 writes the change for everyone), trims the logs to about twice the fleet (readers older than the trimmed

@@ -24,6 +24,7 @@ import pytest
 import redis
 import yaml
 
+from poolgate.kernel.keys import RedisKeys
 from poolgate.procs import free_port
 
 E2E_CONFIG: dict[str, Any] = {
@@ -71,7 +72,7 @@ class RunningStack:
     def record(self, worker_id: str) -> dict[str, str]:
         client = redis.Redis.from_url(self.redis_url)
         try:
-            raw = client.hgetall(f"{self.prefix}:worker:{worker_id}")
+            raw = client.hgetall(RedisKeys(self.prefix).worker(worker_id))
         finally:
             client.close()
         return {k.decode(): v.decode() for k, v in raw.items()}

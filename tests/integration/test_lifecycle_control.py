@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -10,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from controller.drain import Drainer
+from controller.drain import DrainEnd, Drainer
 from controller.health import ProbeResult, Remedy
 from controller.instances import InstanceController
 from controller.lease import LeaderLease
@@ -128,7 +129,7 @@ async def test_drain_waits_for_inflight_and_engine_queues(redis_client: aioredis
     async def stop() -> None:
         stopped.set()
 
-    assert await drainer.start("w1", stop)
+    assert await drainer.start("w1", DrainEnd.STOP, stop)
     assert await state(redis_client) is WorkerState.DRAINING
     await asyncio.sleep(0.3)
     assert not stopped.is_set()
@@ -138,7 +139,8 @@ async def test_drain_waits_for_inflight_and_engine_queues(redis_client: aioredis
     await redis_client.hset(KEYS.worker("w1"), mapping={"running": 0})
     reason = await asyncio.wait_for(drainer.wait("w1"), 2)
     assert stopped.is_set() and reason is not None and "nothing in flight" in reason
-    assert not await drainer.start("unknown", stop)
+    assert not await drainer.start("unknown", DrainEnd.STOP, stop)
+    assert await fleet(redis_client).read_drains() == {}
 
 
 class FakeBackend:
@@ -199,3 +201,27 @@ async def test_scale_and_drain_through_the_api(redis_client: aioredis.Redis, api
         assert backend.stopped[-1] == "w1"
         async with http.post(f"{base}/v1/workers/ghost/drain") as response:
             assert response.status == 404
+
+
+async def test_a_drain_the_leader_left_is_finished_by_its_successor(redis_client: aioredis.Redis) -> None:
+    """The leader begins a drain and dies before it ends; the controller that takes the lease over finishes
+    it (stops the worker once nothing is in flight), the grace period still counted from the first start."""
+    await register(redis_client)
+    await redis_client.set(KEYS.inflight("w1"), 1)
+    old_backend, new_backend = FakeBackend(), FakeBackend()  # one shared fleet (Kubernetes-like)
+    old_leader = InstanceController(fleet(redis_client), old_backend, Drainer(fleet(redis_client), CONFIG.drain))
+    assert await old_leader.drain("w1")
+    await asyncio.sleep(0.2)
+    await old_leader.drainer.close()  # killed mid-drain: its task is gone, the worker stays Draining
+    assert await state(redis_client) is WorkerState.DRAINING and old_backend.stopped == []
+    successor = InstanceController(fleet(redis_client), new_backend, Drainer(fleet(redis_client), CONFIG.drain))
+    assert await successor.resume_drains() == ["w1"]
+    assert await successor.resume_drains() == []  # already running: not twice
+    assert successor.drainer.history["w1"].started_at < time.monotonic() - 0.15
+    await asyncio.sleep(0.2)
+    assert new_backend.stopped == []  # still one in flight
+    await redis_client.set(KEYS.inflight("w1"), 0)
+    reason = await asyncio.wait_for(successor.drainer.wait("w1"), 5)
+    assert reason is not None and "nothing in flight" in reason
+    assert new_backend.stopped == ["w1"] and old_backend.stopped == []
+    assert await fleet(redis_client).read_drains() == {}

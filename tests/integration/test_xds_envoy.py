@@ -105,6 +105,7 @@ async def upstreams() -> AsyncIterator[dict[str, Upstream]]:
 @pytest.fixture()
 async def xds() -> AsyncIterator[tuple[XdsServer, int]]:
     server = XdsServer(CONFIG.pools)
+    server.update([])  # the fleet read: empty until a test adds workers
     port = await server.start("127.0.0.1", 0)
     yield server, port
     await server.stop(0.1)
@@ -299,6 +300,52 @@ async def test_nack_is_logged_and_serving_continues(xds, start_envoy, upstreams,
                 and await host_health(session, envoy, cluster_name("a")) == {w1.port: "HEALTHY"})
 
     await wait_for(recovered, PROPAGATION_S, "recovery after NACK")
+
+
+async def envoy_stat(session: aiohttp.ClientSession, envoy: Envoy, name: str) -> str:
+    async with session.get(f"{envoy.admin}/stats?filter=^{name}$") as response:
+        for line in (await response.text()).splitlines():
+            key, _, value = line.partition(": ")
+            if key == name:
+                return value
+    return ""
+
+
+async def test_a_restarted_server_sends_nothing_before_the_fleet_is_read(xds, start_envoy, upstreams,
+                                                                         session) -> None:
+    """A controller that restarts binds its xDS port before it has read the fleet from Redis. An Envoy that
+    reconnects in between must keep its endpoints: an empty first snapshot would drop them all (a
+    membership change and failed requests) until the first read came."""
+    server, port = xds
+    envoy = await start_envoy()
+    w1, w2 = upstreams["w1"], upstreams["w2"]
+    fleet = [w1.record("a"), w2.record("a")]
+    server.update(fleet)
+    expected = {w1.port: "HEALTHY", w2.port: "HEALTHY"}
+
+    async def both() -> bool:
+        return await host_health(session, envoy, cluster_name("a")) == expected
+
+    await wait_for(both, PROPAGATION_S, "pool-a endpoints")
+    changes_before = await envoy_stat(session, envoy, "cluster.pool-a.membership_change")
+    await server.stop(0)
+    restarted = XdsServer(CONFIG.pools)
+    await restarted.start("127.0.0.1", port)
+    try:
+        async def reconnected() -> bool:
+            return bool(restarted.streams()) and await envoy_stat(
+                session, envoy, "control_plane.connected_state") == "1"
+
+        await wait_for(reconnected, 30, "Envoy reconnected")
+        await asyncio.sleep(0.5)  # what the new server would send has arrived
+        assert await host_health(session, envoy, cluster_name("a")) == expected
+        restarted.update(fleet)  # the first fleet read: the very same resources
+        await asyncio.sleep(0.5)
+        assert await host_health(session, envoy, cluster_name("a")) == expected
+        assert await envoy_stat(session, envoy, "cluster.pool-a.membership_change") == changes_before
+        assert {(await post(session, envoy.url))[0] for _ in range(4)} == {200}
+    finally:
+        await restarted.stop(0)
 
 
 async def test_no_healthy_worker_is_json_503(xds, start_envoy, upstreams, session) -> None:

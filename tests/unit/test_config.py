@@ -39,6 +39,12 @@ def test_good_config_resolves_models_to_pools() -> None:
         ({"ports": {"envoy": 70000}}, "ports.envoy"),
         ({"controller": {"heartbeat_interval_s": 2, "heartbeat_ttl_s": 1}}, "at least twice"),
         ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
+        ({"tls": {"xds": {"cert_file": "s.pem", "key_file": "k.pem"}}}, "tls: envoy: xds or extproc serve TLS"),
+        ({"tls": {"extproc": {"cert_file": "s.pem", "key_file": "k.pem", "client_ca_file": "ca.pem"},
+                  "envoy": {"ca_file": "ca.pem"}}}, "tls.envoy needs cert_file and key_file"),
+        ({"tls": {"workers": {"ca_file": "ca.pem", "cert_file": "c.pem"}}}, "tls.workers: cert_file and key_file go"),
+        ({"tls": {"registry_api": {"cert_file": "", "key_file": "k.pem"}}}, "tls.registry_api.cert_file"),
+        ({"tls": {"reload_s": 0}}, "tls.reload_s"),
     ],
 )
 def test_bad_values_name_their_field(change: dict[str, object], expected: str) -> None:

@@ -1,7 +1,10 @@
 """Long prompts: affinity keys are built from the prompt's leading chunks only (no copy of a 1 MB prompt)
-and are the very keys of hashing the whole joined prompt."""
+and are the very keys of hashing the model name and the whole joined prompt's leading text at once (the same
+in every process)."""
 
 from __future__ import annotations
+
+import zlib
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,10 +15,10 @@ from extproc.scheduling.estimate import prefix_keys
 
 def keys_of_whole_prompt(facts: RequestFacts, chunk_chars: int, max_chunks: int) -> list[int]:
     text = "\x1f".join(facts.prompt_parts)
-    running, keys = hash(facts.model), []
+    keys = []
     for index in range(min(len(text) // chunk_chars, max_chunks)):
-        running = hash((running, text[index * chunk_chars:(index + 1) * chunk_chars]))
-        keys.append(running)
+        prefix = facts.model + text[:(index + 1) * chunk_chars]
+        keys.append(zlib.crc32(prefix.encode("utf-8", "surrogatepass")))
     return keys[::-1]
 
 

@@ -1,12 +1,16 @@
 """KV reservations shared between extproc replicas: the book's view with the others' share held back, and
-the exchange through a real Redis (what one replica publishes, another reads; a dead one's fades)."""
+the exchange through a real Redis (what one replica publishes, another reads; a dead one's fades), and the
+affinity records that make a session or prompt prefix follow one worker across replicas."""
 
 from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from extproc.affinity import AffinityMap
 from extproc.peers import PRESENCE_TTL_S, PeerExchange, PeerKeys
+from extproc.request import RequestFacts
 from extproc.reservations import ReservationBook
+from extproc.scheduling.estimate import prefix_keys
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec
 from poolgate.kernel.fleet import WorkerRecord
@@ -95,3 +99,44 @@ async def test_a_clean_stop_removes_the_replica_at_once(redis_client: aioredis.R
     await pipe.execute()
     assert await redis_client.hgetall(keys.replicas) == {}
     assert await redis_client.hgetall(keys.reserved("w")) == {}
+
+
+async def test_a_prefix_placed_through_one_replica_leads_the_other_to_the_same_worker(
+        redis_client: aioredis.Redis) -> None:
+    keys = PeerKeys("peers-affinity-test")
+    maps = {name: AffinityMap(max_entries=100) for name in ("a", "b")}
+    peers = {name: PeerExchange(keys, name, ReservationBook(settle_s=0.5), affinity=maps[name])
+             for name in ("a", "b")}
+
+    async def exchange(name: str) -> None:
+        pipe = redis_client.pipeline(transaction=False)
+        written = peers[name].queue_writes(pipe)
+        await pipe.execute()
+        if written is not None:
+            written()
+        pipe = redis_client.pipeline(transaction=False)
+        apply = peers[name].queue_reads(pipe, [])
+        apply(await pipe.execute())
+
+    facts = RequestFacts(path="/v1/chat/completions", method="POST", model="llama", session_id="s1",
+                         prompt_parts=("system prompt " * 40, "question"))
+    request_keys = prefix_keys(facts, 256, 4)
+    maps["a"].record(request_keys, "w1")
+    await exchange("a")
+    await exchange("b")
+    assert {k: maps["b"].entries.get(k) for k in request_keys} == dict.fromkeys(request_keys, "w1")
+    maps["b"].record(request_keys[:1], "w2")  # the session moved on b; a follows, b does not re-apply a's
+    await exchange("b")
+    await exchange("a")
+    await exchange("b")
+    assert maps["a"].entries[request_keys[0]] == "w2" and maps["b"].entries[request_keys[0]] == "w2"
+    assert maps["a"].entries[request_keys[1]] == "w1"
+
+
+def test_an_unchanged_affinity_key_is_not_published_again() -> None:
+    affinity = AffinityMap(max_entries=10)
+    affinity.record(["k1", "k2"], "w1")
+    assert affinity.take_unpublished() == [("k1", "w1"), ("k2", "w1")]
+    affinity.record(["k1", "k2"], "w1")
+    affinity.record(["k2"], "w2")
+    assert affinity.take_unpublished() == [("k2", "w2")]

@@ -148,3 +148,17 @@ def test_reconnect_gets_an_answer_even_with_the_current_version() -> None:
 def test_unserved_type_is_ignored() -> None:
     stream = AdsStream(make_cache())
     assert stream.on_request(request("type.googleapis.com/envoy.config.listener.v3.Listener")) == []
+
+
+def test_a_stream_opened_before_the_first_fleet_read_waits_for_it() -> None:
+    """A reconnecting Envoy asks for both types at once; before the cache holds the fleet it gets nothing
+    (it keeps its endpoints), and the first snapshot answers both requests with every resource."""
+    cache = SnapshotCache()
+    stream = AdsStream(cache)
+    assert stream.on_request(request(CLUSTER_TYPE_URL, version="old")) == []
+    assert stream.on_request(request(ENDPOINT_TYPE_URL, ("pool-chat", "pool-code"), version="old")) == []
+    filled = make_cache(W1, W2)
+    cache.set([s for s in (filled.get(CLUSTER_TYPE_URL), filled.get(ENDPOINT_TYPE_URL)) if s is not None])
+    cds, eds = stream.on_change([CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL])
+    assert names_of(cds) == ["pool-chat", "pool-code", "poolgate-fallback"]
+    assert names_of(eds) == ["pool-chat", "pool-code"]

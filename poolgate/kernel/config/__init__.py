@@ -10,9 +10,11 @@ the section it reads. Where each section is declared:
 - ``agent``: ``agent`` (scrape interval, GPU source: NVML, dcgm-exporter or Prometheus);
 - ``scheduling``: ``scheduling`` (task classes, scorer names, weights and bounds);
 - ``pools``: ``pools`` and ``workers``;
+- ``disaggregation``: ``disaggregation`` (prefill/decode split: threshold, sidecar);
 - ``lifecycle``: ``health``, ``drain``, ``placement``, ``autoscale``, ``kubernetes``;
 - ``tenancy``: ``tenancy`` and ``tenants``;
 - ``catalogue``: ``catalogue`` (models, versions, aliases, LoRA adapters);
+- ``transport``: ``tls`` (certificate files for the parts' TLS, mutual TLS);
 - ``base``: ``ConfigError`` and the frozen ``Section`` every section derives from.
 """
 
@@ -27,6 +29,7 @@ from poolgate.kernel.config.catalogue import (
     ModelVersion,
     ParameterValue,
 )
+from poolgate.kernel.config.disaggregation import DisaggregationSettings
 from poolgate.kernel.config.lifecycle import (
     MAX_COLD_START_WAIT_S,
     AutoscaleSettings,
@@ -38,7 +41,7 @@ from poolgate.kernel.config.lifecycle import (
     WorkerTemplate,
 )
 from poolgate.kernel.config.loader import Config, load_config, load_process_config, parse_config
-from poolgate.kernel.config.pools import PoolSpec, PoolTask, PoolTokenizer, WorkerSpec
+from poolgate.kernel.config.pools import PoolRole, PoolSpec, PoolTask, PoolTokenizer, WorkerSpec
 from poolgate.kernel.config.processes import (
     ControllerSettings,
     ExtprocSettings,
@@ -56,6 +59,7 @@ from poolgate.kernel.config.scheduling import (
     TaskClassRules,
 )
 from poolgate.kernel.config.tenancy import PRIORITY_CLASS_PATTERN, PriorityClass, TenancySettings, TenantSpec
+from poolgate.kernel.config.transport import TlsClientFiles, TlsServerFiles, TlsSettings
 
 __all__ = [
     "DEFAULT_WEIGHTS",
@@ -73,6 +77,7 @@ __all__ = [
     "ConfigError",
     "ControllerSettings",
     "DcgmExporterSettings",
+    "DisaggregationSettings",
     "DrainSettings",
     "ExtprocSettings",
     "HealthSettings",
@@ -82,6 +87,7 @@ __all__ = [
     "ObservabilitySettings",
     "ParameterValue",
     "PlacementSettings",
+    "PoolRole",
     "PoolScaling",
     "PoolSpec",
     "PoolTask", "PoolTokenizer",
@@ -94,6 +100,9 @@ __all__ = [
     "TaskClassRules",
     "TenancySettings",
     "TenantSpec",
+    "TlsClientFiles",
+    "TlsServerFiles",
+    "TlsSettings",
     "WorkerSpec",
     "WorkerTemplate",
     "load_config",

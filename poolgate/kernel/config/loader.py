@@ -6,11 +6,12 @@ import os
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from poolgate.kernel.config.agent import AgentSettings
 from poolgate.kernel.config.base import ConfigError, Section
 from poolgate.kernel.config.catalogue import CatalogueSettings
+from poolgate.kernel.config.disaggregation import DisaggregationSettings
 from poolgate.kernel.config.lifecycle import (
     AutoscaleSettings,
     DrainSettings,
@@ -27,11 +28,15 @@ from poolgate.kernel.config.processes import (
 )
 from poolgate.kernel.config.scheduling import SchedulingSettings
 from poolgate.kernel.config.tenancy import TenancySettings, TenantSpec
+from poolgate.kernel.config.transport import TlsSettings
+from poolgate.kernel.redis_client import parse_redis_url
 
 
 class Config(Section):
     redis_url: str | None = None
-    """Redis to use. When empty, ``poolgate up`` starts its own redis-server on a free port."""
+    """Redis to use: ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://host:port[,…]/service[/db]``
+    or ``redis+cluster://host:port[,…]``. When empty, ``poolgate up`` starts its own redis-server on a free
+    port."""
     key_prefix: str = Field("poolgate", pattern=r"^[A-Za-z0-9_.:-]+$")
     ports: Ports = Ports()
     extproc: ExtprocSettings = ExtprocSettings()
@@ -40,6 +45,7 @@ class Config(Section):
     agent: AgentSettings = AgentSettings()
     pools: tuple[PoolSpec, ...] = Field(min_length=1)
     workers: tuple[WorkerSpec, ...] = ()
+    disaggregation: DisaggregationSettings = DisaggregationSettings()
     health: HealthSettings = HealthSettings()
     drain: DrainSettings = DrainSettings()
     placement: PlacementSettings = PlacementSettings()
@@ -49,6 +55,7 @@ class Config(Section):
     tenants: tuple[TenantSpec, ...] = ()
     catalogue: CatalogueSettings = CatalogueSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
+    tls: TlsSettings = TlsSettings()
     worker_api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """Environment variable holding the API key the workers require (vLLM's ``--api-key``). Envoy adds it as
     ``Authorization: Bearer`` to every request it sends a worker (a client's own key never reaches one),
@@ -65,6 +72,13 @@ class Config(Section):
             raise ConfigError(f"worker_api_key_env: ${self.worker_api_key_env} is not set; export the workers' "
                               "API key in it, or remove the setting if workers need no key")
         return key
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_form(cls, url: str | None) -> str | None:
+        if url:
+            parse_redis_url(url)  # ValueError names what is wrong; the loader names the field
+        return url
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
@@ -103,6 +117,24 @@ class Config(Section):
                 raise ValueError(f"pools.{index}.task: {pool.task!r}, but pool {first[0]!r} serves {pool.model!r} "
                                  f"as {first[1]!r}; every pool of a model must give it the same task")
         return self
+
+    @model_validator(mode="after")
+    def _pool_roles(self) -> Config:
+        """A prefill pool hands its KV to a decode pool of the same model, and only generating models have KV."""
+        for index, pool in enumerate(self.pools):
+            if pool.role == "both":
+                continue
+            if pool.task != "generate":
+                raise ValueError(f"pools.{index}.role: {pool.role!r} needs task 'generate' (pool {pool.name!r} is "
+                                 f"{pool.task!r}); only generation has a prefill and a decode")
+            if pool.role == "prefill" and not any(p.model == pool.model and p.role != "prefill" for p in self.pools):
+                raise ValueError(f"pools.{index}.role: prefill pool {pool.name!r} has no decode pool; add a pool "
+                                 f"of model {pool.model!r} with role 'decode' (or 'both')")
+        return self
+
+    def disaggregated_models(self) -> frozenset[str]:
+        """Models with a prefill pool: their long prompts are split over two workers."""
+        return frozenset(p.model for p in self.pools if p.role == "prefill")
 
     @model_validator(mode="after")
     def _tenant_references(self) -> Config:
@@ -196,6 +228,10 @@ def load_process_config(path: str | Path, redis_url: str | None, process: str) -
     url = redis_url or config.redis_url
     if not url:
         raise ConfigError(f"{process} needs Redis: pass --redis-url or set redis_url in the configuration")
+    try:
+        parse_redis_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"{process}: --redis-url: {exc}") from None
     return config, url
 
 

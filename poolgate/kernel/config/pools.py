@@ -27,6 +27,12 @@ PoolTask = Literal["generate", "embed", "score", "transcription"]
 ``transcription`` (speech to text: the audio endpoints). Every kind serves tokenize and detokenize."""
 
 
+PoolRole = Literal["both", "prefill", "decode"]
+"""A pool's part in prefill/decode disaggregation: ``both`` (an ordinary pool), ``prefill`` (workers compute
+long prompts' KV and hand it over: vLLM's ``kv_role: kv_producer``) or ``decode`` (workers take the KV and
+generate: ``kv_consumer``)."""
+
+
 class PoolSpec(Section):
     """A pool is a set of interchangeable workers serving one model; it becomes one Envoy cluster."""
 
@@ -42,6 +48,11 @@ class PoolSpec(Section):
     ``transcription`` (speech to text). Local workers start as that kind: ``vllm serve`` gets ``--runner
     pooling --convert embed`` or ``--convert classify`` (vLLM finds speech-to-text models by their architecture
     itself), a simulated worker the same flags (``--transcription`` for speech to text)."""
+    role: PoolRole = "both"
+    """``prefill`` / ``decode`` split a model's long prompts over two pools (``disaggregation``): a prefill
+    pool computes the prompt's KV, a decode pool generates from it. Short prompts, and every prompt while no
+    prefill worker is ready, go to the model's ``decode`` and ``both`` pools; a ``prefill`` pool gets nothing
+    else. Local workers start with the matching ``--kv-transfer-config``."""
     tokenizer: PoolTokenizer | None = None
     """How the pool's engines tokenise prompts, for cache lookups against their KV events (simulated workers
     need none: the simulator's tokenizer is built in)."""
