@@ -1,5 +1,8 @@
 """``poolgate bench autoscale --out DIR [--quick]``: autoscaled pool vs a static fleet sized for the peak.
 
+This is the model (its JSON says ``"kind": "model"``), for long traces; ``--real`` runs a compressed trace
+through the real stack instead (``bench.autoscale_real``).
+
 A request-level discrete-event model of one pool on a diurnal trace (peak / trough = 10): Poisson arrivals
 whose rate follows ``trough + (peak - trough) · ((1 - cos 2πt/T) / 2)²`` (a flat night and one daytime
 peak), requests that hold one of a worker's ``slots`` for a lognormal service time, a pool queue in front
@@ -227,7 +230,7 @@ def run(scenario: Scenario, out: Path) -> dict[str, object]:
     ratio = auto.worker_seconds / static.worker_seconds
     verdict = ratio <= 0.6 and auto.slo_attainment >= static.slo_attainment
     summary: dict[str, object] = {
-        "scenario": asdict(scenario), "policy": settings.model_dump(),
+        "kind": "model", "scenario": asdict(scenario), "policy": settings.model_dump(),
         "static": {k: v for k, v in asdict(static).items() if k != "timeline"},
         "autoscaled": {k: v for k, v in asdict(auto).items() if k != "timeline"},
         "worker_seconds_ratio": round(ratio, 4), "goal": "ratio <= 0.60 at the same or better SLO attainment",
@@ -260,13 +263,24 @@ def run(scenario: Scenario, out: Path) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench import autoscale_real
+
     parser = argparse.ArgumentParser(prog="poolgate bench autoscale", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for autoscale.json/.md and the timeline CSV")
+    parser.add_argument("--out", required=True, help="directory for the reports")
     parser.add_argument("--quick", action="store_true", help="a shorter, lighter trace (seconds, for CI)")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=None, help="arrivals' seed (default 7; 11 with --real)")
+    real = parser.add_argument_group("real processes (--real)")
+    real.add_argument("--real", action="store_true",
+                      help="run a compressed trace through the real stack (``bench.autoscale_real``): "
+                           "autoscale_real.json, .md and .png")
+    autoscale_real.add_arguments(real)
     args = parser.parse_args(argv)
+    if args.real:
+        if args.seed is None:
+            args.seed = autoscale_real.RealScenario().seed
+        return autoscale_real.run_real(args)
     scenario = QUICK if args.quick else Scenario()
-    scenario = Scenario(**{**asdict(scenario), "seed": args.seed})
+    scenario = Scenario(**{**asdict(scenario), "seed": 7 if args.seed is None else args.seed})
     run(scenario, Path(args.out))
     return 0
 

@@ -1,7 +1,8 @@
 """The autoscaler loop: sample each scalable pool, decide (``controller.autoscale``), act, log, count.
 
-Runs on the leader only. Samples come from the registry (workers' engine facts from the agent) and from
-extproc's per-pool queue counts; the history kept per pool is just long enough for the longest window.
+Runs on the leader only. Samples come from the registry (workers' engine facts from the agent), extproc's
+per-worker in-flight counts and its per-pool queue counts; the history kept per pool is just long enough
+for the longest window.
 """
 
 from __future__ import annotations
@@ -47,12 +48,16 @@ class Autoscaler:
         serving = [r for r in records if r.state in (WorkerState.READY, WorkerState.BUSY)]
         active = await self._instances.active_workers(pool)
         queued = await self._store.read_queued(pool)
+        inflight = await self._store.read_inflight([r.id for r in serving])
         kv = sum(r.kv_usage for r in serving) / len(serving) if serving else 0.0
         ready = len([r for r in serving if r.id in active])
         ttfts = [r.ttft_ewma_s for r in serving if r.ttft_ewma_s >= 0]
+        # A starved or unreachable engine's scrape goes stale and its facts read 0: extproc's in-flight count
+        # of the worker (requests sent and not yet ended) keeps a busy pool from looking idle.
+        running = sum(max(r.running, inflight.get(r.id, 0) - r.waiting) for r in serving)
         return PoolSample(at=now, workers=len(active), ready=ready,
                           waiting=sum(r.waiting for r in serving) + queued,
-                          running=sum(r.running for r in serving), kv_usage=kv,
+                          running=running, kv_usage=kv,
                           ttft_s=sum(ttfts) / len(ttfts) if ttfts else -1.0)
 
     async def step(self) -> None:

@@ -29,6 +29,7 @@ from extproc.pipeline import (
     Respond,
     SnapshotSource,
 )
+from extproc.pipeline.cold_start import ColdStarts
 from extproc.quota import QuotaStore
 from extproc.scheduling import RequestProfiler, Scheduler
 from extproc.service import ExtProcService
@@ -57,11 +58,13 @@ def build_service(
     model_tasks: Mapping[str, PoolTask] | None = None,
     prefix_cache: CacheLookup | None = None,
     disagg: DisaggPlan | None = None,
+    cold_starts: ColdStarts | None = None,
 ) -> ExtProcService:
     """``clock`` is the wall clock worker records are stamped with; ``timer`` the monotonic one for durations
     and queue deadlines; ``rng`` draws catalogue traffic splits; ``model_tasks`` says what each served model
     does (from the pools), so an endpoint its kind does not serve is refused before routing; ``disagg`` names
-    the models whose long prompts are split over a prefill and a decode worker."""
+    the models whose long prompts are split over a prefill and a decode worker; ``cold_starts`` the pools that may
+    scale to zero (a request finding them empty waits for a worker)."""
     scheduling = scheduling or SchedulingSettings()
     tenants = tenants or TenantDirectory(TenancySettings(), ())
     tenancy = tenants.settings
@@ -75,7 +78,7 @@ def build_service(
         hold=Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed),
         place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache, disagg),
         respond=Respond(metrics, genai_metrics),
-        metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling))
+        metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling), cold_starts=cold_starts)
     return ExtProcService(director, metrics, header_pin=header_pin)
 
 

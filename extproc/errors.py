@@ -79,6 +79,13 @@ def no_worker(model: str, retry_after_s: int = 1) -> ApiError:
                     "no_ready_worker", retry_after_s=retry_after_s)
 
 
+def cold_start_timeout(model: str, waited_s: float, retry_after_s: int) -> ApiError:
+    """A pool scaled to zero did not get a Ready worker within its cold-start wait (``cold_start_wait_s``)."""
+    return ApiError(503, f"No worker serving {model!r} became ready within the cold-start wait (waited "
+                    f"{waited_s:.1f} s while one starts); retry after {retry_after_s} s.", "service_unavailable",
+                    "cold_start_timeout", retry_after_s=retry_after_s)
+
+
 def no_capacity(model: str, waited_s: float, retry_after_s: int = 1) -> ApiError:
     return ApiError(429, f"Every worker serving {model!r} is at capacity (waited {waited_s:.1f} s); retry after "
                     f"{retry_after_s} s.", "rate_limit_error", "no_capacity", retry_after_s=retry_after_s)

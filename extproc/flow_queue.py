@@ -101,7 +101,8 @@ class FlowQueue:
         return self._domains.get(domain, 0) > 0
 
     def push(self, domain: Hashable, tenant: str, priority: int, tokens: int, weight: float = 1.0,
-             payload: Any = None, prefill_s: float = 0.0) -> Pushed:
+             payload: Any = None, prefill_s: float = 0.0, max_wait_s: float | None = None) -> Pushed:
+        """``max_wait_s`` overrides the class's deadline (a cold start waits longer than capacity does)."""
         shed: list[QueueEntry] = []
         if self._size >= self.max_entries:
             lowest = self._lowest_class()
@@ -111,8 +112,9 @@ class FlowQueue:
             self.remove(shed[0])
         now = self._clock()
         self._sequence += 1
-        entry = QueueEntry(domain, tenant, priority, max(1, tokens), weight, now, now + self.max_wait_s[priority],
-                           self._sequence, max(0.0, prefill_s), payload)
+        wait = self.max_wait_s[priority] if max_wait_s is None else max_wait_s
+        entry = QueueEntry(domain, tenant, priority, max(1, tokens), weight, now, now + wait, self._sequence,
+                           max(0.0, prefill_s), payload)
         cls = self._classes[priority]
         flow = cls.flows.get(tenant)
         if flow is None:

@@ -41,6 +41,10 @@ class Metrics:
             "poolgate_extproc_hold_seconds",
             "Time requests were held for capacity, by outcome (placed, refused, cancelled)",
             ["outcome"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
+        self.cold_start_seconds = Histogram(
+            "poolgate_extproc_cold_start_wait_seconds", "Time requests for a pool scaled to zero waited for its "
+            "first worker, by model and outcome (placed, refused: past the pool's cold_start_wait_s, cancelled)",
+            ["model", "outcome"], buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 290), registry=self.registry)
         self.queue_depth = Gauge(
             "poolgate_extproc_queue_depth", "Requests waiting in the priority queue, by class and tenant",
             ["priority_class", "tenant"], registry=self.registry)

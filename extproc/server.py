@@ -31,6 +31,7 @@ from extproc.kvcache.wiring import build_kv_cache
 from extproc.metrics import Metrics
 from extproc.peers import PeerExchange, PeerKeys
 from extproc.pipeline import CapacitySignal
+from extproc.pipeline.cold_start import ColdStarts
 from extproc.quota import QuotaStore
 from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
 from extproc.service import ExtProcService
@@ -141,7 +142,8 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
                             header_pin=config.extproc.endpoint_picker_mode == GIE_MODE,
                             model_tasks={pool.model: pool.task for pool in config.pools},
                             prefix_cache=kv_cache[0] if kv_cache is not None else None,
-                            disagg=DisaggPlan.from_config(config))
+                            disagg=DisaggPlan.from_config(config),
+                            cold_starts=ColdStarts.from_config(config.pools, config.autoscale))
     watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
     place = service.director.place
     watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id, place.reservations,

@@ -69,8 +69,9 @@ EXTPROC_MESSAGE_TIMEOUT_S = 3
 """How long Envoy waits for one ext_proc answer; extproc's parse and pick take about a millisecond."""
 EXTPROC_HEALTH_INTERVAL_S = 0.5
 """How often Envoy asks each extproc process for its grpc.health.v1 status (several processes only)."""
-EXTPROC_MAX_MESSAGE_TIMEOUT_S = 60
-"""Upper bound for ``override_message_timeout``: the longest extproc may hold a request in its queue."""
+EXTPROC_MAX_MESSAGE_TIMEOUT_S = 300
+"""Upper bound for ``override_message_timeout``: the longest extproc may hold a request in its queue (a wait for
+capacity is at most ``MAX_WAIT_LIMIT_S``, a cold start of a pool scaled to zero ``MAX_COLD_START_WAIT_S``)."""
 STREAM_IDLE_TIMEOUT_S = 600
 """A stream with no bytes for this long is reset; a slow model's gap between SSE tokens stays far below."""
 BUFFER_HEADROOM_BYTES = 64 * 1024
@@ -97,12 +98,15 @@ REQUEST_ACCESS_LOG_FORMAT = (
     "%RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION% ttfb=%RESPONSE_DURATION% "
     "cluster=%UPSTREAM_CLUSTER% host=%UPSTREAM_HOST% worker=%RESP(X-POOLGATE-WORKER)% "
     "tenant=%REQ(X-POOLGATE-TENANT)% details=%RESPONSE_CODE_DETAILS% id=%REQ(X-REQUEST-ID)% "
-    "decision=\"%REQ(X-POOLGATE-DECISION):512%\" pd=\"%RESP(X-POOLGATE-PD)%\"\n"
+    "queue_wait_ms=%REQ(X-POOLGATE-QUEUE-WAIT-MS)% decision=\"%REQ(X-POOLGATE-DECISION):512%\" "
+    "pd=\"%RESP(X-POOLGATE-PD)%\"\n"
 )
 """One line per request. The pool is the cluster (``pool-<name>``) and the worker the upstream host: the
 ``x-poolgate-cluster`` header is removed by the route before the log is written. ``tenant`` is the header
 extproc sets when tenants are configured; ``details`` is Envoy's reason for its own replies or extproc's
-``poolgate_<code>`` for a refusal; ``decision`` is the debug header (``scheduling.debug_header``), else ``-``.
+``poolgate_<code>`` for a refusal; ``queue_wait_ms`` how long extproc held the request (for capacity or while
+a pool scaled to zero started a worker), ``-`` when it was placed at once; ``decision`` is the debug header
+(``scheduling.debug_header``), else ``-``.
 ``worker`` is the response header a simulated worker sets (vLLM sets none). ``pd`` is the split of a request
 the prefill/decode sidecar ran (prefill and decode worker, prefill time, KV tokens, fallback), else ``-``."""
 

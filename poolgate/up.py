@@ -185,14 +185,19 @@ class Stack:
                 for name, port, m in zip(names, self.ports.extproc, metrics, strict=True)]
 
     async def wait_until_serving(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until one chat completion per model succeeds through Envoy (workers load, xDS arrives)."""
+        """Until one chat completion per model that should be served succeeds through Envoy (workers load, xDS
+        arrives), and the model list answers. Pools that start empty (no configured worker, and no
+        ``min_workers`` above 0) are not asked: a request would wake a pool scaled to zero."""
         deadline = time.monotonic() + timeout_s
-        models = sorted({p.model for p in self.config.pools})
-        pending = set(models)
+        pending = set(serving_models(self.config)) | {LIST_MODELS}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             while pending:
                 for model in sorted(pending):
-                    if await _chat_ok(http, self.base_url, model, self.config.tenancy.require_api_key):
+                    if model == LIST_MODELS:
+                        answered = await _models_ok(http, self.base_url, self.config.tenancy.require_api_key)
+                    else:
+                        answered = await _chat_ok(http, self.base_url, model, self.config.tenancy.require_api_key)
+                    if answered:
                         pending.discard(model)
                 self.raise_if_child_died()
                 if pending and time.monotonic() > deadline:
@@ -232,6 +237,28 @@ class Stack:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.ports.envoy}/v1"
+
+
+LIST_MODELS = "GET /v1/models"
+"""Stands for the model list among the models ``wait_until_serving`` waits for."""
+
+
+def serving_models(config: Config) -> list[str]:
+    """Models whose pools should serve once the stack is up: a configured worker, or a ``min_workers`` above
+    0 that the autoscaler starts."""
+    scaled = config.autoscale.pools if config.autoscale.enabled else {}
+    with_workers = {w.pool for w in config.workers}
+    return sorted({p.model for p in config.pools
+                   if p.name in with_workers or (p.name in scaled and scaled[p.name].min_workers > 0)})
+
+
+async def _models_ok(http: aiohttp.ClientSession, base_url: str, keys_required: bool) -> bool:
+    try:
+        async with http.get(f"{base_url}/models") as response:
+            await response.read()
+            return response.status == 200 or (keys_required and response.status == 401)
+    except (aiohttp.ClientError, TimeoutError):
+        return False
 
 
 async def _chat_ok(http: aiohttp.ClientSession, base_url: str, model: str, keys_required: bool = False) -> bool:

@@ -99,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--crash-at-s", type=float, help="crash this many seconds after start")
     faults.add_argument("--kv-leak-blocks-per-s", type=float, default=0.0, help="KV blocks lost per second")
     faults.add_argument("--slow-start-s", type=float, default=0.0, help="report 503 for this long after start")
+    parser.add_argument("--startup-delay-s", type=float, default=0.0,
+                        help="model load time: open the port (and so /health) only this long after start, as "
+                             "vLLM does once its engine is built (default %(default)s; a real start takes "
+                             "seconds to minutes)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
 
 
@@ -127,6 +131,8 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         raise ValueError("--max-loras must be at least 1")
     if args.lora_load_s < 0:
         raise ValueError("--lora-load-s must be 0 or more")
+    if args.startup_delay_s < 0:
+        raise ValueError("--startup-delay-s must be 0 or more")
     if not 0 <= args.step_jitter <= MAX_STEP_JITTER:
         raise ValueError(f"--step-jitter must be between 0 and {MAX_STEP_JITTER}")
     runtime_lora = os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("true", "1")
@@ -152,6 +158,7 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
             seed=args.seed, step_jitter=args.step_jitter, kv_events=args.kv_events_config.offset(index),
             tasks=tasks, kv_transfer=args.kv_transfer_config, tls=_tls_files(args),
+            startup_delay_s=args.startup_delay_s,
         )
         for index, (port, worker_id) in enumerate(zip(ports, ids, strict=True))
     ]

@@ -84,6 +84,9 @@ class WorkerSpec:
     tls: TlsServerFiles | None = None
     """Serve HTTPS from these files (vLLM's ``--ssl-certfile``, ``--ssl-keyfile``, ``--ssl-ca-certs`` with
     client certificates required), re-read when they change."""
+    startup_delay_s: float = 0.0
+    """Model load: the port opens only this long after start (vLLM listens once its engine is built), so
+    ``/health`` refuses connections and the controller registers the worker only after it."""
 
     @property
     def random_seed(self) -> int:
@@ -188,6 +191,12 @@ class SimWorker:
         await runner.setup()
         tls = ServerTls(spec.tls, "simworker --ssl-certfile/--ssl-keyfile") if spec.tls is not None else None
         try:
+            if spec.startup_delay_s:
+                log.info("worker %s loading its model for %.1f s", spec.worker_id, spec.startup_delay_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), spec.startup_delay_s)
+                if stop.is_set():
+                    return
             await web.TCPSite(runner, spec.host, spec.port, reuse_address=True,
                               ssl_context=tls.context if tls is not None else None).start()
             self.listening.set()

@@ -65,6 +65,8 @@ class Queued:
     entry: QueueEntry
     waiter: asyncio.Future[Final]
     """Resolved with the final outcome by a release pass (placed) or by shedding."""
+    cold_start: bool = False
+    """It waits for a pool scaled to zero to start a worker (``cold_start``), not for capacity."""
 
 
 class RequestContext:

@@ -19,10 +19,11 @@ from dataclasses import replace
 
 from extproc.disagg import PairDecision
 from extproc.endpoints import path_fate
-from extproc.errors import internal_error, invalid_request, no_capacity, unknown_path
+from extproc.errors import cold_start_timeout, internal_error, invalid_request, no_capacity, unknown_path
 from extproc.metrics import Metrics
 from extproc.output_lengths import OutputLengths
 from extproc.pipeline.admit import Admit
+from extproc.pipeline.cold_start import COLD_START_RETRY_AFTER_S, ColdStarts, settled
 from extproc.pipeline.context import Arrival, RequestContext
 from extproc.pipeline.hold import Hold
 from extproc.pipeline.identify import Identify
@@ -41,7 +42,8 @@ from extproc.pipeline.outcomes import (
 from extproc.pipeline.place import Place
 from extproc.pipeline.resolve import Resolve
 from extproc.pipeline.respond import Respond
-from extproc.scheduling import Decision, NoCapacity
+from extproc.scheduling import Decision, NoCapacity, PickRequest
+from poolgate.kernel.routing import QUEUE_WAIT_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ INTERNAL_ERROR = Refused(internal_error())
 class Director:
     def __init__(self, identify: Identify, resolve: Resolve, admit: Admit, hold: Hold, place: Place,
                  respond: Respond, metrics: Metrics, clock: Callable[[], float] = time.time,
-                 timer: Callable[[], float] = time.perf_counter, lengths: OutputLengths | None = None) -> None:
+                 timer: Callable[[], float] = time.perf_counter, lengths: OutputLengths | None = None,
+                 cold_starts: ColdStarts | None = None) -> None:
         self.identify = identify
         self.resolve = resolve
         self.admit_stage = admit
@@ -64,6 +67,8 @@ class Director:
         """Monotonic timer for durations and queue deadlines."""
         self.lengths = lengths
         """Learned output lengths (expected output below ``max_tokens``); None = the cap or the default."""
+        self.cold_starts = cold_starts or ColdStarts()
+        """Pools that may scale to zero: a request finding them empty waits for a worker (``cold_start``)."""
         hold.attach(self)
 
     def headers(self, context: RequestContext, headers: Iterable[tuple[str, str]], subset: frozenset[str] | None,
@@ -167,6 +172,7 @@ class Director:
         ``finish`` takes the request out of the queue)."""
         assert context.queued is not None
         started = context.queued.entry.enqueued_at
+        cold_start = context.queued.cold_start
         outcome = "cancelled"  # the client went away (Envoy reset the stream) while held
         self._metrics.held_requests.inc()
         try:
@@ -175,7 +181,8 @@ class Director:
                 final = self._place(context, may_hold=False, held_since=started)
                 assert final is not None  # may not hold: placed or refused
                 if context.decision is None:
-                    self.count_rejection(context, "queue_deadline")
+                    timed_out = isinstance(final, Refused) and final.error.code == "cold_start_timeout"
+                    self.count_rejection(context, "cold_start_timeout" if timed_out else "queue_deadline")
             outcome = "placed" if context.decision is not None else "refused"
             return final
         except Exception:
@@ -185,6 +192,8 @@ class Director:
         finally:
             self._metrics.held_requests.dec()
             self._metrics.hold_seconds.labels(outcome).observe(self._timer() - started)
+            if cold_start:
+                self._cold_start_ended(context, outcome, self._timer() - started)
 
     def response_headers(self, context: RequestContext, status: int | None, end_of_stream: bool) -> RewriteBody | None:
         """Asked while the GenAI metrics are on (the status tells a worker's error) or the catalogue renames
@@ -260,17 +269,41 @@ class Director:
             final = self._place(context, may_hold=may_hold)
             if final is not None:
                 return final
-        return self.hold_stage.enqueue(context, domain, self.place.predicted_prefill_s(request))
+        return self.hold_stage.enqueue(context, domain, self.place.predicted_prefill_s(request),
+                                       self._cold_start_s(request))
+
+    def _cold_start_s(self, request: PickRequest) -> float | None:
+        """The cold-start wait when every pool the request may use is empty and one may scale from zero."""
+        return self.cold_starts.wait_s(request, self.place.snapshot) if self.cold_starts else None
+
+    def _cold_start_ended(self, context: RequestContext, outcome: str, waited_s: float) -> None:
+        request, decision = context.request, context.decision
+        assert request is not None
+        self._metrics.cold_start_seconds.labels(request.model, outcome).observe(waited_s)
+        where = f" on {decision.worker_id}" if decision is not None else ""
+        log.info("cold start: a request for %r waited %.1f s for a worker and was %s%s", request.model, waited_s,
+                 outcome, where)
 
     def _place(self, context: RequestContext, may_hold: bool, held_since: float | None = None) -> Final | None:
-        """Pick and conclude; None when there is no capacity now and the request may be held."""
+        """Pick and conclude; None when there is no capacity now and the request may be held, or when it waits
+        for a pool scaled to zero to start a worker (held or not: ``held_since`` says it waited its limit)."""
         request, arrival = context.request, context.arrival
         assert request is not None and arrival is not None
         if held_since is not None:
             request = replace(request, held_s=self._timer() - held_since)
         outcome = self.place.pick(request, arrival.subset)
         if isinstance(outcome, Decision | PairDecision):
-            return self._commit(context, outcome)
+            queued = context.queued
+            if queued is not None and queued.cold_start and isinstance(outcome, Decision) and not settled(
+                    self.place.snapshot.by_id.get(outcome.worker_id), self._clock()):
+                return None  # Envoy may not have the new endpoint yet; the hold's poll tries again soon
+            since = held_since if held_since is not None else queued.entry.enqueued_at if queued else None
+            return self._commit(context, outcome, since)
+        if isinstance(outcome, Refused) and outcome.error.code == "no_ready_worker" and self._cold_start_s(request):
+            if held_since is None:
+                return None
+            waited = self._timer() - held_since
+            return self.refuse(context, Refused(cold_start_timeout(request.model, waited, COLD_START_RETRY_AFTER_S)))
         if isinstance(outcome, NoCapacity):
             if may_hold:
                 return None
@@ -279,7 +312,7 @@ class Director:
             return self.refuse(context, Refused(no_capacity(request.model, waited, outcome.retry_after_s)))
         return self.refuse(context, outcome)
 
-    def _commit(self, context: RequestContext, decision: Decision | PairDecision) -> Placed:
+    def _commit(self, context: RequestContext, decision: Decision | PairDecision, held_since: float | None) -> Placed:
         resolved, tenant = context.resolved, context.tenant
         assert resolved is not None
         request = resolved.request
@@ -288,5 +321,7 @@ class Director:
         context.response.placed(request)
         named = tenant if self.identify.names_tenants else None
         log.debug("routed to %s (%s)", placement.decision.worker_id, placement.decision.endpoint)
-        return Placed(placement.decision, request.facts.client_routing_headers,
-                      self.place.headers(decision, request, named), resolved.body)
+        headers = self.place.headers(decision, request, named)
+        if held_since is not None:
+            headers += ((QUEUE_WAIT_HEADER, str(round((self._timer() - held_since) * 1000))),)
+        return Placed(placement.decision, request.facts.client_routing_headers, headers, resolved.body)

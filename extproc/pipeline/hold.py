@@ -73,25 +73,27 @@ class Hold:
     def retry_after_s(self) -> int:
         return max(1, round(min(self.max_wait_s, default=1.0)))
 
-    def enqueue(self, context: RequestContext, domain: Hashable, prefill_s: float = 0.0) -> Routing:
+    def enqueue(self, context: RequestContext, domain: Hashable, prefill_s: float = 0.0,
+                cold_start_s: float | None = None) -> Routing:
         """Queue the request among others waiting for the same capacity (in the queue's order: class, fair
         share, then deadline and ``prefill_s``, its predicted prefill): ``Wait``, or the final outcome when
-        the queue is full or it was placed at once (it only waited behind requests that now fit too)."""
+        the queue is full or it was placed at once (it only waited behind requests that now fit too).
+        ``cold_start_s``: it waits for a pool scaled to zero to start a worker (``cold_start``), this long."""
         tenant, request = context.tenant, context.request
         assert tenant is not None and request is not None and self._dispatch is not None
         pushed = self.queue.push(domain, tenant.name, tenant.priority, request.total_tokens, tenant.weight, context,
-                                 prefill_s)
+                                 prefill_s, max_wait_s=cold_start_s)
         for shed in pushed.shed:
             self._shed(shed)
         if pushed.entry is None:
             return self._dispatch.refuse(context, self._queue_full(context))
         waiter: asyncio.Future[Final] = asyncio.get_running_loop().create_future()
-        context.queued = Queued(pushed.entry, waiter)
+        context.queued = Queued(pushed.entry, waiter, cold_start=cold_start_s is not None)
         self._metrics.queue_depth.labels(tenant.priority_class, tenant.name).inc()
         self.release_pass()
         if waiter.done():
             return waiter.result()
-        return Wait(self.max_wait_s[tenant.priority] + HOLD_TIMEOUT_MARGIN_S)
+        return Wait(pushed.entry.deadline - pushed.entry.enqueued_at + HOLD_TIMEOUT_MARGIN_S)
 
     async def wait(self, context: RequestContext) -> Final | None:
         """The outcome a release pass or shedding gave; None once the deadline passed (out of the queue)."""

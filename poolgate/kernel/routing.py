@@ -17,6 +17,10 @@ WORKER_HEADER = "x-poolgate-worker"
 FALLBACK_CLUSTER = "poolgate-fallback"
 """Every Ready worker; used by the fail-open default route when extproc is away."""
 
+QUEUE_WAIT_HEADER = "x-poolgate-queue-wait-ms"
+"""Set by extproc on a request it held (for capacity or a cold start): milliseconds it waited; the access log
+reads it."""
+
 PREFILL_HEADER = "x-poolgate-prefill"
 DECODE_HEADER = "x-poolgate-decode"
 """Set by extproc on a disaggregated request: the prefill and the decode worker (``ip:port`` comma lists, best
@@ -26,7 +30,8 @@ PD_SIDECAR_CLUSTER = "poolgate-pd-sidecar"
 """The static cluster of the prefill/decode sidecar; extproc names it in the cluster header."""
 
 ROUTING_HEADERS = (CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, "x-poolgate-tenant", "x-poolgate-pool",
-                   "x-poolgate-endpoint", PREFILL_HEADER, DECODE_HEADER)
+                   "x-poolgate-endpoint", PREFILL_HEADER, DECODE_HEADER,
+                   QUEUE_WAIT_HEADER)
 """Headers a client must never be able to set: Envoy removes them before ext_proc, extproc again."""
 
 

@@ -80,3 +80,37 @@ def test_bad_flags_fail_fast(stop_later: list[subprocess.Popen[bytes]]) -> None:
          "--num-gpu-blocks", "10"], capture_output=True, timeout=15, check=False)
     assert result.returncode == 2
     assert b"max_model_len" in result.stderr
+
+
+def test_startup_delay_keeps_the_port_closed_like_a_model_load(stop_later: list[subprocess.Popen[bytes]]) -> None:
+    """vLLM opens its port only once the engine is built: a controller probing /health sees connection
+    refused until then. The delay is a lower bound (a loaded machine only adds to it)."""
+    port = free_port()
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(port), "--startup-delay-s", "2",
+         "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stop_later.append(proc)
+    wait_ports([port], proc, timeout_s=30)
+    opened = time.monotonic() - started
+    print(f"\nmeasured: --startup-delay-s 2 opened the port {opened:.2f} s after the process started")
+    assert opened >= 2.0
+    http(f"http://127.0.0.1:{port}/health")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+
+
+def test_sigterm_during_the_startup_delay_exits_at_once(stop_later: list[subprocess.Popen[bytes]]) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(port), "--startup-delay-s", "120",
+         "--log-level", "INFO"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stop_later.append(proc)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the worker says it is loading once its loop runs and the signal handler is set
+        if b"loading its model" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    proc.stdout.close()
+    assert not port_open("127.0.0.1", port)

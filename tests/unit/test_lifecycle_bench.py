@@ -27,6 +27,6 @@ def test_quick_run_writes_its_report(tmp_path: Path) -> None:
 
     assert main(["--out", str(tmp_path), "--quick"]) == 0
     summary = json.loads((tmp_path / "autoscale.json").read_text())
-    assert summary["scenario"]["period_s"] == QUICK.period_s
+    assert summary["kind"] == "model" and summary["scenario"]["period_s"] == QUICK.period_s
     assert 0 < summary["worker_seconds_ratio"] < 1
     assert (tmp_path / "autoscale.md").exists() and (tmp_path / "autoscale_timeline.csv").exists()

@@ -31,6 +31,7 @@ from poolgate.kernel.config.catalogue import (
 )
 from poolgate.kernel.config.disaggregation import DisaggregationSettings
 from poolgate.kernel.config.lifecycle import (
+    MAX_COLD_START_WAIT_S,
     AutoscaleSettings,
     DrainSettings,
     HealthSettings,
@@ -62,6 +63,7 @@ from poolgate.kernel.config.transport import TlsClientFiles, TlsServerFiles, Tls
 
 __all__ = [
     "DEFAULT_WEIGHTS",
+    "MAX_COLD_START_WAIT_S",
     "MAX_WAIT_LIMIT_S",
     "MODEL_NAME_PATTERN",
     "PRIORITY_CLASS_PATTERN",

@@ -8,6 +8,10 @@ from pydantic import Field, model_validator
 
 from poolgate.kernel.config.base import Section
 
+MAX_COLD_START_WAIT_S = 290.0
+"""Longest cold-start wait allowed: Envoy's ext_proc ``max_message_timeout`` is 300 s and the hold asks for a bit
+more than the wait."""
+
 
 class HealthSettings(Section):
     """The controller's health monitor: active probes of every registered worker plus passive failure reports.
@@ -77,8 +81,13 @@ class WorkerTemplate(Section):
 
 class PoolScaling(Section):
     min_workers: int = Field(1, ge=0)
+    """0 lets the pool scale to zero (with ``autoscale.enabled``): a request for it then waits for a cold start."""
     max_workers: int = Field(4, ge=1)
     template: WorkerTemplate = WorkerTemplate()
+    cold_start_wait_s: float = Field(120.0, gt=0, le=MAX_COLD_START_WAIT_S)
+    """With ``min_workers: 0``: how long a request for the empty pool waits in extproc's queue while the
+    controller starts a worker (a vLLM start, model load included, takes from seconds to minutes), before a
+    503 with Retry-After. Pools that cannot scale to zero answer 503 at once when no worker is ready."""
 
     @model_validator(mode="after")
     def _min_below_max(self) -> PoolScaling:

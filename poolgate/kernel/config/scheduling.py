@@ -28,7 +28,8 @@ SCORER_NAMES = tuple(DEFAULT_WEIGHTS)
 validates the file at load without importing extproc, and a unit test holds this list to the registry. A
 registry extended elsewhere passes its own names as the validation context ``scorer_names``."""
 MAX_WAIT_LIMIT_S = 50.0
-"""Longest hold allowed: Envoy's ext_proc ``max_message_timeout`` is 60 s and the hold asks for a bit more."""
+"""Longest hold for capacity allowed (Envoy's ext_proc ``max_message_timeout``, 300 s, bounds every hold; a
+client waiting longer than this for a busy fleet is better told to retry)."""
 
 
 class LearnedOutputSettings(Section):

@@ -1,0 +1,57 @@
+"""The autoscaler's sample of a pool from the real registry: extproc's queue for an empty pool wakes it, and
+extproc's in-flight counts keep a busy pool from looking idle when the agent's scrape of an engine is stale."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from controller.autoscaler import Autoscaler
+from poolgate.kernel.config import AutoscaleSettings, PoolScaling
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.store import FleetStore
+
+
+class Pool:
+    """Stands in for the instance controller: the workers the backend runs, and the scale calls it got."""
+
+    def __init__(self, *workers: str) -> None:
+        self.workers = list(workers)
+        self.scaled: list[tuple[str, int]] = []
+
+    async def active_workers(self, pool: str) -> list[str]:
+        return list(self.workers)
+
+    async def scale(self, pool: str, target: int) -> None:
+        self.scaled.append((pool, target))
+
+
+SETTINGS = AutoscaleSettings(enabled=True, down_cooldown_s=0.0, up_sustain_s=0.0,
+                             pools={"chat": PoolScaling(min_workers=0, max_workers=3)})
+
+
+def autoscaler(store: FleetStore, pool: Pool) -> Autoscaler:
+    return Autoscaler(store, SETTINGS, pool, CollectorRegistry(), clock=lambda: 100.0)  # type: ignore[arg-type]
+
+
+async def test_a_request_queued_for_an_empty_pool_wakes_it(redis_client: aioredis.Redis) -> None:
+    store, pool = FleetStore(redis_client, "as"), Pool()
+    await store.add_counts({}, {"chat": 1}, replica_id="extproc-a")
+    scaler = autoscaler(store, pool)
+    assert (await scaler.sample("chat", 100.0)).waiting == 1
+    await scaler.step()
+    assert pool.scaled == [("chat", 1)]
+
+
+async def test_in_flight_requests_count_as_running_when_the_engine_facts_read_zero(
+        redis_client: aioredis.Redis) -> None:
+    store, pool = FleetStore(redis_client, "as"), Pool("chat-1", "chat-2")
+    for worker_id in pool.workers:  # registered, serving; the agent's last scrape says nothing runs
+        await store.register(WorkerRecord(id=worker_id, pool="chat", model="m", host="127.0.0.1", port=1,
+                                          state=WorkerState.READY), ttl_s=30)
+    await store.add_counts({"chat-1": 3, "chat-2": 2}, {}, replica_id="extproc-a")
+    scaler = autoscaler(store, pool)
+    sample = await scaler.sample("chat", 100.0)
+    assert (sample.workers, sample.ready, sample.running) == (2, 2, 5)
+    await scaler.step()
+    assert pool.scaled == []  # 5 running would not fit on one worker fewer: no scale-down
