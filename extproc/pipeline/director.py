@@ -286,7 +286,8 @@ class Director:
 
     def _place(self, context: RequestContext, may_hold: bool, held_since: float | None = None) -> Final | None:
         """Pick and conclude; None when there is no capacity now and the request may be held, or when it waits
-        for a pool scaled to zero to start a worker (held or not: ``held_since`` says it waited its limit)."""
+        for a pool scaled to zero to start a worker (a held request's last pick, ``may_hold`` False with
+        ``held_since``, says it waited its limit)."""
         request, arrival = context.request, context.arrival
         assert request is not None and arrival is not None
         if held_since is not None:
@@ -300,7 +301,7 @@ class Director:
             since = held_since if held_since is not None else queued.entry.enqueued_at if queued else None
             return self._commit(context, outcome, since)
         if isinstance(outcome, Refused) and outcome.error.code == "no_ready_worker" and self._cold_start_s(request):
-            if held_since is None:
+            if may_hold or held_since is None:  # still waiting, or not yet queued
                 return None
             waited = self._timer() - held_since
             return self.refuse(context, Refused(cold_start_timeout(request.model, waited, COLD_START_RETRY_AFTER_S)))
