@@ -87,7 +87,7 @@ class RunningStack:
     def pool_ids(self, pool: str) -> list[str]:
         client = redis.Redis.from_url(self.redis_url)
         try:
-            ids = sorted(i.decode() for i in client.smembers(f"{self.prefix}:workers"))
+            ids = sorted(i.decode() for i in client.smembers(RedisKeys(self.prefix).workers))
         finally:
             client.close()
         return [i for i in ids if self.record(i).get("pool") == pool]
