@@ -31,6 +31,7 @@ from poolgate.kernel.config import (
     parse_config,
 )
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.keys import RedisKeys
 from poolgate.kernel.store import FleetStore
 from poolgate.procs import extproc_process, free_port
 from simworker.kv_publisher import KVEventsConfig
@@ -130,12 +131,21 @@ async def pick(extproc: Extproc, data: dict[str, object]) -> str:
     return pin_of(answers[-1]).split(",")[0]
 
 
-async def settled_pick(extproc: Extproc, data: dict[str, object]) -> str:
-    """A pick, then long enough for the processes' shared reservations to show it released (the peers'
-    flush and refresh), so each pick meets the same load and only the cache decides."""
-    picked = await pick(extproc, data)
-    await asyncio.sleep(0.3)
-    return picked
+async def settled_pick(extproc: Extproc, data: dict[str, object], redis_client: Any) -> str:
+    """A pick once every earlier placement is released in Redis (no replica's reservation or in-flight count
+    left: the peers' flush) and a few of the replicas' refreshes later, so each pick meets the same load and
+    only the cache decides (polled: on a loaded machine a flush can take far longer than usual)."""
+    keys = RedisKeys(PREFIX)
+    deadline = time.monotonic() + 30.0
+    while True:
+        reserved = [k async for k in redis_client.scan_iter(match=keys.peers.reserved("*"))]
+        counts = [await redis_client.get(k) async for k in redis_client.scan_iter(match=keys.inflight("*"))]
+        if not reserved and all(int(c or 0) == 0 for c in counts):
+            break
+        assert time.monotonic() < deadline, f"placements never released: {reserved} {counts}"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # the replicas' refreshes (every 0.05 s) read the released state
+    return await pick(extproc, data)
 
 
 async def picked_within(extproc: Extproc, data: dict[str, object], address: str, timeout_s: float = 10.0) -> float:
@@ -194,8 +204,8 @@ async def test_two_extproc_processes_pick_alike_from_the_same_event_streams(
             prompts = [chat(doc, f"Question {i}?") for i in range(4) for doc in (DOC_A, DOC_B)]
             picks_first, picks_second = [], []
             for prompt in prompts:  # interleaved, so both meet the same load and only the cache decides
-                picks_first.append(await settled_pick(first, prompt))
-                picks_second.append(await settled_pick(second, prompt))
+                picks_first.append(await settled_pick(first, prompt, redis_client))
+                picks_second.append(await settled_pick(second, prompt, redis_client))
     assert picks_first == picks_second
     assert picks_first == [fleet["c"].address, fleet["a"].address] * 4
 
