@@ -257,30 +257,13 @@ class FaultStack:
         return None
 
     def envoy_stat(self, name: str, admin_port: int | None = None) -> str:
-        text = httpx.get(f"http://127.0.0.1:{admin_port or self.admin_port}/stats?filter=^{name}$", timeout=5).text
-        for line in text.splitlines():
-            key, _, value = line.partition(": ")
-            if key == name:
-                return value
-        return ""
+        return envoy_stat(admin_port or self.admin_port, name)
 
     def envoy_endpoints(self, admin_port: int | None = None) -> dict[str, str]:
-        """Pool chat's hosts in Envoy → health flags (admin /clusters)."""
-        text = httpx.get(f"http://127.0.0.1:{admin_port or self.admin_port}/clusters", timeout=5).text
-        hosts: dict[str, str] = {}
-        for line in text.splitlines():
-            parts = line.split("::")
-            if len(parts) >= 4 and parts[0] == "pool-chat" and parts[2] == "health_flags":
-                hosts[parts[1]] = parts[3]
-        return hosts
+        return envoy_endpoints(admin_port or self.admin_port)
 
     def xds_versions(self) -> tuple[str, str]:
-        """What Envoy accepted last: the CDS version (the controller's content hash) and pool chat's EDS
-        content hash (Envoy's ``version`` stat of the cluster)."""
-        dump = httpx.get(f"http://127.0.0.1:{self.admin_port}/config_dump?resource=dynamic_active_clusters",
-                         timeout=5).json()
-        cds = sorted({c.get("version_info", "") for c in dump.get("configs", [])})
-        return ",".join(cds), self.envoy_stat("cluster.pool-chat.version")
+        return xds_versions(self.admin_port)
 
     def stop(self) -> None:
         self._stop_heartbeats_now()
@@ -414,3 +397,33 @@ def fault_stack_fixture(run_dir: Path) -> Iterator[FaultStack]:
         stack.stop()
     left = stack.leftovers()
     assert not left, f"processes left behind: {left}"
+
+
+def envoy_stat(admin_port: int, name: str) -> str:
+    """One stat of the Envoy whose admin listens on ``admin_port`` ("" when it has none)."""
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/stats?filter=^{name}$", timeout=5).text
+    for line in text.splitlines():
+        key, _, value = line.partition(": ")
+        if key == name:
+            return value
+    return ""
+
+
+def envoy_endpoints(admin_port: int) -> dict[str, str]:
+    """Pool chat's hosts in Envoy → health flags (admin /clusters)."""
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=5).text
+    hosts: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split("::")
+        if len(parts) >= 4 and parts[0] == "pool-chat" and parts[2] == "health_flags":
+            hosts[parts[1]] = parts[3]
+    return hosts
+
+
+def xds_versions(admin_port: int) -> tuple[str, str]:
+    """What Envoy accepted last: the CDS version (the controller's content hash) and pool chat's EDS
+    content hash (Envoy's ``version`` stat of the cluster)."""
+    dump = httpx.get(f"http://127.0.0.1:{admin_port}/config_dump?resource=dynamic_active_clusters",
+                     timeout=5).json()
+    cds = sorted({c.get("version_info", "") for c in dump.get("configs", [])})
+    return ",".join(cds), envoy_stat(admin_port, "cluster.pool-chat.version")

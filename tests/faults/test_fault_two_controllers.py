@@ -40,7 +40,10 @@ from tests.faults.harness import (
     BackgroundLoop,
     Heartbeats,
     Proc,
+    envoy_endpoints,
+    envoy_stat,
     wait_until,
+    xds_versions,
 )
 
 pytestmark = pytest.mark.e2e
@@ -134,27 +137,13 @@ class TwoControllers:
         return int(str(holder)[len(prefix):].split("-")[0]) if str(holder).startswith(prefix) else None
 
     def stat(self, name: str) -> str:
-        text = httpx.get(f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$", timeout=5).text
-        for line in text.splitlines():
-            key, _, value = line.partition(": ")
-            if key == name:
-                return value
-        return ""
+        return envoy_stat(self.admin_port, name)
 
     def endpoints(self) -> dict[str, str]:
-        text = httpx.get(f"http://127.0.0.1:{self.admin_port}/clusters", timeout=5).text
-        hosts: dict[str, str] = {}
-        for line in text.splitlines():
-            parts = line.split("::")
-            if len(parts) >= 4 and parts[0] == "pool-chat" and parts[2] == "health_flags":
-                hosts[parts[1]] = parts[3]
-        return hosts
+        return envoy_endpoints(self.admin_port)
 
     def xds_version(self) -> tuple[str, str]:
-        dump = httpx.get(f"http://127.0.0.1:{self.admin_port}/config_dump?resource=dynamic_active_clusters",
-                         timeout=5).json()
-        cds = sorted({c.get("version_info", "") for c in dump.get("configs", [])})
-        return ",".join(cds), self.stat("cluster.pool-chat.version")
+        return xds_versions(self.admin_port)
 
     def stop(self) -> None:
         self.background.loop.call_soon_threadsafe(self._stop_heartbeats.set)
