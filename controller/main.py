@@ -38,7 +38,7 @@ from controller.drain import Drainer
 from controller.instances import InstanceController
 from controller.lease import LeaderLease
 from controller.local_backend import GpuFacts, LocalProcessBackend, worker_command
-from controller.monitor import HealthMonitor, run_monitor
+from controller.monitor import PROBE_CONCURRENCY, HealthMonitor, run_monitor
 from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
@@ -109,9 +109,10 @@ async def _serve_api(registry: RegistryApi, host: str, port: int,
 
 
 def _probe_session(config: Config) -> aiohttp.ClientSession:
-    """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards."""
+    """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards. As many
+    connections as the monitor has probes in flight (aiohttp's default, 100, would queue its probes)."""
     worker_key = config.worker_api_key()
-    connector = aiohttp.TCPConnector(ssl=client_context(config.tls.workers) or True)
+    connector = aiohttp.TCPConnector(limit=PROBE_CONCURRENCY, ssl=client_context(config.tls.workers) or True)
     return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None,
                                  connector=connector)
 

@@ -6,6 +6,7 @@ stranger on the network cannot add an address to Envoy's endpoints. Errors are O
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -18,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.backend import PlacementRefused
-from controller.heartbeats import HeartbeatCoalescer
+from controller.batched_writes import HeartbeatCoalescer, RegistrationCoalescer
 from controller.instances import InstanceController, NotLeader
 from poolgate.kernel.config import ControllerSettings, PoolScaling, PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -127,9 +128,10 @@ class RegistryApi:
         self._store = store
         self._token = token.encode()
         self._pools = {pool.name: pool for pool in pools}
-        self._ttl_s = settings.heartbeat_ttl_s
         self.heartbeats = HeartbeatCoalescer(store, settings.heartbeat_ttl_s)
-        """Single-worker heartbeats, gathered into one pipeline per batch."""
+        """Heartbeats (single and a node's batch alike), gathered into one pipeline per batch."""
+        self.registrations = RegistrationCoalescer(store, settings.heartbeat_ttl_s)
+        """Registrations, gathered into one pipeline and one announcement per batch."""
         self._scaling = scaling or {}
         self._instances = instances
         self._metrics = metrics
@@ -194,7 +196,7 @@ class RegistryApi:
             backend=body.backend, state=body.state, node=body.node or "",
             kv_events_endpoint=body.kv_events_endpoint, kv_events_replay_endpoint=body.kv_events_replay_endpoint,
         )
-        await self._store.register(record, self._ttl_s)
+        await self.registrations.register(record)
         log.info("registered worker %s (%s) in pool %s", record.id, record.address, record.pool)
         return _json(record.to_redis(), status=201)
 
@@ -211,14 +213,15 @@ class RegistryApi:
         return _json({"ok": True})
 
     async def _heartbeats(self, request: web.Request) -> web.Response:
-        """Heartbeats of many workers in one call (one Redis round trip); the answer names the workers that
-        are not registered (expired), which must register again."""
+        """Heartbeats of many workers in one call (in the pipeline of every heartbeat waiting with them); the
+        answer names the workers that are not registered (expired), which must register again."""
         try:
             body = HeartbeatBatch.model_validate(await self._body(request))
         except (ValidationError, web.HTTPBadRequest) as exc:
             return _error(400, str(exc), "invalid_heartbeat")
         beats = {beat.id: beat.model_dump(exclude_none=True, exclude={"id"}) for beat in body.workers}
-        missing = await self._store.heartbeat_many(beats, self._ttl_s)
+        alive = await asyncio.gather(*(self.heartbeats.beat(worker_id, facts) for worker_id, facts in beats.items()))
+        missing = [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
         return _json({"ok": len(beats) - len(missing), "not_registered": missing})
 
     async def _deregister(self, request: web.Request) -> web.Response:

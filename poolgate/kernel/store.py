@@ -167,12 +167,27 @@ class FleetStore:
     # Registration and liveness: the registrant's (registry API, local and Kubernetes backends).
 
     async def register(self, record: WorkerRecord, ttl_s: float) -> None:
-        """Write a worker's full record, index it, and announce the change. Registering is a liveness report:
-        ``updated_at`` is stamped now, so a record built earlier (and re-sent after an expiry) is not stale."""
+        """Write a worker's full record, index it, and announce the change."""
+        await self._register(client=self._redis, keys=self._route, args=self._register_args(record, ttl_s, "1"))
+
+    async def register_many(self, records: Sequence[WorkerRecord], ttl_s: float) -> None:
+        """``register`` for many workers in one pipeline and one announcement (a burst of registrations)."""
+        if not records:
+            return
+
+        def queue(pipe: Any) -> None:
+            for record in records:
+                self._queue_script(pipe, self._register, self._register_args(record, ttl_s, "q"))
+        await self._scripted_pipeline(queue, store_scripts.REGISTER)
+        await self._redis.publish(self.keys.events, f"batch {len(records)}")  # a Cluster pipeline has no PUBLISH
+
+    def _register_args(self, record: WorkerRecord, ttl_s: float, announce: str) -> list[Any]:
+        """Registering is a liveness report: ``updated_at`` is stamped now, so a record built earlier (and
+        re-sent after an expiry) is not stale."""
         now = time.time()
         record = replace(record, updated_at=now, registered_at=record.registered_at or now)
-        await self._register(client=self._redis, keys=self._route, args=[self.keys.fleet, record.id, _ttl_ms(ttl_s),
-                                   *(p for pair in record.to_redis().items() for p in pair)])
+        return [self.keys.fleet, record.id, _ttl_ms(ttl_s), announce,
+                *(p for pair in record.to_redis().items() for p in pair)]
 
     async def heartbeat(self, worker_id: str, ttl_s: float, announce: bool = False, **facts: Any) -> bool:
         """Refresh a worker's TTL and the given facts in one round trip; False means it is not registered
@@ -228,11 +243,15 @@ class FleetStore:
         return [worker_id for worker_id, ok in zip(states, written, strict=True) if ok]
 
     def _queue_facts(self, pipe: Any, args: list[Any]) -> None:
-        """``WRITE_FACTS`` by its digest on a pipeline (a Cluster pipeline has no ``evalsha`` method)."""
-        pipe.execute_command("EVALSHA", self._write_facts.sha, len(self._route), *self._route, *args)
+        self._queue_script(pipe, self._write_facts, args)
 
-    async def _scripted_pipeline(self, queue: Callable[[Any], None]) -> list[Any]:
-        """Run the ``WRITE_FACTS`` calls ``queue`` puts on one pipeline. A server that does not know the
+    def _queue_script(self, pipe: Any, script: Any, args: list[Any]) -> None:
+        """A script by its digest on a pipeline (a Cluster pipeline has no ``evalsha`` method)."""
+        pipe.execute_command("EVALSHA", script.sha, len(self._route), *self._route, *args)
+
+    async def _scripted_pipeline(self, queue: Callable[[Any], None],
+                                 script: str = store_scripts.WRITE_FACTS) -> list[Any]:
+        """Run the calls of ``script`` that ``queue`` puts on one pipeline. A server that does not know the
         script (restarted, or a replica a failover promoted) answers NOSCRIPT: load it and send the
         pipeline again (its writes bear repeating)."""
         pipe = self._redis.pipeline(transaction=False)
@@ -240,7 +259,7 @@ class FleetStore:
         try:
             return list(await pipe.execute())
         except NoScriptError:
-            await self._redis.script_load(store_scripts.WRITE_FACTS)
+            await self._redis.script_load(script)
         pipe = self._redis.pipeline(transaction=False)
         queue(pipe)
         return list(await pipe.execute())

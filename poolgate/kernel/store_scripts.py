@@ -31,19 +31,19 @@ end
 """
 
 REGISTER = _COMMON + """
-local id, ttl = ARGV[2], tonumber(ARGV[3])
+local id, ttl, quiet = ARGV[2], tonumber(ARGV[3]), ARGV[4] == 'q'
 local key = P .. ':worker:' .. id
 redis.call('DEL', key)
-redis.call('HSET', key, unpack(ARGV, 4))
+redis.call('HSET', key, unpack(ARGV, 5))
 redis.call('PEXPIRE', key, ttl)
 redis.call('SADD', P .. ':workers', id)
 redis.call('ZADD', P .. ':fleet:deadlines', now_ms() + ttl, id)
 local v = bump(id, 'changed')
-redis.call('PUBLISH', P .. ':events', 'register ' .. id .. ' ' .. v)
+if not quiet then redis.call('PUBLISH', P .. ':events', 'register ' .. id .. ' ' .. v) end
 return v
 """
-"""KEYS: one key of the fleet slot (routes the call on Cluster). ARGV: the fleet tag, id, ttl ms, field/value
-pairs of the full record."""
+"""KEYS: one key of the fleet slot (routes the call on Cluster). ARGV: the fleet tag, id, ttl ms, announce
+(1, or q: publish nothing, the caller announces a batch), field/value pairs of the full record."""
 
 WRITE_FACTS = _COMMON + """
 local id, ttl, announce, quiet = ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', ARGV[4] == 'q'
