@@ -68,6 +68,8 @@ class Counters:
     failed: int = 0
     reregistered: int = 0
     registration_errors: int = 0
+    registrations_deferred: int = 0
+    """Registrations the API put off (503 with Retry-After: it ran behind); retried after that delay."""
     latencies: list[float] = field(default_factory=list)
     """Seconds per heartbeat call (the steady phase's quantiles are reported)."""
 
@@ -194,18 +196,29 @@ class Fleet:
         """Workers whose first registration went through: only they heartbeat (a worker beats once it
         has registered)."""
 
-    async def register(self, worker: Worker) -> bool:
-        """One registration; a refusal or error is counted (the caller retries, as a worker would)."""
+    async def register(self, worker: Worker) -> float:
+        """One registration: 0 once it went through, else how long to wait before the next try (the API's
+        ``Retry-After`` when it puts the registration off, counted apart; 0.1 s after an error, counted)."""
         try:
             async with self._http.post(f"{self._api}/v1/workers", json=registration(worker)) as r:
                 await r.read()
                 if r.status == 201:
                     self.registered.add(worker.id)
-                    return True
+                    return 0.0
+                if r.status == 503 and "Retry-After" in r.headers:
+                    self.counters.registrations_deferred += 1
+                    return float(r.headers["Retry-After"])
         except aiohttp.ClientError:
             pass
         self.counters.registration_errors += 1
-        return False
+        return 0.1
+
+    async def register_until_done(self, worker: Worker) -> None:
+        while True:
+            delay = await self.register(worker)
+            if not delay:
+                return
+            await asyncio.sleep(delay)
 
     async def register_all(self, concurrency: int) -> float:
         """Register everyone with ``concurrency`` clients; returns registrations per second."""
@@ -215,9 +228,9 @@ class Fleet:
         async def client() -> None:
             while queue:
                 worker = queue.pop()
-                if not await self.register(worker):
+                if delay := await self.register(worker):
                     queue.insert(0, worker)  # a worker retries later, as the API asks it to
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(delay)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         return len(self.workers) / (time.monotonic() - started)
@@ -240,7 +253,7 @@ class Fleet:
         elif status == 404:
             self.counters.expired += 1
             self.counters.reregistered += 1
-            await self.register(worker)
+            await self.register_until_done(worker)
         else:
             self.counters.failed += 1
 
@@ -267,7 +280,7 @@ class Fleet:
         for worker in group:
             if worker.id in missing:
                 self.counters.reregistered += 1
-                await self.register(worker)
+                await self.register_until_done(worker)
 
     async def run(self) -> None:
         """Heartbeat every worker (or node) every interval, each at its own random phase, until cancelled."""
@@ -349,6 +362,7 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
     await asyncio.sleep(0)
     row: dict[str, Any] = {"heartbeat_success": delta.success, "reregistrations": delta.reregistered,
                            "registration_errors": now.registration_errors,
+                           "registrations_deferred": now.registrations_deferred,
                            "heartbeat_p50_s": quantile(now.latencies, 0.5),
                            "heartbeat_p99_s": quantile(now.latencies, 0.99),
                            "redis_ops_s": ops / wall, "snapshot_age_p50_s": quantile(ages, 0.5),

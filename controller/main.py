@@ -39,6 +39,7 @@ from controller.instances import InstanceController
 from controller.lease import LeaderLease
 from controller.local_backend import GpuFacts, LocalProcessBackend, worker_command
 from controller.monitor import PROBE_CONCURRENCY, HealthMonitor, run_monitor
+from controller.overload import LoopLag
 from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
@@ -160,7 +161,9 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     drainer = Drainer(store, config.drain)
     instances = InstanceController(store, backend, drainer, is_leader=lease.is_leader)
     metrics = CollectorRegistry()
-    registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics)
+    lag = LoopLag()
+    registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics,
+                           lag)
     api, api_url = await _serve_api(registry, host, http_port, api_tls)
     await lease.renew()
     # The config's workers run on the leader only (a standby starting them too would run each twice);
@@ -191,6 +194,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     tasks = [
         asyncio.create_task(bridge_fleet_to_xds(store, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
         asyncio.create_task(lease.run(stop, on_gain=on_gain)),
+        asyncio.create_task(lag.run()),
         *([asyncio.create_task(api_tls.watch(config.tls.reload_s, stop))] if api_tls is not None else []),
         *_fleet_tasks(config, store, instances, probe_session, metrics, lease.is_leader, stop),
     ]

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from controller.backend import PlacementRefused
 from controller.batched_writes import HeartbeatCoalescer, RegistrationCoalescer
 from controller.instances import InstanceController, NotLeader
+from controller.overload import LoopLag
 from poolgate.kernel.config import ControllerSettings, PoolScaling, PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.store import FleetStore
@@ -118,13 +119,21 @@ def address_refusal(host: str, networks: tuple[Network, ...]) -> str | None:
             "worker is yours")
 
 
+REGISTRATION_LAG_BOUND_S = 0.25
+"""While the loop runs this far behind, new registrations are put off (``controller.overload``); heartbeats
+never are. Well inside the default TTL (1.5 s), so a heartbeat already waiting still lands in time."""
+REGISTRATION_RETRY_AFTER_S = 1
+"""The ``Retry-After`` a put-off registration is answered with."""
+
+
 class RegistryApi:
     """Routes for the registry over the fleet store; the token check is constant-time. ``scaling`` holds
-    the pools operators may scale (``autoscale.pools``)."""
+    the pools operators may scale (``autoscale.pools``); with ``lag`` (the loop's), registrations wait while
+    the controller runs behind."""
 
     def __init__(self, store: FleetStore, token: str, pools: Sequence[PoolSpec], settings: ControllerSettings,
                  scaling: Mapping[str, PoolScaling] | None = None, instances: InstanceController | None = None,
-                 metrics: CollectorRegistry | None = None) -> None:
+                 metrics: CollectorRegistry | None = None, lag: LoopLag | None = None) -> None:
         self._store = store
         self._token = token.encode()
         self._pools = {pool.name: pool for pool in pools}
@@ -132,6 +141,9 @@ class RegistryApi:
         """Heartbeats (single and a node's batch alike), gathered into one pipeline per batch."""
         self.registrations = RegistrationCoalescer(store, settings.heartbeat_ttl_s)
         """Registrations, gathered into one pipeline and one announcement per batch."""
+        self._lag = lag
+        self.registrations_deferred = 0
+        """Registrations answered 503 because the loop ran behind (for tests and the benchmark)."""
         self._scaling = scaling or {}
         self._instances = instances
         self._metrics = metrics
@@ -179,6 +191,12 @@ class RegistryApi:
             raise web.HTTPBadRequest(text=f"malformed JSON: {exc}") from exc
 
     async def _register(self, request: web.Request) -> web.Response:
+        if self._lag is not None and self._lag.lag_s > REGISTRATION_LAG_BOUND_S:
+            self.registrations_deferred += 1
+            response = _error(503, f"registry busy (event loop {self._lag.lag_s * 1000:.0f} ms behind); "
+                                   f"register again after {REGISTRATION_RETRY_AFTER_S} s", "registry_busy")
+            response.headers["Retry-After"] = str(REGISTRATION_RETRY_AFTER_S)
+            return response
         try:
             body = Registration.model_validate(await self._body(request))
         except (ValidationError, web.HTTPBadRequest) as exc:
