@@ -413,7 +413,9 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
             group.start(name, [sys.executable, "-m", "bench.scale", "serve-workers", str(port)],
                         env={"PYTHONPATH": str(REPO_ROOT)})
         stack = await start_stack(run_dir, config_path, group)
-        connector = aiohttp.TCPConnector(limit=args.concurrency * 4)
+        # No cap on connections: every node (or worker) heartbeats over its own, as real ones do; a shared
+        # pool would queue the fleet's heartbeats in this process and expire workers the API answered in time.
+        connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, headers={"Authorization": f"Bearer {TOKEN}"},
                                          timeout=aiohttp.ClientTimeout(total=30)) as http:
             fleet_ = Fleet(http, stack.api, fleet(n, pools, fail, alive_port, doomed_port), interval_s,

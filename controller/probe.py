@@ -19,7 +19,7 @@ import orjson
 from controller.health import ProbeResult
 from poolgate.kernel.fleet import WorkerRecord
 
-MODELS_RECHECK_S = 10.0
+MODELS_RECHECK_S = 60.0
 """A worker whose ``/v1/models`` listed its model is asked again after this long (or once re-registered)."""
 MAX_REMEMBERED = 25_000
 """Workers whose last good ``/v1/models`` is remembered at most (then the memory starts again)."""

@@ -6,7 +6,6 @@ stranger on the network cannot add an address to Envoy's endpoints. Errors are O
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import ipaddress
 import logging
@@ -137,8 +136,9 @@ class RegistryApi:
         self._store = store
         self._token = token.encode()
         self._pools = {pool.name: pool for pool in pools}
+        self._ttl_s = settings.heartbeat_ttl_s
         self.heartbeats = HeartbeatCoalescer(store, settings.heartbeat_ttl_s)
-        """Heartbeats (single and a node's batch alike), gathered into one pipeline per batch."""
+        """Single-worker heartbeats, gathered into one Redis command per batch."""
         self.registrations = RegistrationCoalescer(store, settings.heartbeat_ttl_s)
         """Registrations, gathered into one pipeline and one announcement per batch."""
         self._lag = lag
@@ -231,15 +231,14 @@ class RegistryApi:
         return _json({"ok": True})
 
     async def _heartbeats(self, request: web.Request) -> web.Response:
-        """Heartbeats of many workers in one call (in the pipeline of every heartbeat waiting with them); the
-        answer names the workers that are not registered (expired), which must register again."""
+        """Heartbeats of many workers in one call (one Redis command); the answer names the workers that are
+        not registered (expired), which must register again."""
         try:
             body = HeartbeatBatch.model_validate(await self._body(request))
         except (ValidationError, web.HTTPBadRequest) as exc:
             return _error(400, str(exc), "invalid_heartbeat")
         beats = {beat.id: beat.model_dump(exclude_none=True, exclude={"id"}) for beat in body.workers}
-        alive = await asyncio.gather(*(self.heartbeats.beat(worker_id, facts) for worker_id, facts in beats.items()))
-        missing = [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
+        missing = await self._store.heartbeat_many(beats, self._ttl_s)
         return _json({"ok": len(beats) - len(missing), "not_registered": missing})
 
     async def _deregister(self, request: web.Request) -> web.Response:

@@ -50,6 +50,9 @@ def connect(url: str, max_connections: int | None = POOL_CONNECTIONS, wait_s: fl
                        socket_connect_timeout=socket_connect_timeout, retries=retries)
 
 
+FACTS_PER_CALL = 500
+"""Workers one ``WRITE_FACTS_MANY`` call writes at most (a larger batch is several calls in one pipeline), so
+one call holds Redis for a few ms at most."""
 PASSIVE_TTL_S = 60.0
 """A worker's data-path failure count expires this long after its last failure."""
 QUEUED_TTL_S = 5.0
@@ -157,6 +160,7 @@ class FleetStore:
         (the script builds its other key names from the tag, all in that slot)."""
         self._register = redis.register_script(store_scripts.REGISTER)
         self._write_facts = redis.register_script(store_scripts.WRITE_FACTS)
+        self._write_facts_many = redis.register_script(store_scripts.WRITE_FACTS_MANY)
         self._deregister = redis.register_script(store_scripts.DEREGISTER)
         self._poll = redis.register_script(store_scripts.POLL)
 
@@ -197,17 +201,29 @@ class FleetStore:
                                              args=self._facts_args(worker_id, _ttl_ms(ttl_s), announce, facts)))
 
     async def heartbeat_many(self, beats: Mapping[str, Mapping[str, Any]], ttl_s: float) -> list[str]:
-        """Heartbeats of many workers (a node agent's) in one pipeline; returns the ids not registered."""
-        if not beats:
-            return []
+        """Heartbeats of many workers (a node agent's, or the API's gathered ones) in one round trip; returns
+        the ids not registered."""
         now = time.time()
+        alive = await self._write_many({worker_id: {"updated_at": now, **facts} for worker_id, facts in beats.items()},
+                                       _ttl_ms(ttl_s), "0")
+        return [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
+
+    async def _write_many(self, facts: Mapping[str, Mapping[str, Any]], ttl_ms: int, announce: str) -> list[Any]:
+        """``WRITE_FACTS`` for every worker in ``facts``: one command per ``FACTS_PER_CALL`` workers, all in one
+        pipeline; ``WRITE_FACTS``'s answers in order."""
+        if not facts:
+            return []
+        items = list(facts.items())
 
         def queue(pipe: Any) -> None:
-            for worker_id, facts in beats.items():
-                self._queue_facts(pipe, self._facts_args(worker_id, _ttl_ms(ttl_s), False,
-                                                         {"updated_at": now, **facts}))
-        alive = await self._scripted_pipeline(queue)
-        return [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
+            for start in range(0, len(items), FACTS_PER_CALL):
+                args: list[Any] = [self.keys.fleet, ttl_ms, announce]
+                for worker_id, values in items[start:start + FACTS_PER_CALL]:
+                    pairs = _pairs(values)
+                    args += [worker_id, len(pairs), *pairs]
+                self._queue_script(pipe, self._write_facts_many, args)
+        return [answer for chunk in await self._scripted_pipeline(queue, store_scripts.WRITE_FACTS_MANY)
+                for answer in chunk]
 
     def _facts_args(self, worker_id: str, ttl_ms: int, announce: bool | str, facts: Mapping[str, Any]) -> list[Any]:
         flag = announce if isinstance(announce, str) else int(announce)
@@ -235,22 +251,16 @@ class FleetStore:
         if not states:
             return []
 
-        def queue(pipe: Any) -> None:
-            for worker_id, state in states.items():
-                self._queue_facts(pipe, self._facts_args(worker_id, 0, "q", {"state": state.value}))
-        written = await self._scripted_pipeline(queue)
+        written = await self._write_many({worker_id: {"state": state.value} for worker_id, state in states.items()},
+                                         0, "q")
         await self._redis.publish(self.keys.events, f"batch {len(states)}")  # a Cluster pipeline has no PUBLISH
         return [worker_id for worker_id, ok in zip(states, written, strict=True) if ok]
-
-    def _queue_facts(self, pipe: Any, args: list[Any]) -> None:
-        self._queue_script(pipe, self._write_facts, args)
 
     def _queue_script(self, pipe: Any, script: Any, args: list[Any]) -> None:
         """A script by its digest on a pipeline (a Cluster pipeline has no ``evalsha`` method)."""
         pipe.execute_command("EVALSHA", script.sha, len(self._route), *self._route, *args)
 
-    async def _scripted_pipeline(self, queue: Callable[[Any], None],
-                                 script: str = store_scripts.WRITE_FACTS) -> list[Any]:
+    async def _scripted_pipeline(self, queue: Callable[[Any], None], script: str) -> list[Any]:
         """Run the calls of ``script`` that ``queue`` puts on one pipeline. A server that does not know the
         script (restarted, or a replica a failover promoted) answers NOSCRIPT: load it and send the
         pipeline again (its writes bear repeating)."""
