@@ -44,6 +44,7 @@ from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
 from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
+from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.routing import cluster_name
 from poolgate.procs import envoy_binary, free_port, wait_port
 
@@ -471,6 +472,7 @@ def serve_workers(port: int) -> None:
     async def scrape(request: web.Request) -> web.Response:
         return web.Response(body=metrics, content_type="text/plain")
 
+    freeze_startup_objects()
     app = web.Application()
     app.router.add_get("/health", ok)
     app.router.add_get("/v1/models", listing)
@@ -483,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve-workers"]:
         serve_workers(int(argv[1]))
         return 0
+    freeze_startup_objects()  # this process is the fleet's heartbeats: no collector pauses in them either
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1000])
     parser.add_argument("--pools", type=int, nargs="+", default=[1])

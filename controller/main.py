@@ -47,6 +47,7 @@ from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
 from controller.xds_bridge import bridge_fleet_to_xds
 from poolgate.kernel.config import Config, ConfigError, load_process_config
+from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
@@ -170,6 +171,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     # a standby starts them when it takes the lease over.
     if local is not None:
         await local.start_all(configured=start_workers and lease.is_leader())
+    freeze_startup_objects()
     print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
           f"workers {len(config.workers) if start_workers and local and lease.is_leader() else 0}", flush=True)
     announcements: set[asyncio.Task[object]] = set()
