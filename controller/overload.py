@@ -11,6 +11,7 @@ joins at the rate the controller can take, and no registered worker is lost to t
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -18,11 +19,12 @@ from collections.abc import Callable
 PERIOD_S = 0.05
 """The loop is sampled this often (a sleep of this long, and how late it woke)."""
 WINDOW_S = 1.0
-"""The lag reported is the largest seen over this window."""
+"""The lag reported is the median of this window's samples: a loop that is behind most of the time, not one
+long step (a large xDS build, a full fleet read) that it catches up from."""
 
 
 class LoopLag:
-    """``run`` samples the running loop until cancelled; ``lag_s`` is the worst recent delay."""
+    """``run`` samples the running loop until cancelled; ``lag_s`` is how late it typically runs now."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -41,4 +43,4 @@ class LoopLag:
 
     @property
     def lag_s(self) -> float:
-        return max((lag for _, lag in self._samples), default=0.0)
+        return statistics.median(lag for _, lag in self._samples) if self._samples else 0.0
