@@ -118,7 +118,7 @@ class FleetWatcher:
             taken_at = self._clock()
             records = self._vouched(taken_at, delta.full, delta.changed)
             async with self._io_lock:
-                totals = await self._store.read_inflight([r.id for r in records])
+                totals = await self._store.read_busy()
                 self._inflight.apply_remote(totals)
                 peers = self._peers
                 if peers is not None:

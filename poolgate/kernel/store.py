@@ -161,6 +161,7 @@ class FleetStore:
         self._register = redis.register_script(store_scripts.REGISTER)
         self._write_facts = redis.register_script(store_scripts.WRITE_FACTS)
         self._write_facts_many = redis.register_script(store_scripts.WRITE_FACTS_MANY)
+        self._add_inflight = redis.register_script(store_scripts.ADD_INFLIGHT)
         self._deregister = redis.register_script(store_scripts.DEREGISTER)
         self._poll = redis.register_script(store_scripts.POLL)
 
@@ -290,7 +291,7 @@ class FleetStore:
             pipe = self._redis.pipeline(transaction=False)
             for worker_id in expired:
                 pipe.srem(self.keys.workers, worker_id)
-                pipe.delete(self.keys.inflight(worker_id))
+                pipe.hdel(self.keys.inflight, worker_id)
             await pipe.execute()
         return [WorkerRecord.from_redis(data) for data in raw if data]
 
@@ -324,7 +325,14 @@ class FleetStore:
 
     async def read_inflight(self, worker_ids: Sequence[str]) -> dict[str, int]:
         """Requests extproc replicas have in flight per worker (0 when none)."""
-        return await self._counts([self.keys.inflight(w) for w in worker_ids], worker_ids)
+        if not worker_ids:
+            return {}
+        values = await self._redis.hmget(self.keys.inflight, list(worker_ids))
+        return {w: max(0, int(v or 0)) for w, v in zip(worker_ids, values, strict=True)}
+
+    async def read_busy(self) -> dict[str, int]:
+        """Requests in flight on every worker that has any (one read, as large as the busy part of the fleet)."""
+        return {_text(w): n for w, v in (await self._redis.hgetall(self.keys.inflight)).items() if (n := int(v)) > 0}
 
     async def read_passive_failures(self, worker_ids: Sequence[str]) -> dict[str, int]:
         """Cumulative data-path failure counts (0 when none or expired); readers compare with their last read."""
@@ -355,20 +363,23 @@ class FleetStore:
     async def add_counts(self, inflight_deltas: Mapping[str, int], queued: Mapping[str, int],
                          replica_id: str, also: Callable[[Any], object] | None = None) -> None:
         """One pipeline: add in-flight deltas per worker, and set this replica's held count per pool (0 removes
-        its field); ``also`` queues more writes of the same flush on it (extproc's peer exchange)."""
-        pipe = self._redis.pipeline(transaction=False)
-        if also is not None:
-            also(pipe)
-        for worker_id, delta in inflight_deltas.items():
-            pipe.incrby(self.keys.inflight(worker_id), delta)
-        for pool, count in queued.items():
-            key = self.keys.queued(pool)
-            if count:
-                pipe.hset(key, replica_id, count)
-                pipe.pexpire(key, _ttl_ms(QUEUED_TTL_S))
-            else:
-                pipe.hdel(key, replica_id)
-        await pipe.execute()
+        its field); ``also`` queues more writes of the same flush on it (extproc's peer exchange: absolute
+        values, which bear repeating when a restarted server asks for the script and the pipeline goes again)."""
+        deltas = [part for worker_id, delta in inflight_deltas.items() if delta for part in (worker_id, delta)]
+
+        def queue(pipe: Any) -> None:
+            if also is not None:
+                also(pipe)
+            if deltas:
+                pipe.execute_command("EVALSHA", self._add_inflight.sha, 1, self.keys.inflight, *deltas)
+            for pool, count in queued.items():
+                key = self.keys.queued(pool)
+                if count:
+                    pipe.hset(key, replica_id, count)
+                    pipe.pexpire(key, _ttl_ms(QUEUED_TTL_S))
+                else:
+                    pipe.hdel(key, replica_id)
+        await self._scripted_pipeline(queue, store_scripts.ADD_INFLIGHT)
 
     # The controllers' lease and the leader's address.
 

@@ -100,7 +100,8 @@ that follow, and those items. Returns ``WRITE_FACTS``'s answer per worker, in or
 
 DEREGISTER = _COMMON + """
 local id = ARGV[2]
-redis.call('DEL', P .. ':worker:' .. id, P .. ':inflight:' .. id, P .. ':passive:' .. id)
+redis.call('DEL', P .. ':worker:' .. id, P .. ':passive:' .. id)
+redis.call('HDEL', P .. ':inflight', id)
 redis.call('SREM', P .. ':workers', id)
 redis.call('ZREM', P .. ':fleet:deadlines', id)
 local v = bump(id, 'changed')
@@ -116,7 +117,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':fleet:deadlines', '-inf',
   if pttl == -2 then
     redis.call('ZREM', P .. ':fleet:deadlines', id)
     redis.call('SREM', P .. ':workers', id)
-    redis.call('DEL', P .. ':inflight:' .. id)
+    redis.call('HDEL', P .. ':inflight', id)
     local v = bump(id, 'changed')
     redis.call('PUBLISH', P .. ':events', 'expire ' .. id .. ' ' .. v)
   elseif pttl == -1 then
@@ -154,3 +155,11 @@ First expires the workers whose TTL ran out (a key expiry publishes nothing, so 
 writes the change for everyone), trims the logs to about twice the fleet (readers older than the trimmed
 part read everything again), then answers epoch, version, floor and the ids changed since ``since``
 (false instead of the ids when ``since`` is below the floor or above the version: read everything)."""
+
+ADD_INFLIGHT = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) <= 0 then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+"""
+"""KEYS: the in-flight hash. ARGV: worker id, delta pairs. A count that falls to zero (or below: an increment
+lost with a Redis restart) leaves the hash, so it holds only the workers with requests in flight."""
