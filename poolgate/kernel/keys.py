@@ -82,9 +82,7 @@ class PeerKeys:
         self.prefix = prefix
         self.replicas = f"{fleet_tag(prefix)}:extproc:replicas"
         self.affinity = f"{fleet_tag(prefix)}:extproc:affinity"
-
-    def reserved(self, worker_id: str) -> str:
-        return f"{fleet_tag(self.prefix)}:reserved:{worker_id}"
+        self.reserved = f"{fleet_tag(prefix)}:extproc:reserved"
 
 
 class RedisKeys:

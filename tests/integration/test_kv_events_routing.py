@@ -138,7 +138,7 @@ async def settled_pick(extproc: Extproc, data: dict[str, object], redis_client: 
     keys = RedisKeys(PREFIX)
     deadline = time.monotonic() + 30.0
     while True:
-        reserved = [k async for k in redis_client.scan_iter(match=keys.peers.reserved("*"))]
+        reserved = await redis_client.hkeys(keys.peers.reserved)
         counts = await redis_client.hvals(keys.inflight)
         if not reserved and all(int(c or 0) == 0 for c in counts):
             break
