@@ -193,6 +193,8 @@ class Fleet:
         self.counters = Counters()
         self.state: dict[str, str] = {}
         """State a worker reports in its next heartbeat (one-change phase)."""
+        self._registering: dict[str, asyncio.Task[None]] = {}
+        """Workers of a node being registered again after their node's heartbeat named them expired."""
         self.registered: set[str] = set()
         """Workers whose first registration went through: only they heartbeat (a worker beats once it
         has registered)."""
@@ -279,17 +281,31 @@ class Fleet:
         self.counters.ok += len(group) - len(missing)
         self.counters.expired += len(missing)
         for worker in group:
-            if worker.id in missing:
+            if worker.id in missing and worker.id not in self._registering:
+                # beside the node's heartbeats, as a node agent would: its other workers keep beating meanwhile
                 self.counters.reregistered += 1
-                await self.register_until_done(worker)
+                self._registering[worker.id] = asyncio.create_task(self._register_again(worker))
+
+    async def _register_again(self, worker: Worker) -> None:
+        try:
+            await self.register_until_done(worker)
+        finally:
+            del self._registering[worker.id]
 
     async def run(self) -> None:
         """Heartbeat every worker (or node) every interval, each at its own random phase, until cancelled."""
-        if self._node_batch > 0:
-            groups = [self.workers[i:i + self._node_batch] for i in range(0, len(self.workers), self._node_batch)]
-            await asyncio.gather(*(self._every(lambda g=g: self.heartbeat_node(g)) for g in groups))
-        else:
-            await asyncio.gather(*(self._every(lambda w=w: self.heartbeat(w)) for w in self.workers))
+        try:
+            if self._node_batch > 0:
+                groups = [self.workers[i:i + self._node_batch]
+                          for i in range(0, len(self.workers), self._node_batch)]
+                await asyncio.gather(*(self._every(lambda g=g: self.heartbeat_node(g)) for g in groups))
+            else:
+                await asyncio.gather(*(self._every(lambda w=w: self.heartbeat(w)) for w in self.workers))
+        finally:
+            pending = list(self._registering.values())
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _every(self, beat: Any) -> None:
         await asyncio.sleep(random.uniform(0, self._interval_s))
