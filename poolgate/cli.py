@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -26,7 +27,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
+"""Read by gRPC when it is imported. poolgate's processes fork only to exec a child (the controller its
+workers, ``up`` the stack), which needs none of gRPC's fork handlers; with them on, a fork while a TLS
+handshake waits for its Python certificate callback (``poolgate.kernel.tls``) stalled the controller 62 s
+per worker started (measured)."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault(GRPC_FORK_SUPPORT_ENV, "false")  # before any subcommand imports grpc
     parser = argparse.ArgumentParser(prog="poolgate", description="Resource-aware routing for LLM fleets")
     subparsers = parser.add_subparsers(dest="command", required=True)
     modules = {}
