@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("poolgate.bench_cli", "run a benchmark under bench/"),
     "scale": ("poolgate.scale_cli", "set a pool's number of workers (through the controller)"),
     "drain": ("poolgate.drain_cli", "drain a worker: no new requests, finish in-flight ones, then stop it"),
+    "envoy-sds": ("poolgate.envoy_sds_cli", "write the SDS files that name Envoy's certificate files (tls section)"),
 }
 
 
