@@ -95,11 +95,12 @@ async def start_worker(port: int, files: TlsFiles, log_path: Path) -> subprocess
         [sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(port), "--model", MODEL,
          "--worker-id", "tls-w1", "--time-scale", "4", "--ssl-certfile", str(files.server_cert),
          "--ssl-keyfile", str(files.server_key), "--ssl-ca-certs", str(files.ca)], log_path)
-    for _ in range(300):
+    for _ in range(1200):  # a loaded machine starts Python slowly
         if port_open("127.0.0.1", port):
-            break
+            return worker
         await asyncio.sleep(0.05)
-    return worker
+    stop_process(worker)
+    raise AssertionError(f"the simulated worker did not open port {port} within 60 s")
 
 
 def start_envoy(config: Config, *, listen_port: int, admin_port: int, xds_port: int,
@@ -172,7 +173,7 @@ async def test_requests_cross_every_tls_hop_and_a_rotated_certificate_is_served(
                                 max_retries=0, timeout=10)
     try:
         # Envoy gets its endpoints over mutual TLS, then reaches the worker over TLS
-        await poll(lambda: answered(client), 30, "an answer through Envoy over TLS", tls_stack["run_dir"] / "envoy.log")
+        await poll(lambda: answered(client), 60, "an answer through Envoy over TLS", tls_stack["run_dir"] / "envoy.log")
         streams = tls_stack["xds"].streams()
         assert [s.node_id for s in streams] == ["tls-envoy"] and not streams[0].errors
 
@@ -223,7 +224,7 @@ async def test_envoy_uses_its_rotated_client_certificate_and_ca_without_a_restar
 
     try:
         xds.update([worker_record(worker_port)])
-        await poll(lambda: answered(client), 30, "an answer with the old certificates", envoy_log)
+        await poll(lambda: answered(client), 60, "an answer with the old certificates", envoy_log)
         before = {c: sds_updates(c) for c in ("poolgate-xds", "poolgate-fallback")}
 
         # The servers move to the new CA: a new worker on the same port, the xDS server restarted.
