@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.cluster.v3 import cluster_pb2
@@ -19,6 +20,7 @@ from google.protobuf import json_format
 from controller.local_backend import tls_launch, worker_command
 from controller.xds.build import build_clusters
 from controller.xds.envoy_tls import SECRET_TYPE_URL, write_sds_files
+from poolgate.cli import main as cli_main
 from poolgate.envoy_bootstrap import EXTPROC_CLUSTER, XDS_CLUSTER, render_bootstrap
 from poolgate.kernel.config import Config, TlsServerFiles, parse_config
 from poolgate.kernel.routing import FALLBACK_CLUSTER
@@ -111,3 +113,16 @@ def test_local_workers_start_with_vllms_https_flags(tmp_path: Path) -> None:
         "pools": [{"name": "chat", "model": "m1"}], "workers": [{"id": "w1", "pool": "chat"}]}).workers})
     command, _ = worker_command(config, config.workers[0], 8001)
     assert command[command.index("--ssl-certfile") + 1] == "/tls/w.pem" and "--ssl-ca-certs" not in command
+
+
+def test_envoy_sds_command_writes_the_files_for_an_envoy_started_otherwise(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "poolgate.yaml"
+    config.write_text(yaml.safe_dump({"pools": [{"name": "chat", "model": "m1"}], "tls": {
+        "workers": {"ca_file": "/tls/ca.pem"}, "envoy_sds_dir": str(tmp_path / "sds")}}))
+    assert cli_main(["envoy-sds", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "sds" / "poolgate-workers-ca.json")]
+    config.write_text(yaml.safe_dump({"pools": [{"name": "chat", "model": "m1"}],
+                                      "tls": {"workers": {"ca_file": "/tls/ca.pem"}}}))
+    assert cli_main(["envoy-sds", "--config", str(config)]) == 2
+    assert "envoy_sds_dir" in capsys.readouterr().err
