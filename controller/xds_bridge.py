@@ -39,6 +39,9 @@ class EndpointSink(Protocol):
 
     async def update_off_loop(self, workers: Sequence[WorkerRecord]) -> object: ...
 
+    @property
+    def fallback_due(self) -> bool: ...
+
 
 async def bridge_fleet_to_xds(store: FleetStore, xds: EndpointSink, *, poll_s: float = 0.25,
                               empty_grace_s: float = 3.0, clock: Callable[[], float] = time.monotonic,
@@ -60,7 +63,7 @@ async def bridge_fleet_to_xds(store: FleetStore, xds: EndpointSink, *, poll_s: f
                     if redis.up():
                         after_outage.redis_returned(now)
                         grace_until = now + empty_grace_s
-                    if not pushed or not delta.empty or now <= grace_until + poll_s:
+                    if not pushed or not delta.empty or now <= grace_until + poll_s or xds.fallback_due:
                         workers = after_outage.fill_in(view.workers(), now)
                         if len(workers) >= OFF_LOOP_WORKERS:
                             await xds.update_off_loop(workers)
