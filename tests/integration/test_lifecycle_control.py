@@ -97,6 +97,36 @@ async def test_monitor_writes_states_and_asks_for_a_replacement(redis_client: ai
     assert monitor.stats.transitions == {"Ready->Failed": 1, "Failed->Ready": 1}
 
 
+class SequenceProber:
+    """Answers each probe with the next of ``answers`` (then passes)."""
+
+    def __init__(self, answers: list[bool]) -> None:
+        self.answers = answers
+        self.calls = 0
+
+    async def probe(self, record: WorkerRecord) -> ProbeResult:
+        self.calls += 1
+        ok = self.answers.pop(0) if self.answers else True
+        return ProbeResult(ok, 0.01, "" if ok else "connection refused")
+
+
+@pytest.mark.parametrize(("answers", "after"), [
+    ([False, False, False], WorkerState.FAILED),  # dead: confirmed within the round that found it
+    ([False, True], WorkerState.READY),  # one failed answer, then a good one: still serving
+])
+async def test_a_serving_workers_failed_probe_is_confirmed_within_the_round(
+        redis_client: aioredis.Redis, answers: list[bool], after: WorkerState) -> None:
+    await register(redis_client)
+    prober = SequenceProber([True])
+    health = CONFIG.health.model_copy(update={"probe_interval_s": 0.1})
+    monitor = HealthMonitor(fleet(redis_client), health, STALE_AFTER_S, prober, clock=ManualClock())
+    await monitor.round()  # known and serving
+    prober.answers = list(answers)
+    await monitor.round()
+    assert await state(redis_client) is after
+    assert prober.calls == 1 + len(answers)
+
+
 async def test_passive_failures_reported_through_redis_eject_at_once(redis_client: aioredis.Redis) -> None:
     await register(redis_client)
     monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, ScriptedProber(), clock=ManualClock())
