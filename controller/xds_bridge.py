@@ -18,15 +18,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from poolgate.kernel.fleet import WorkerRecord
-from poolgate.kernel.fleet_view import FleetView
+from poolgate.kernel.fleet_view import RESYNC_S, FleetView
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog, ReturnGrace
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller")
-
-RESYNC_S = 30.0
-"""The bridge reads the whole registry at least this often, whatever the change log says (a safety net)."""
-
 
 OFF_LOOP_WORKERS = 2000
 """From this fleet size on, the xDS build runs in a worker thread (it takes more than a few ms there)."""
