@@ -122,13 +122,13 @@ def _probe_session(config: Config, worker_tls: ssl.SSLContext | None) -> aiohttp
 
 
 def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceController, probe_session: aiohttp.ClientSession,
-                 metrics: CollectorRegistry, is_leader: Callable[[], bool],
+                 worker_tls: ssl.SSLContext | None, metrics: CollectorRegistry, is_leader: Callable[[], bool],
                  stop: asyncio.Event) -> list[asyncio.Task[object]]:
     """The loops that keep the fleet: the in-process agent, and (acting on the leader only) the health
     monitor, the adapter loader, the pod sync and the autoscaler."""
     health = config.health
     scheme = worker_scheme(config.tls.workers)
-    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models, scheme=scheme)
+    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models, scheme=scheme, tls=worker_tls)
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
     adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader, scheme=scheme)
     loops: list[Coroutine[object, object, object]] = [
@@ -203,7 +203,8 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
         asyncio.create_task(lease.run(stop, on_gain=on_gain)),
         asyncio.create_task(lag.run()),
         *[asyncio.create_task(tls.watch(config.tls.reload_s, stop)) for tls in (api_tls, worker_tls) if tls],
-        *_fleet_tasks(config, store, instances, probe_session, metrics, lease.is_leader, stop),
+        *_fleet_tasks(config, store, instances, probe_session, worker_tls.context if worker_tls else None, metrics,
+                     lease.is_leader, stop),
     ]
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     try:

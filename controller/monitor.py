@@ -36,10 +36,11 @@ CONFIRM_SHARE = 0.5
 """A failed probe of a serving worker is repeated after this share of the probe interval, until it passes or
 the failures in a row reach ``failures_to_fail`` (each repeat must fail too: one slow answer still never
 ejects a worker)."""
-PROBES_PER_S = 1000.0
+PROBES_PER_S = 4000.0
 """A round starts at most this many probes per second: past ``PROBES_PER_S × PROBE_SPREAD × interval``
 workers a round takes longer than the interval, so a large fleet costs the controller a bounded probe
-rate (at 1,000 workers and 0.5 s: a round per second, a dead worker Failed after about three)."""
+rate (at 10,000 workers and 0.5 s: a round every 2.5 s, a dead worker confirmed Failed within the round
+that finds it, ``CONFIRM_SHARE``)."""
 
 
 class Prober(Protocol):
