@@ -6,9 +6,13 @@ stranger on the network cannot add an address to Envoy's endpoints. Errors are O
 
 from __future__ import annotations
 
+import collections
 import hmac
 import ipaddress
 import logging
+import math
+import random
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -122,7 +126,10 @@ REGISTRATION_LAG_BOUND_S = 0.25
 """While the loop runs this far behind, new registrations are put off (``controller.overload``); heartbeats
 never are. Well inside the default TTL (1.5 s), so a heartbeat already waiting still lands in time."""
 REGISTRATION_RETRY_AFTER_S = 1
-"""The ``Retry-After`` a put-off registration is answered with."""
+"""The shortest ``Retry-After`` a put-off registration is answered with."""
+REGISTRATION_RETURNS_PER_S = 200
+"""Put-off registrations are told to come back spread over their number (in the last second) divided by this:
+10,000 at once come back over ~50 s, not together one second later."""
 
 
 class RegistryApi:
@@ -142,6 +149,7 @@ class RegistryApi:
         self.registrations = RegistrationCoalescer(store, settings.heartbeat_ttl_s)
         """Registrations, gathered into one pipeline and one announcement per batch."""
         self._lag = lag
+        self._deferred_at: collections.deque[float] = collections.deque()
         self.registrations_deferred = 0
         """Registrations answered 503 because the loop ran behind (for tests and the benchmark)."""
         self._scaling = scaling or {}
@@ -193,9 +201,10 @@ class RegistryApi:
     async def _register(self, request: web.Request) -> web.Response:
         if self._lag is not None and self._lag.lag_s > REGISTRATION_LAG_BOUND_S:
             self.registrations_deferred += 1
+            retry_after = self._retry_after()
             response = _error(503, f"registry busy (event loop {self._lag.lag_s * 1000:.0f} ms behind); "
-                                   f"register again after {REGISTRATION_RETRY_AFTER_S} s", "registry_busy")
-            response.headers["Retry-After"] = str(REGISTRATION_RETRY_AFTER_S)
+                                   f"register again after {retry_after} s", "registry_busy")
+            response.headers["Retry-After"] = str(retry_after)
             return response
         try:
             body = Registration.model_validate(await self._body(request))
@@ -217,6 +226,16 @@ class RegistryApi:
         await self.registrations.register(record)
         log.info("registered worker %s (%s) in pool %s", record.id, record.address, record.pool)
         return _json(record.to_redis(), status=201)
+
+    def _retry_after(self) -> int:
+        """Whole seconds, drawn so that the registrations put off lately come back spread at about
+        ``REGISTRATION_RETURNS_PER_S`` (a fleet told "1 s" all at once would come back all at once)."""
+        now = time.monotonic()
+        self._deferred_at.append(now)
+        while self._deferred_at[0] < now - 1.0:
+            self._deferred_at.popleft()
+        spread_s = len(self._deferred_at) / REGISTRATION_RETURNS_PER_S
+        return math.ceil(random.uniform(REGISTRATION_RETRY_AFTER_S, REGISTRATION_RETRY_AFTER_S + spread_s))
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]
