@@ -67,6 +67,10 @@ class QuotaKeys:
         """Tokens charged in calendar minute ``minute`` (= ⌊t / 60⌋): accounting only."""
         return f"{self.tenant(name)}:tpm:{minute}"
 
+    def charged(self, name: str, batch_id: str) -> str:
+        """Marks a batch of charges kept while Redis was away as written (so a resent batch is not counted twice)."""
+        return f"{self.tenant(name)}:charged:{batch_id}"
+
 
 def fleet_tag(prefix: str) -> str:
     """The fleet keys' common beginning: the prefix as one Redis Cluster hash tag."""

@@ -1,5 +1,5 @@
 """poolgate on highly available Redis: a Sentinel group and a Redis Cluster, real servers started by the test
-(``tests/redis_deployments.py``).
+(``bench/redis_deployments.py``).
 
 Every fleet path (scripts, pipelines, change feed, lease, quotas, peer exchange) runs unchanged on both; on
 Cluster no key falls outside its namespace's hash tag. Then the master holding the fleet is killed under
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from bench.redis_deployments import ClusterDeployment, SentinelGroup, binaries_missing
 from controller.lease import LeaderLease
 from extproc.quota import QuotaStore
 from extproc.tenancy import Tenant
@@ -27,7 +28,6 @@ from poolgate.kernel.keys import RedisKeys
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.redis_client import RedisLike
 from poolgate.kernel.store import FleetStore, connect
-from tests.redis_deployments import ClusterDeployment, SentinelGroup, binaries_missing
 
 PREFIX = "ha-test"
 KEYS = RedisKeys(PREFIX)
