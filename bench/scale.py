@@ -211,7 +211,7 @@ class Fleet:
                 if r.status == 503 and "Retry-After" in r.headers:
                     self.counters.registrations_deferred += 1
                     return float(r.headers["Retry-After"])
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):
             pass
         self.counters.registration_errors += 1
         return 0.1
@@ -248,7 +248,7 @@ class Fleet:
                 status = r.status
                 await r.read()
             self.counters.latencies.append(time.monotonic() - sent)
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):
             self.counters.failed += 1
             return
         if status == 200:
@@ -271,7 +271,7 @@ class Fleet:
                 status = r.status
                 answer = await r.json() if status == 200 else {}
             self.counters.latencies.append(time.monotonic() - sent)
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):
             self.counters.failed += len(group)
             return
         if status != 200:
