@@ -204,23 +204,23 @@ class FleetStore:
     async def heartbeat_many(self, beats: Mapping[str, Mapping[str, Any]], ttl_s: float) -> list[str]:
         """Heartbeats of many workers (a node agent's, or the API's gathered ones) in one round trip; returns
         the ids not registered."""
-        now = time.time()
-        alive = await self._write_many({worker_id: {"updated_at": now, **facts} for worker_id, facts in beats.items()},
-                                       _ttl_ms(ttl_s), "0")
+        alive = await self._write_many(beats, _ttl_ms(ttl_s), "0", {"updated_at": time.time()})
         return [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
 
-    async def _write_many(self, facts: Mapping[str, Mapping[str, Any]], ttl_ms: int, announce: str) -> list[Any]:
-        """``WRITE_FACTS`` for every worker in ``facts``: one command per ``FACTS_PER_CALL`` workers, all in one
-        pipeline; ``WRITE_FACTS``'s answers in order."""
+    async def _write_many(self, facts: Mapping[str, Mapping[str, Any]], ttl_ms: int, announce: str,
+                          common: Mapping[str, Any] | None = None) -> list[Any]:
+        """``WRITE_FACTS`` for every worker in ``facts`` (each with ``common`` too, encoded once): one command per
+        ``FACTS_PER_CALL`` workers, all in one pipeline; ``WRITE_FACTS``'s answers in order."""
         if not facts:
             return []
         items = list(facts.items())
+        shared = _pairs(common or {})
 
         def queue(pipe: Any) -> None:
             for start in range(0, len(items), FACTS_PER_CALL):
                 args: list[Any] = [self.keys.fleet, ttl_ms, announce]
                 for worker_id, values in items[start:start + FACTS_PER_CALL]:
-                    pairs = _pairs(values)
+                    pairs = [*shared, *_pairs(values)] if values else shared
                     args += [worker_id, len(pairs), *pairs]
                 self._queue_script(pipe, self._write_facts_many, args)
         return [answer for chunk in await self._scripted_pipeline(queue, store_scripts.WRITE_FACTS_MANY)
