@@ -4,6 +4,7 @@ names the ones that must register again, and refuses bad input with an OpenAI-st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -24,6 +25,26 @@ CONFIG = parse_config({
 })
 TOKEN = "batch-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+LONG_TTL = parse_config({"pools": [{"name": "chat", "model": "m1"}], "controller": {"heartbeat_ttl_s": 60}})
+
+
+@contextlib.asynccontextmanager
+async def serving(redis_url: str, prefix: str, lag: LoopLag | None = None) -> AsyncIterator[
+        tuple[str, RegistryApi, FleetStore]]:
+    """A registry API on a free port over its own small Redis pool (callers queue for its 4 connections)."""
+    redis = connect(redis_url, max_connections=4, wait_s=5.0)
+    store = FleetStore(redis, prefix)
+    registry = RegistryApi(store, TOKEN, LONG_TTL.pools, LONG_TTL.controller, lag=lag)
+    runner = web.AppRunner(registry.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", registry, store
+    finally:
+        await runner.cleanup()
+        await redis.aclose()
 
 
 @pytest.fixture()
@@ -81,15 +102,7 @@ async def test_many_callers_at_once_wait_for_the_pool_instead_of_failing(api: tu
 
 
 async def test_single_heartbeats_at_once_share_pipelines_and_each_gets_its_own_answer(redis_url: str) -> None:
-    config = parse_config({"pools": [{"name": "chat", "model": "m1"}], "controller": {"heartbeat_ttl_s": 60}})
-    redis = connect(redis_url, max_connections=4, wait_s=5.0)
-    store = FleetStore(redis, "c")
-    registry = RegistryApi(store, TOKEN, config.pools, config.controller)
-    runner = web.AppRunner(registry.app())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with serving(redis_url, "c") as (base, registry, store):
         ids = [f"s-w{i}" for i in range(100)]
         async with aiohttp.ClientSession(headers=AUTH) as http:
             for i, worker_id in enumerate(ids):
@@ -110,21 +123,10 @@ async def test_single_heartbeats_at_once_share_pipelines_and_each_gets_its_own_a
         assert registry.heartbeats.batches < 101
         states = {r.id: r.state for r in await store.read_fleet()}
         assert states["s-w7"] is WorkerState.BUSY and states["s-w8"] is WorkerState.READY
-    finally:
-        await runner.cleanup()
-        await redis.aclose()
 
 
 async def test_a_burst_of_registrations_shares_pipelines_and_wakes_readers_once_per_batch(redis_url: str) -> None:
-    config = parse_config({"pools": [{"name": "chat", "model": "m1"}], "controller": {"heartbeat_ttl_s": 60}})
-    redis = connect(redis_url, max_connections=4, wait_s=5.0)
-    store = FleetStore(redis, "r")
-    registry = RegistryApi(store, TOKEN, config.pools, config.controller)
-    runner = web.AppRunner(registry.app())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with serving(redis_url, "r") as (base, registry, store):
         async with store.changes() as feed, aiohttp.ClientSession(headers=AUTH) as http:
             async def register(i: int) -> int:
                 body = {"id": f"r-w{i}", "pool": "chat", "host": "127.0.0.1", "port": 9400 + i}
@@ -142,21 +144,11 @@ async def test_a_burst_of_registrations_shares_pipelines_and_wakes_readers_once_
               f"{len(announcements)} announcements")
         assert registry.registrations.batches < 100 and len(announcements) == registry.registrations.batches
         assert sorted(r.id for r in await store.read_fleet()) == sorted(f"r-w{i}" for i in range(100))
-    finally:
-        await runner.cleanup()
-        await redis.aclose()
 
 
 async def test_a_registry_running_behind_puts_registrations_off_but_keeps_taking_heartbeats(redis_url: str) -> None:
-    config = parse_config({"pools": [{"name": "chat", "model": "m1"}], "controller": {"heartbeat_ttl_s": 60}})
-    redis = connect(redis_url, max_connections=4, wait_s=5.0)
     lag = LoopLag()
-    registry = RegistryApi(FleetStore(redis, "d"), TOKEN, config.pools, config.controller, lag=lag)
-    runner = web.AppRunner(registry.app())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with serving(redis_url, "d", lag) as (base, registry, _):
         async with aiohttp.ClientSession(headers=AUTH) as http:
             def body(worker_id: str) -> dict[str, object]:
                 return {"id": worker_id, "pool": "chat", "host": "127.0.0.1", "port": 9500}
@@ -185,6 +177,3 @@ async def test_a_registry_running_behind_puts_registrations_off_but_keeps_taking
             async with http.post(f"{base}/v1/workers", json=body("d-late")) as response:
                 assert response.status == 201
         assert registry.registrations_deferred == 401
-    finally:
-        await runner.cleanup()
-        await redis.aclose()
