@@ -36,7 +36,7 @@ def config(metrics_port: int) -> dict[str, Any]:
         "controller": {"token": "order-token", "heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0},
         "extproc": {"processes": PROCESSES},
         "observability": {"extproc_metrics_port": metrics_port},
-        "scheduling": {"max_wait_s": 60},
+        "scheduling": {"max_wait_s": 50},
         "tenants": [{"name": "vip", "api_key_sha256": [key_digest(VIP_KEY)], "priority": "high"},
                     {"name": "bulk", "api_key_sha256": [key_digest(BULK_KEY)], "priority": "low"}],
         "pools": [{"name": "small", "model": "small-model", "max_model_len": 2048}],
@@ -53,16 +53,17 @@ def stack(redis_server: RedisServer) -> Any:
 
 
 def held_requests(stack: RunningStack) -> float:
+    """Requests held now, summed over the processes."""
     return sum(float(value) for value in re.findall(r"^poolgate_extproc_held_requests (\S+)$",
                                                     stack.extproc_metrics(), re.MULTILINE))
 
 
-def wait_until(condition: Any, timeout_s: float, what: str) -> float:
+def wait_until(condition: Any, timeout_s: float, what: str) -> None:
     started = time.monotonic()
     while not condition():
         assert time.monotonic() - started < timeout_s, f"timed out after {timeout_s} s waiting until {what}"
         time.sleep(0.05)
-    return time.monotonic() - started
+    print(f"{what}: after {time.monotonic() - started:.2f} s")
 
 
 async def chat(http: httpx.AsyncClient, base_url: str, key: str | None, words: int, output_tokens: int) -> str:
@@ -105,14 +106,14 @@ def test_a_high_class_request_goes_before_low_class_ones_held_in_other_processes
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             blockers = [asyncio.create_task(chat(http, stack.base_url, None, BLOCKER_WORDS, BLOCKER_OUTPUT))
                         for _ in range(BLOCKERS)]
-            await asyncio.to_thread(wait_until, lambda: int(store.get(inflight_key) or 0) == BLOCKERS, 10,
+            await asyncio.to_thread(wait_until, lambda: int(store.get(inflight_key) or 0) == BLOCKERS, 30,
                                     f"Redis counts the {BLOCKERS} blockers in flight, from every process")
             lows = [asyncio.create_task(chat(http, stack.base_url, BULK_KEY, HELD_WORDS, HELD_OUTPUT))
                     for _ in range(LOW_REQUESTS)]
-            await asyncio.to_thread(wait_until, lambda: held_requests(stack) == LOW_REQUESTS, 20,
+            await asyncio.to_thread(wait_until, lambda: held_requests(stack) == LOW_REQUESTS, 60,
                                     "every low-class request is held")
             vip = asyncio.create_task(chat(http, stack.base_url, VIP_KEY, HELD_WORDS, HELD_OUTPUT))
-            await asyncio.to_thread(wait_until, lambda: held_requests(stack) == LOW_REQUESTS + 1, 20,
+            await asyncio.to_thread(wait_until, lambda: held_requests(stack) == LOW_REQUESTS + 1, 60,
                                     "the high-class request is held too")
             await asyncio.sleep(0.5)  # its process's report has reached the others (flush, then their refresh)
             assert not any(task.done() for task in blockers), "the worker freed room before the test was set up"
