@@ -37,7 +37,7 @@ from poolgate.kernel.errors import PoolgateError
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog
 from poolgate.kernel.store import FleetStore
-from poolgate.kernel.tls import client_context, worker_scheme
+from poolgate.kernel.tls import ClientTls, worker_scheme
 
 log = logging.getLogger("poolgate.agent")
 
@@ -300,9 +300,14 @@ async def run_agent(
             log.info("node %s: no kubelet PodResources socket at %s; GPU facts only for workers with "
                      "configured GPU ids", node, pod_resources_socket)
     session: aiohttp.ClientSession | None = None
+    tls_watch: asyncio.Task[None] | None = None
     if source is None:
         tls = config.tls.workers
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_context(tls) or True))
+        worker_tls = ClientTls(tls, "tls.workers") if tls is not None else None
+        if worker_tls is not None:  # its client certificate rotates without a restart
+            tls_watch = asyncio.create_task(worker_tls.watch(config.tls.reload_s))
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            ssl=worker_tls.context if worker_tls is not None else True))
         # A scrape may outlast one tick a little (busy Python server), never by seconds.
         source = HttpMetricsSource(session, timeout_s=max(0.2, min(2 * interval, 2.0)), scheme=worker_scheme(tls))
     agent = Agent(store, source, gpus, worker_ids=worker_ids, node=node, local_names=local_names,
@@ -319,6 +324,8 @@ async def run_agent(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=max(0.0, next_tick - clock()))
     finally:
+        if tls_watch is not None:
+            tls_watch.cancel()
         if session is not None:
             await session.close()
         if pod_gpus is not None:

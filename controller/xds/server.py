@@ -39,7 +39,7 @@ from controller.xds.build import (
 )
 from controller.xds.cache import Snapshot, SnapshotCache
 from controller.xds.delta import DeltaAdsStream
-from poolgate.kernel.config import PoolSpec, TlsClientFiles, TlsServerFiles
+from poolgate.kernel.config import PoolSpec, TlsServerFiles, TlsSettings
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.routing import cluster_name
 from poolgate.kernel.tls import bind_grpc
@@ -225,7 +225,7 @@ class StreamStatus:
 class XdsServer:
     """ADS for the pools of one config. ``update`` may be called as often as the fleet changes."""
 
-    def __init__(self, pools: tuple[PoolSpec, ...], worker_tls: TlsClientFiles | None = None) -> None:
+    def __init__(self, pools: tuple[PoolSpec, ...], tls: TlsSettings | None = None) -> None:
         self._pools = tuple(pools)
         self._cache = SnapshotCache()
         self._streams: dict[_Stream, asyncio.Queue[_Event]] = {}
@@ -234,7 +234,7 @@ class XdsServer:
         """Per pool, what Envoy saw of its workers at the last build."""
         self.pools_built = 0
         """Pool load assignments built so far (a one-worker change builds one)."""
-        self._clusters = Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools, worker_tls))
+        self._clusters = Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools, tls))
         """The pools' clusters: fixed by the config, built once (re-offered by each update)."""
         # Nothing is cached, so nothing is served, before the first ``update``: a controller binds its port
         # before it has read the fleet, and an Envoy that reconnects meanwhile kept its endpoints. An empty
