@@ -9,6 +9,7 @@ import random
 
 import redis.asyncio as aioredis
 from test_extproc_service import CHAT, LIMIT, NOW, Fleet, Rig, kv_worker, pin_of, ready, rig
+from test_peer_reservations import exchange as exchange_once
 from test_tenancy_service import TENANTS, ask, vip
 
 from extproc.flow_queue import FlowQueue
@@ -84,14 +85,7 @@ async def test_one_replica_reads_the_others_report_and_a_stale_or_withdrawn_one_
                                 queue_order=orders[name]) for name in waiting}
 
     async def exchange(name: str) -> None:
-        pipe = redis_client.pipeline(transaction=False)
-        written = peers[name].queue_writes(pipe)
-        await pipe.execute()
-        if written is not None:
-            written()
-        pipe = redis_client.pipeline(transaction=False)
-        apply = peers[name].queue_reads(pipe, [])
-        apply(await pipe.execute())
+        await exchange_once(redis_client, peers[name])
 
     await exchange("a")
     await exchange("b")
