@@ -1,19 +1,23 @@
 """The chaos soak's stack and faults (``poolgate bench soak --chaos``).
 
-The stack is laid out as on several machines, every part its own process: Redis (append-only file, so a
-restart keeps the fleet and the quota counters, as a replica that takes over would), two controllers on
-it (one holds the leader lease, the other stands by; both serve xDS and the registry API), two extproc
-processes, one Envoy (its xDS cluster lists both controllers, its ext_proc cluster both extprocs) and a
-"node" of simulated workers: the node starts each worker, registers it through a controller's registry
-API once ``/health`` answers and heartbeats for it (trying the other controller when one is down), as a
-node agent with a kubelet would. A process that dies is started again on its port after ``RESTART_S``,
-as a process manager would.
+The stack is laid out as on several machines, every part its own process: Redis as a Sentinel group (a
+master, two replicas, three sentinels: ``bench.redis_deployments.SentinelGroup``; every process opens it
+with the ``redis+sentinel://`` URL, through the one client factory), two controllers on it (one holds the
+leader lease, the other stands by; both serve xDS and the registry API), two extproc processes, one Envoy
+(its xDS cluster lists both controllers, its ext_proc cluster both extprocs) and a "node" of simulated
+workers: the node starts each worker, registers it through a controller's registry API once ``/health``
+answers and heartbeats for it (trying the other controller when one is down), as a node agent with a
+kubelet would. A process that dies is started again on its port after ``RESTART_S``, as a process manager
+would.
 
 Faults, in turn: SIGKILL a worker, SIGKILL an extproc process, SIGKILL the leading controller (the one
-whose API the lease holder announced), SIGKILL Redis, and delay one worker for ``DELAY_HOLD_S``. The
-delay is simulated: this machine's kernel has no ``netem`` queueing discipline (``tc qdisc … netem``
-answers "Specified qdisc kind is unknown"), so the simulated worker's own fault knob ``added_latency_s``
-(``POST /sim/faults``) holds every inference request before its engine instead of delaying packets.
+whose API the lease holder announced), SIGKILL the Redis master (the sentinels promote a replica; the
+killed node is started again once they have, as a replica of the new master), and delay one worker for
+``DELAY_HOLD_S``. The delay is simulated: this machine's kernel is built without the ``netem`` queueing
+discipline (``CONFIG_NET_SCH_NETEM`` is not set; ``tc qdisc add dev lo root netem delay 100ms`` in a
+network namespace answers "Specified qdisc kind is unknown"), so the simulated worker's own fault knob
+``added_latency_s`` (``POST /sim/faults``) holds every inference request before its engine instead of
+delaying packets.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import contextlib
 import hashlib
 import os
 import secrets
-import shutil
 import signal
 import sys
 import time
@@ -33,14 +36,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import redis.asyncio as aioredis
 import yaml
 
 from bench.harness import ProcessGroup
+from bench.redis_deployments import SentinelGroup, binaries_missing
 from bench.sched_fleet import MODELS, POOL_MAX_MODEL_LEN
 from poolgate.envoy_bootstrap import XDS_CLUSTER, render_bootstrap
 from poolgate.kernel.config import parse_config
-from poolgate.kernel.store import FleetStore
+from poolgate.kernel.outage import REDIS_ERRORS
+from poolgate.kernel.redis_client import RedisLike
+from poolgate.kernel.store import FleetStore, connect
 from poolgate.procs import envoy_binary, free_port, wait_port
 
 KEY_PREFIX = "chaos"
@@ -52,15 +57,20 @@ RESTART_S = 1.0
 DELAY_S = 2.0
 """Added to every request of the delayed worker."""
 DELAY_HOLD_S = 30.0
-FAULTS = ("worker", "extproc", "leader controller", "redis", "worker delay (simulated)")
+REDIS_FAULT = "redis master"
+DELAY_FAULT = "worker delay (simulated)"
+FAULTS = ("worker", "extproc", "leader controller", REDIS_FAULT, DELAY_FAULT)
+FAILOVER_WAIT_S = 60.0
+"""A killed master is started again once the sentinels name another one, or after this long."""
 
 
 def chaos_config(token: str, quota_key: str) -> dict[str, Any]:
     """The soak's poolgate config (YAML-shaped): two pools, one quota tenant, no controller-run workers."""
     return {
         "key_prefix": KEY_PREFIX,
-        # A generous TTL: on a loaded shared host heartbeats can lag by seconds.
-        "controller": {"token": token, "heartbeat_interval_s": 0.5, "heartbeat_ttl_s": 5.0},
+        # A generous TTL: on a loaded shared host heartbeats can lag by seconds, and none is written while the
+        # sentinels fail the master over (3-4 s measured at load 18-33, more on a busier host).
+        "controller": {"token": token, "heartbeat_interval_s": 0.5, "heartbeat_ttl_s": 10.0},
         "autoscale": {"lease_ttl_s": 3.0},
         "health": {"probe_interval_s": 1.0, "probe_timeout_s": 5.0},
         "scheduling": {"task_classes": {"code_models": [MODELS["code"]]}},
@@ -111,6 +121,7 @@ class ChaosStack:
     restarts: dict[str, int] = field(default_factory=dict)
     stopping: bool = False
     heartbeat_failures: int = 0
+    redis: SentinelGroup | None = None
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -122,29 +133,30 @@ class ChaosStack:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.ports['redis']}/0"
+        assert self.redis is not None, "the stack has not started"
+        return self.redis.url
+
+    def open_redis(self) -> RedisLike:
+        """A short-lived client of the stack's Redis, as every poolgate process opens it (following the master)."""
+        return connect(self.redis_url, max_connections=None, socket_timeout=2, socket_connect_timeout=2)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['envoy']}"
 
     def pids(self) -> dict[str, int]:
-        """Service → pid of its live process."""
-        return {name: process.pid for name, process in self.group.children.items() if process.poll() is None}
+        """Service → pid of its live process (Redis: each node and sentinel by its port)."""
+        live = {name: process.pid for name, process in self.group.children.items() if process.poll() is None}
+        return live | (self.redis.pids() if self.redis is not None else {})
 
     def _start(self, name: str, cmd: list[str], port: int) -> None:
         self.commands[name], self.ports[name] = cmd, port
         self.group.start(name, cmd)
 
     async def start(self) -> None:
-        server = shutil.which("redis-server")
-        if server is None:
-            raise SystemExit("redis-server is needed: apt-get install redis-server")
-        redis_port = free_port()
-        self._start("redis", [server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.run_dir)],
-                    redis_port)
-        await self._wait("redis", 15)
+        if (missing := binaries_missing()) is not None:
+            raise SystemExit(f"the chaos soak needs Redis: {missing}")
+        self.redis = await asyncio.to_thread(SentinelGroup)
         python = [sys.executable, "-m", "poolgate.cli"]
         common = ["--config", str(self.config_path), "--redis-url", self.redis_url]
         xds = {}
@@ -188,6 +200,8 @@ class ChaosStack:
     def stop(self) -> None:
         self.stopping = True
         self.group.stop_all()
+        if self.redis is not None:
+            self.redis.stop()
 
     # The process manager and the node.
 
@@ -264,10 +278,10 @@ class ChaosStack:
 
     async def leader(self) -> str | None:
         """The controller whose API the lease holder announced."""
-        redis = aioredis.from_url(self.redis_url, socket_timeout=2)
+        redis = self.open_redis()
         try:
             url = await FleetStore(redis, KEY_PREFIX).controller_url()
-        except (aioredis.RedisError, OSError):
+        except REDIS_ERRORS:
             return None
         finally:
             await redis.aclose()
@@ -294,27 +308,51 @@ class ChaosStack:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
-    async def _redis_serves(self) -> bool:
-        """Redis answers commands (a restarted one refuses them while it loads its append-only file)."""
-        redis = aioredis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+    async def redis_serves(self) -> bool:
+        """The master the sentinels name takes a write (a replica would refuse it)."""
+        redis = self.open_redis()
         try:
-            return bool(await redis.get("chaos-probe") is None)
-        except (aioredis.RedisError, OSError):
+            return bool(await redis.set(f"{KEY_PREFIX}:chaos-probe", "1", px=10_000))
+        except REDIS_ERRORS:
             return False
         finally:
             await redis.aclose()
 
+    async def fail_redis_master(self) -> int:
+        """Kill the master (SIGKILL); returns its port. ``restart_redis_node`` brings the node back."""
+        assert self.redis is not None
+        return await asyncio.to_thread(self.redis.fail_master)
+
+    async def restart_redis_node(self, port: int) -> int | None:
+        """Once the sentinels name another master (or after ``FAILOVER_WAIT_S``), start the killed node again:
+        a process manager brings the crashed machine's Redis back, and it joins as a replica. Returns the
+        port of the master the sentinels promoted (None: none within the wait)."""
+        assert self.redis is not None
+        deadline = time.monotonic() + FAILOVER_WAIT_S
+        promoted = None
+        while not self.stopping and time.monotonic() < deadline:
+            with contextlib.suppress(*REDIS_ERRORS):
+                if (master := await asyncio.to_thread(self.redis.current_master)) != port:
+                    promoted = master
+                    break
+            await asyncio.sleep(0.2)
+        if not self.stopping:
+            await asyncio.to_thread(self.redis.restart, port)
+        return promoted
+
     async def back_after(self, name: str, since: float, timeout_s: float = 120.0) -> float | None:
-        """Seconds from ``since`` until ``name`` serves again (a worker: registered again; Redis: answers
-        a read, not just its port)."""
+        """Seconds from ``since`` until ``name`` serves again (a worker: registered again; Redis: a master
+        takes writes)."""
         worker = next((w for w in self.workers if w.id == name), None)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if worker is not None:
                 if worker.registered_pid is not None:
                     return time.monotonic() - since
-            elif name in self.pids() and await wait_port("127.0.0.1", self.ports[name], 0.5) and (
-                    name != "redis" or await self._redis_serves()):
+            elif name == REDIS_FAULT:
+                if await self.redis_serves():
+                    return time.monotonic() - since
+            elif name in self.pids() and await wait_port("127.0.0.1", self.ports[name], 0.5):
                 return time.monotonic() - since
             await asyncio.sleep(0.1)
         return None
@@ -363,8 +401,11 @@ class FaultPlan:
             event.target = await stack.leader() or ""
             if not event.target:
                 event.note = "no leader announced; nothing killed"
-        elif kind == "redis":
-            event.target = "redis"
+        elif kind == REDIS_FAULT:
+            port = await stack.fail_redis_master()
+            event.target = f"redis-{port}"
+            self._spawn(self._note_back(event, since, REDIS_FAULT))
+            self._spawn(self._fail_over(event, port))
         else:
             worker = stack.workers[-1 - self._rounds.get(kind, 0) % len(stack.workers)]
             self._rounds[kind] = self._rounds.get(kind, 0) + 1
@@ -375,8 +416,8 @@ class FaultPlan:
             else:
                 event.note = "the worker did not take the delay"
         self.events.append(event)
-        if kind != FAULTS[-1] and event.target and stack.kill(event.target):
-            self._spawn(self._note_back(event, since))
+        if kind not in (REDIS_FAULT, DELAY_FAULT) and event.target and stack.kill(event.target):
+            self._spawn(self._note_back(event, since, event.target))
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -387,8 +428,12 @@ class FaultPlan:
         await asyncio.sleep(DELAY_HOLD_S)
         await self.stack.set_delay(http, worker, 0.0)
 
-    async def _note_back(self, event: FaultEvent, since: float) -> None:
-        event.back_after_s = await self.stack.back_after(event.target, since)
+    async def _fail_over(self, event: FaultEvent, port: int) -> None:
+        promoted = await self.stack.restart_redis_node(port)
+        event.note = f"Sentinel failover to redis-{promoted}" if promoted else "no failover within the wait"
+
+    async def _note_back(self, event: FaultEvent, since: float, serving: str) -> None:
+        event.back_after_s = await self.stack.back_after(serving, since)
 
     async def settle(self) -> None:
         if self._background:

@@ -318,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="poolgate bench soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--chaos", action="store_true",
                         help="the chaos soak (bench/chaos_soak.py): mixed workload on a two-controller stack "
-                             "while workers, extproc, the leading controller and Redis are killed in turn")
+                             "while workers, extproc, the leading controller and the Redis master are killed in turn")
+    parser.add_argument("--short", action="store_true",
+                        help="--chaos: a check of a few minutes (3 minutes unless --minutes, a fault every 20 s, "
+                             "short capacity steps); its figures are no soak's")
     parser.add_argument("--minutes", type=float, default=None, help="default 10 (--chaos: 30)")
     parser.add_argument("--out", default=None, help="report directory (default: a new temporary directory)")
     parser.add_argument("--load", type=float, default=0.7, help="share of the measured capacity (default 0.7)")
@@ -332,10 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=20.0, help="--chaos: RSS sampling interval")
     args = parser.parse_args(argv)
     args.out = args.out or tempfile.mkdtemp(prefix="poolgate-soak-")
-    args.minutes = args.minutes if args.minutes is not None else (30.0 if args.chaos else 10.0)
+    args.minutes = args.minutes if args.minutes is not None else (
+        3.0 if args.chaos and args.short else 30.0 if args.chaos else 10.0)
     args.calibrate_s = args.calibrate_s if args.calibrate_s is not None else (30.0 if args.chaos else 15.0)
     if args.chaos:
         from bench.chaos_soak import run as run_chaos
+
+        if args.short:
+            args.fault_every_s, args.calibrate_s, args.calibrate_warmup_s, args.sample_s = 20.0, 8.0, 3.0, 10.0
 
         return run_chaos(args)
     report = run(args)

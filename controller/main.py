@@ -39,7 +39,8 @@ from controller.drain import Drainer
 from controller.instances import InstanceController
 from controller.lease import LeaderLease
 from controller.local_backend import GpuFacts, LocalProcessBackend, worker_command
-from controller.monitor import HealthMonitor, run_monitor
+from controller.monitor import PROBE_CONCURRENCY, HealthMonitor, run_monitor
+from controller.overload import LoopLag
 from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
@@ -47,6 +48,7 @@ from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
 from controller.xds_bridge import bridge_fleet_to_xds
 from poolgate.kernel.config import Config, ConfigError, load_process_config
+from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
@@ -111,21 +113,22 @@ async def _serve_api(registry: RegistryApi, host: str, port: int,
 
 
 def _probe_session(config: Config, worker_tls: ssl.SSLContext | None) -> aiohttp.ClientSession:
-    """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards."""
+    """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards. As many
+    connections as the monitor has probes in flight (aiohttp's default, 100, would queue its probes)."""
     worker_key = config.worker_api_key()
-    connector = aiohttp.TCPConnector(ssl=worker_tls or True)
+    connector = aiohttp.TCPConnector(limit=PROBE_CONCURRENCY, ssl=worker_tls or True)
     return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None,
                                  connector=connector)
 
 
 def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceController, probe_session: aiohttp.ClientSession,
-                 metrics: CollectorRegistry, is_leader: Callable[[], bool],
+                 worker_tls: ssl.SSLContext | None, metrics: CollectorRegistry, is_leader: Callable[[], bool],
                  stop: asyncio.Event) -> list[asyncio.Task[object]]:
     """The loops that keep the fleet: the in-process agent, and (acting on the leader only) the health
     monitor, the adapter loader, the pod sync and the autoscaler."""
     health = config.health
     scheme = worker_scheme(config.tls.workers)
-    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models, scheme=scheme)
+    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models, scheme=scheme, tls=worker_tls)
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
     adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader, scheme=scheme)
     loops: list[Coroutine[object, object, object]] = [
@@ -164,13 +167,16 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     drainer = Drainer(store, config.drain)
     instances = InstanceController(store, backend, drainer, is_leader=lease.is_leader)
     metrics = CollectorRegistry()
-    registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics)
+    lag = LoopLag()
+    registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics,
+                           lag)
     api, api_url = await _serve_api(registry, host, http_port, api_tls)
     await lease.renew()
     # The config's workers run on the leader only (a standby starting them too would run each twice);
     # a standby starts them when it takes the lease over.
     if local is not None:
         await local.start_all(configured=start_workers and lease.is_leader())
+    freeze_startup_objects()
     print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
           f"workers {len(config.workers) if start_workers and local and lease.is_leader() else 0}", flush=True)
     announcements: set[asyncio.Task[object]] = set()
@@ -195,8 +201,10 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     tasks = [
         asyncio.create_task(bridge_fleet_to_xds(store, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
         asyncio.create_task(lease.run(stop, on_gain=on_gain)),
+        asyncio.create_task(lag.run()),
         *[asyncio.create_task(tls.watch(config.tls.reload_s, stop)) for tls in (api_tls, worker_tls) if tls],
-        *_fleet_tasks(config, store, instances, probe_session, metrics, lease.is_leader, stop),
+        *_fleet_tasks(config, store, instances, probe_session, worker_tls.context if worker_tls else None, metrics,
+                     lease.is_leader, stop),
     ]
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     try:

@@ -63,6 +63,10 @@ class Metrics:
             "poolgate_extproc_quota_errors", "Quota calls to Redis that failed (admission fails open or closed "
             "per tenancy.quota_fail_open; a failed release leaves the slot to its lease)", ["call"],
             registry=self.registry)
+        self.quota_deferred_charges = Counter(
+            "poolgate_extproc_quota_deferred_charges", "Fail-open admissions whose quota charge was kept while "
+            "Redis was away (kept), written once it answered (written) or dropped unwritten after minutes (expired)",
+            ["outcome"], registry=self.registry)
         self.usage_reconciled = Counter(
             "poolgate_extproc_usage_reconciled", "Requests whose token charge was corrected from the reported "
             "usage (observed) or kept as the estimate (estimated)", ["result"], registry=self.registry)

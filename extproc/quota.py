@@ -24,6 +24,9 @@ tenant share the hash tag ``{tenant:NAME}`` and so one Redis Cluster slot, as a 
 Tokens per minute are reserved at admission (prompt estimate + expected output) and corrected at the end
 by the difference to the usage the response reported (``release`` with ``used_tokens``), in the bucket
 of the second it was admitted in (skipped once that bucket left the window) and in its minute's counter.
+
+A request admitted while Redis could not be asked (fail-open) holds an ``unwritten`` ticket: its charge
+waits in ``extproc.quota_backlog`` and is written later by ``write_charges``, once (see there).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 from extproc import errors
 from extproc.errors import ApiError
+from extproc.quota_backlog import MARKER_TTL_MS, ChargeBatch
 from extproc.tenancy import Tenant
 from poolgate.kernel.keys import QuotaKeys
 
@@ -124,6 +128,35 @@ return 1
 """
 
 
+_CHARGE = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then return 0 end
+local oldest = math.floor(tonumber(ARGV[2])) - tonumber(ARGV[3])
+local bucket_ttl = tonumber(ARGV[4])
+local minute_ttl = tonumber(ARGV[5])
+for i = 6, #ARGV, 4 do
+  local second = tonumber(ARGV[i])
+  local requests = tonumber(ARGV[i + 1])
+  local tokens = tonumber(ARGV[i + 2])
+  if second >= oldest then
+    if requests ~= 0 then
+      redis.call('HINCRBY', KEYS[2], second, requests)
+      redis.call('PEXPIRE', KEYS[2], bucket_ttl)
+    end
+    if tokens ~= 0 then
+      redis.call('HINCRBY', KEYS[3], second, tokens)
+      redis.call('PEXPIRE', KEYS[3], bucket_ttl)
+    end
+  end
+  if tokens ~= 0 then
+    local minute = KEYS[3 + tonumber(ARGV[i + 3])]
+    redis.call('INCRBY', minute, tokens)
+    if redis.call('PTTL', minute) < 0 then redis.call('PEXPIRE', minute, minute_ttl) end
+  end
+end
+return 1
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class QuotaTicket:
     """What an admitted request holds until its end."""
@@ -135,6 +168,12 @@ class QuotaTicket:
     """The whole second (bucket) the tokens were reserved in."""
     reserved_tokens: int
     """Tokens charged at admission; 0 when the tenant has no tokens-per-minute limit."""
+    unwritten: bool = False
+    """Admitted while Redis could not be asked: its charge waits in the backlog, and so does its correction."""
+
+    def correction(self, used_tokens: int | None) -> int:
+        """Tokens to add to the charge once the request used ``used_tokens`` (None: unknown, keep the estimate)."""
+        return 0 if used_tokens is None or not self.reserved_tokens else used_tokens - self.reserved_tokens
 
 
 class QuotaStore:
@@ -146,6 +185,7 @@ class QuotaStore:
         self._clock = clock
         self._admit = redis.register_script(_ADMIT)
         self._release = redis.register_script(_RELEASE)
+        self._charge = redis.register_script(_CHARGE)
         self._ids = itertools.count()
         self._process = os.urandom(6).hex()
 
@@ -173,7 +213,7 @@ class QuotaStore:
 
     async def release(self, ticket: QuotaTicket, used_tokens: int | None = None) -> None:
         """Free the concurrency slot and correct the reserved tokens to ``used_tokens`` when known."""
-        delta = 0 if used_tokens is None or not ticket.reserved_tokens else used_tokens - ticket.reserved_tokens
+        delta = ticket.correction(used_tokens)
         if not ticket.ticket and not delta:
             return
         keys = self._keys
@@ -181,3 +221,22 @@ class QuotaStore:
                                   keys.tokens(ticket.tenant, ticket.second // WINDOW_S)],
                             args=[ticket.ticket, delta, ticket.second])
 
+    def unwritten_ticket(self, tenant: Tenant, tokens: int) -> QuotaTicket:
+        """The ticket of a request admitted without asking Redis (no concurrency slot; its charge is kept)."""
+        return QuotaTicket(tenant.name, "", int(self._clock() // 1), tokens if tenant.tokens_per_minute else 0,
+                           unwritten=True)
+
+    async def write_charges(self, batch: ChargeBatch) -> bool:
+        """Charge a batch kept while Redis was away: buckets still inside the window and minute counters.
+        False when a call with this batch's id had already written it (its reply was lost). Redis errors
+        propagate (the batch is sent again later)."""
+        keys = self._keys
+        minutes = sorted({c.second // WINDOW_S for c in batch.charges})
+        args: list[int | float] = [MARKER_TTL_MS, self._clock(), WINDOW_S, BUCKET_TTL_MS, MINUTE_TTL_MS]
+        for charge in batch.charges:
+            args += [charge.second, charge.requests, charge.tokens, minutes.index(charge.second // WINDOW_S) + 1]
+        written = await self._charge(keys=[keys.charged(batch.tenant, batch.id), keys.request_buckets(batch.tenant),
+                                           keys.token_buckets(batch.tenant),
+                                           *(keys.tokens(batch.tenant, m) for m in minutes)],
+                                     args=args)
+        return bool(written)

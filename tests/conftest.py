@@ -2,52 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
-from poolgate.procs import free_port, stop_process
-
-
-class RedisServer:
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (make test installs it)")
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="poolgate-redis-")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        client.close()
-
-    def flush(self) -> None:
-        client = redis.Redis(port=self.port)
-        client.flushall()
-        client.close()
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        shutil.rmtree(self.dir, ignore_errors=True)
+from bench.redis_deployments import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.redis_deployments import RedisServer
 from extproc.tenancy import key_digest
 from poolgate.procs import free_port
-from tests.conftest import RedisServer
 from tests.e2e.conftest import RunningStack, poolgate_up
 
 PROCESSES = 4

@@ -72,7 +72,8 @@ class TenancySettings(Section):
     max_queued: int = Field(1000, ge=0)
     """Requests held for capacity at once (per extproc process); on overflow the lowest class is shed."""
     quota_fail_open: bool = True
-    """Admit when Redis cannot be asked (degraded: shows in ``poolgate_extproc_quota_errors``), else 503."""
+    """Admit when Redis cannot be asked (degraded: shows in ``poolgate_extproc_quota_errors``; the charge is kept
+    and written once Redis answers), else 503."""
     reconcile_usage: bool = True
     """Watch response bodies of tenants with a tokens-per-minute limit to charge their real usage (costs
     extproc CPU per response chunk); streaming requests get ``stream_options.include_usage`` injected and

@@ -1,10 +1,11 @@
-"""Real highly available Redis deployments for tests, started from the Debian package's binaries on free
-ports: a Sentinel group (a master, two replicas, three sentinels) and a Redis Cluster (three masters, three
-replicas). Timeouts are tuned low (1 s to notice a dead master) so a failover takes seconds; every process
-and directory is removed by ``stop``."""
+"""Real Redis deployments for tests and benchmarks, started from the Debian package's binaries on free
+ports: one server, a Sentinel group (a master, two replicas, three sentinels) and a Redis Cluster (three
+masters, three replicas). Timeouts are tuned low (1 s to notice a dead master) so a failover takes seconds;
+every process and directory is removed by ``stop``."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import tempfile
@@ -52,7 +53,7 @@ class _Processes:
 
     def start(self, port: int, *args: str) -> None:
         node_dir = self.dir / str(port)
-        node_dir.mkdir()
+        node_dir.mkdir(exist_ok=True)  # a node started again keeps its directory
         self.procs[port] = subprocess.Popen(
             [str(shutil.which("redis-server")), *args, "--port", str(port), "--bind", "127.0.0.1",
              "--save", "", "--appendonly", "no", "--dir", str(node_dir)],
@@ -62,6 +63,9 @@ class _Processes:
         """SIGKILL: a crash, no goodbye to replicas or sentinels."""
         self.procs[port].kill()
         self.procs[port].wait()
+
+    def alive(self, port: int) -> bool:
+        return self.procs[port].poll() is None
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -87,6 +91,52 @@ def _ask(port: int, *command: str) -> Any:
         return client.execute_command(*command)
     finally:
         client.close()
+
+
+class RedisServer:
+    """A redis-server of the tests' own; ``durable``: every write in an append-only file synced at once, so
+    one that is killed and started again (``kill``, ``start``) comes back with its data."""
+
+    def __init__(self, durable: bool = False) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (make test installs it)")
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="poolgate-redis-")
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if durable else ["--appendonly", "no"]
+        self.command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
+                        "--dir", self.dir]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
+        """Start it (again, on the same port and directory) and wait until it answers."""
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no shutdown."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def flush(self) -> None:
+        client = redis.Redis(port=self.port)
+        client.flushall()
+        client.close()
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class SentinelGroup:
@@ -132,6 +182,18 @@ class SentinelGroup:
         self._procs.kill(port)
         return port
 
+    def restart(self, port: int) -> None:
+        """Start a killed data node again, as a replica of the master the sentinels name now (what Sentinel's
+        rewrite of a returning master's configuration makes of it)."""
+        master = self.current_master()
+        self._procs.start(port, *(("--replicaof", "127.0.0.1", str(master)) if master != port else ()))
+
+    def pids(self) -> dict[str, int]:
+        """``redis-PORT`` (master or replica) and ``sentinel-PORT`` → pid, for the live processes."""
+        names = {port: f"redis-{port}" for port in (self.master_port, *self.replica_ports)}
+        names |= {port: f"sentinel-{port}" for port in self.sentinel_ports}
+        return {name: self._procs.procs[port].pid for port, name in names.items() if self._procs.alive(port)}
+
     def stop(self) -> None:
         self._procs.stop()
 
@@ -150,7 +212,7 @@ class ClusterDeployment:
                                   "--cluster-replica-validity-factor", "0",
                                   "--cluster-require-full-coverage", "no")
             for port in self.ports:
-                _wait(f"node {port}", lambda port=port: bool(_ask(port, "PING")))
+                _wait(f"node {port}", functools.partial(_ask, port, "PING"))
             subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                             "--cluster-replicas", "1", "--cluster-yes"], check=True, timeout=START_TIMEOUT_S,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
