@@ -39,7 +39,7 @@ ORDER_TOLERANCE_MS = 20
 def config(metrics_port: int) -> dict[str, Any]:
     return {
         "key_prefix": "order",
-        "controller": {"token": "order-token", "heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0},
+        "controller": {"token": "order-token"},
         "extproc": {"processes": PROCESSES},
         "observability": {"extproc_metrics_port": metrics_port},
         "scheduling": {"max_wait_s": 50},
@@ -106,7 +106,7 @@ def reached_worker(stack: RunningStack, request_ids: list[str]) -> dict[str, flo
 def test_a_high_class_request_goes_before_low_class_ones_held_in_other_processes(stack: RunningStack) -> None:
     assert sum(1 for name in stack.children() if name.startswith("extproc")) == PROCESSES
     time.sleep(2)  # every process has seen the others' presence (written each second)
-    inflight_key = RedisKeys(stack.prefix).inflight("small-1")
+    inflight_key = RedisKeys(stack.prefix).inflight
     store = redis.Redis.from_url(stack.redis_url)
 
     async def scenario() -> tuple[list[str], list[str], str]:
@@ -114,7 +114,7 @@ def test_a_high_class_request_goes_before_low_class_ones_held_in_other_processes
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             blockers = [asyncio.create_task(chat(http, stack.base_url, None, BLOCKER_WORDS, output))
                         for output in BLOCKER_OUTPUTS]
-            await asyncio.to_thread(wait_until, lambda: int(store.get(inflight_key) or 0) == BLOCKERS, 30,
+            await asyncio.to_thread(wait_until, lambda: int(store.hget(inflight_key, "small-1") or 0) == BLOCKERS, 30,
                                     f"Redis counts the {BLOCKERS} blockers in flight, from every process")
             await asyncio.sleep(0.5)  # every process has read the others' reservations (their next refresh)
             lows = [asyncio.create_task(chat(http, stack.base_url, BULK_KEY, LOW_WORDS, HELD_OUTPUT))
