@@ -99,10 +99,14 @@ def continue_response_headers(rewrite_body: bool = False, body_watched: bool = F
     return answer
 
 
+_PASS_CHUNK = ProcessingResponse(response_body=BodyResponse())
+"""The answer to most chunks of a watched response, built once (never mutated: gRPC only serialises it)."""
+
+
 def continue_response_body(replacement: bytes | None = None) -> ProcessingResponse:
     """Pass a response chunk on, or send ``replacement`` instead of it."""
     if replacement is None:
-        return ProcessingResponse(response_body=BodyResponse())
+        return _PASS_CHUNK
     return ProcessingResponse(response_body=BodyResponse(response=CommonResponse(
         body_mutation=BodyMutation(body=replacement))))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from extproc.catalogue import EMPTY_CATALOGUE
 from extproc.catalogue_source import CatalogueSource
@@ -30,11 +30,12 @@ from extproc.pipeline import (
     SnapshotSource,
 )
 from extproc.pipeline.cold_start import ColdStarts
+from extproc.queue_order import QueueOrder
 from extproc.quota import QuotaStore
 from extproc.scheduling import RequestProfiler, Scheduler
 from extproc.service import ExtProcService
 from extproc.tenancy import TenantDirectory
-from poolgate.kernel.config import PoolTask, SchedulingSettings, TenancySettings
+from poolgate.kernel.config import PoolSpec, PoolTask, SchedulingSettings, TenancySettings
 
 
 def build_service(
@@ -59,26 +60,30 @@ def build_service(
     prefix_cache: CacheLookup | None = None,
     disagg: DisaggPlan | None = None,
     cold_starts: ColdStarts | None = None,
+    pools: Sequence[PoolSpec] = (),
 ) -> ExtProcService:
     """``clock`` is the wall clock worker records are stamped with; ``timer`` the monotonic one for durations
     and queue deadlines; ``rng`` draws catalogue traffic splits; ``model_tasks`` says what each served model
     does (from the pools), so an endpoint its kind does not serve is refused before routing; ``disagg`` names
     the models whose long prompts are split over a prefill and a decode worker; ``cold_starts`` the pools that may
-    scale to zero (a request finding them empty waits for a worker)."""
+    scale to zero (a request finding them empty waits for a worker); with ``pools`` (the configured ones) the
+    director keeps class order with other replicas (``queue_order``, fed by the peer exchange)."""
     scheduling = scheduling or SchedulingSettings()
     tenants = tenants or TenantDirectory(TenancySettings(), ())
     tenancy = tenants.settings
     max_wait_s = tuple(scheduling.max_wait_s if c.max_wait_s is None else c.max_wait_s
                        for c in tenancy.priority_classes)
+    hold = Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed)
     director = Director(
         identify=Identify(tenants, max_request_bytes),
         resolve=Resolve(catalogue or CatalogueSource(EMPTY_CATALOGUE), profiler or RequestProfiler(scheduling),
                         rng or random.Random(), model_tasks),
         admit=Admit(quotas, tenancy, metrics),
-        hold=Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed),
+        hold=hold,
         place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache, disagg),
         respond=Respond(metrics, genai_metrics),
-        metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling), cold_starts=cold_starts)
+        metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling), cold_starts=cold_starts,
+        queue_order=QueueOrder(pools, hold.queue.best_waiting) if pools else None)
     return ExtProcService(director, metrics, header_pin=header_pin)
 
 

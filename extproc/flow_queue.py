@@ -93,6 +93,8 @@ class FlowQueue:
         self._size = 0
         self._sequence = 0
         self._domains: dict[Hashable, int] = {}
+        self._held: dict[tuple[Hashable, int], int] = {}
+        """(domain, class) → entries waiting."""
 
     def __len__(self) -> int:
         return self._size
@@ -125,6 +127,7 @@ class FlowQueue:
         cls.size += 1
         self._size += 1
         self._domains[domain] = self._domains.get(domain, 0) + 1
+        self._held[domain, priority] = self._held.get((domain, priority), 0) + 1
         return Pushed(entry, tuple(shed))
 
     def next_candidate(self, blocked: Iterable[Hashable] = ()) -> QueueEntry | None:
@@ -172,6 +175,19 @@ class FlowQueue:
         """Domain → entries waiting (a copy; read off the request path by the queue-depth publisher)."""
         return dict(self._domains)
 
+    def best_waiting(self) -> Mapping[Hashable, int]:
+        """Domain → the highest class (lowest number) waiting for it: what this replica tells the others
+        (``queue_order``)."""
+        best: dict[Hashable, int] = {}
+        for domain, priority in self._held:
+            if priority < best.get(domain, priority + 1):
+                best[domain] = priority
+        return best
+
+    def is_urgent(self, entry: QueueEntry) -> bool:
+        """Whether the entry is near its deadline by the release order's rule (least slack first)."""
+        return release_key(entry, self._clock(), URGENT_SHARE * self.max_wait_s[entry.priority])[0] == 0
+
     def depth(self) -> Mapping[tuple[int, str], int]:
         """(class, tenant) → entries waiting."""
         return {(priority, tenant): len(flow.entries) for priority, cls in enumerate(self._classes)
@@ -187,6 +203,11 @@ class FlowQueue:
             self._domains[entry.domain] = left
         else:
             del self._domains[entry.domain]
+        held = (entry.domain, entry.priority)
+        if self._held[held] > 1:
+            self._held[held] -= 1
+        else:
+            del self._held[held]
 
     def _lowest_class(self) -> int | None:
         for priority in range(len(self._classes) - 1, -1, -1):

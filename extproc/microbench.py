@@ -1,8 +1,10 @@
 """Per-request CPU of extproc's own work, without gRPC or Envoy: ``python -m extproc.microbench``.
 
-Measures (1) parse + profile + pick over a fleet snapshot and (2) the servicer path per request: decode the two
-ext_proc messages from bytes, answer both, encode the answers, release at stream end. gRPC's own cost per
-stream comes on top (see the design notes for the measured end-to-end hop).
+Measures (1) parse + profile + pick over a fleet snapshot, (2) the servicer path per request: decode the two
+ext_proc messages from bytes, answer both, encode the answers, release at stream end, and (3) the servicer
+path per streamed response chunk while extproc watches the response (GenAI metrics and the usage watch):
+decode the chunk's message, observe, encode the answer. gRPC's own cost per message comes on top (``bench
+extproc_overhead`` measures the whole hop).
 """
 
 from __future__ import annotations
@@ -43,6 +45,32 @@ def _body(prompt_chars: int) -> bytes:
     return orjson.dumps({"model": "llama", "max_tokens": 128, "stream": True,
                          "messages": [{"role": "system", "content": "You are helpful."},
                                       {"role": "user", "content": "x" * prompt_chars}]})
+
+
+STREAM_CHUNK = (b'data: {"id":"chatcmpl-0123456789abcdef","object":"chat.completion.chunk","created":1700000000,'
+                b'"model":"llama","choices":[{"index":0,"delta":{"content":" word"},"logprobs":null,'
+                b'"finish_reason":null}]}\n\n')
+"""One token's SSE event as vLLM sends it."""
+
+
+def measure_chunks(n: int = 20_000) -> float:
+    """Microseconds of servicer work per response chunk of a watched stream (GenAI metrics on)."""
+    service = build_service(default_scheduler(random.Random(0)), _Fleet(_fleet(8)), InflightTracker(), Metrics(),
+                            max_request_bytes=16 << 20, genai_metrics=True)
+    header_values = [HeaderValue(key=k, raw_value=v.encode()) for k, v in (
+        (":method", "POST"), (":path", "/v1/chat/completions"), ("x-request-id", "r" * 36))]
+    state = RequestState()
+    service.handle(state, ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=header_values))))
+    service.handle(state, ProcessingRequest(request_body=HttpBody(body=_body(200), end_of_stream=True)))
+    status = HeaderMap(headers=[HeaderValue(key=":status", raw_value=b"200")])
+    service.handle(state, ProcessingRequest(response_headers=HttpHeaders(headers=status)))
+    wire = ProcessingRequest(response_body=HttpBody(body=STREAM_CHUNK)).SerializeToString()
+    started = time.process_time()
+    for _ in range(n):
+        service.handle(state, ProcessingRequest.FromString(wire)).SerializeToString()
+    per_chunk = (time.process_time() - started) / n * 1e6
+    service.finish(state)
+    return per_chunk
 
 
 def measure(n: int = 10_000, workers: int = 8, prompt_chars: int = 2_000) -> dict[str, float]:
@@ -86,3 +114,4 @@ if __name__ == "__main__":
         result = measure(workers=workers)
         print(f"{workers:>4} workers: parse+profile+pick {result['parse_pick_us']:.1f} µs/request, "
               f"servicer path {result['servicer_path_us']:.1f} µs/request")
+    print(f"watched stream: servicer path {measure_chunks():.1f} µs per response chunk")

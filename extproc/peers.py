@@ -1,5 +1,6 @@
-"""What extproc replicas tell each other through Redis so their picks agree: who is alive, and the KV and
-prefill reservations each holds per worker (in-flight counts travel as deltas: ``inflight``).
+"""What extproc replicas tell each other through Redis so their picks agree: who is alive, the KV and
+prefill reservations each holds per worker, the best class each holds waiting per pool (in-flight counts
+travel as deltas: ``inflight``).
 
 Keys (named in ``poolgate.kernel.keys.PeerKeys``; the store runs the pipelines):
 
@@ -14,6 +15,9 @@ Keys (named in ``poolgate.kernel.keys.PeerKeys``; the store runs the pipelines):
 - ``{prefix}:extproc:affinity`` stream: one entry per write that has new affinity records (``r`` the replica,
   ``d`` JSON ``[[key, worker], …]``, a session key as a list), capped near ``AFFINITY_LOG_ENTRIES``. Each
   replica reads the entries after the last one it saw and applies the others' records to its map.
+- ``{prefix}:extproc:waiting`` hash: replica id → JSON ``[stamp, {pool: class}]``, the best priority class
+  the replica holds waiting per pool (``queue_order``). Written when it changes and every
+  ``REPORT_REFRESH_S`` while non-empty, removed when empty; readers ignore one older than ``REPORT_TTL_S``.
 
 Nothing here runs on the pick: the watcher's flush loop writes, its refresh reads (one pipeline each).
 """
@@ -27,6 +31,7 @@ from typing import Any
 import orjson
 
 from extproc.affinity import AffinityMap
+from extproc.queue_order import REPORT_REFRESH_S, REPORT_TTL_S, QueueOrder
 from extproc.reservations import ReservationBook
 from poolgate.kernel.keys import PeerKeys
 
@@ -41,7 +46,8 @@ class PeerExchange:
     """This replica's side of the exchange over one ``ReservationBook``."""
 
     def __init__(self, keys: PeerKeys, replica_id: str, book: ReservationBook,
-                 clock: Callable[[], float] = time.time, affinity: AffinityMap | None = None) -> None:
+                 clock: Callable[[], float] = time.time, affinity: AffinityMap | None = None,
+                 queue_order: QueueOrder | None = None) -> None:
         self._keys = keys
         self.replica_id = replica_id
         self._book = book
@@ -51,6 +57,9 @@ class PeerExchange:
         """Last affinity entry read; a replica starts with what is written after it starts."""
         self._published: dict[str, tuple[int, int]] = {}
         self._present_at = float("-inf")
+        self._queue_order = queue_order
+        self._reported: dict[str, int] = {}
+        self._reported_at = float("-inf")
         self.replicas = 1
         """Live replicas at the last read, this one included."""
         self._dead_fields: list[str] = []
@@ -68,15 +77,26 @@ class PeerExchange:
     def has_writes(self) -> bool:
         """Whether ``queue_writes`` would write anything now."""
         _, _, changed, gone, due = self._pending()
-        return bool(changed or gone or due or (self._affinity is not None and self._affinity.has_unpublished))
+        return bool(changed or gone or due or (self._affinity is not None and self._affinity.has_unpublished)
+                    or self._report_due(self._clock()) is not None)
+
+    def _report_due(self, now: float) -> dict[str, int] | None:
+        """The queue report to write now (changed, or non-empty and due for its refresh); None: nothing to write."""
+        if self._queue_order is None:
+            return None
+        report = self._queue_order.report()
+        if report != self._reported or (report and now - self._reported_at >= REPORT_REFRESH_S):
+            return report
+        return None
 
     def queue_writes(self, pipe: Any) -> Callable[[], None] | None:
         """Queue the changed reservations (and the presence beat when due) on ``pipe``; None when nothing is
         to write, else a callback to run once the pipeline succeeded."""
         now, current, changed, gone, due = self._pending()
         affinity = self._queue_affinity(pipe)
+        report = self._queue_report(pipe, now)
         if not (changed or gone or due):
-            return (lambda: None) if affinity else None
+            return (lambda: None) if affinity or report else None
         written_now = current if due else changed
         if written_now:
             pipe.hset(self._keys.reserved, mapping={self._field(worker_id): f"{kv_tokens} {prefill_tokens} {now:.3f}"
@@ -95,6 +115,20 @@ class PeerExchange:
                 self._present_at = now
         return written
 
+    def _queue_report(self, pipe: Any, now: float) -> bool:
+        """Queue this replica's best class waiting per pool when due (kept as written even if the write fails:
+        the periodic rewrite repeats it, and a reader ignores a stale one)."""
+        report = self._report_due(now)
+        if report is None:
+            return False
+        if report:
+            pipe.hset(self._keys.waiting, self.replica_id, orjson.dumps([round(now, 3), report]))
+            pipe.pexpire(self._keys.waiting, int(PRESENCE_TTL_S * 1000))
+        else:
+            pipe.hdel(self._keys.waiting, self.replica_id)
+        self._reported, self._reported_at = report, now
+        return True
+
     def _queue_affinity(self, pipe: Any) -> bool:
         """Queue this replica's new affinity records, if any (lost if the write fails: they are only a hint)."""
         if self._affinity is None or not self._affinity.has_unpublished:
@@ -105,16 +139,20 @@ class PeerExchange:
         return True
 
     def queue_reads(self, pipe: Any, worker_ids: Iterable[str]) -> Callable[[list[Any]], None]:
-        """Queue the reads of the replicas, the workers' reservations and the new affinity records; the callback
-        takes the pipeline's results for them (in order), hands the other replicas' totals to the book and
-        their affinity records to the map."""
+        """Queue the reads of the replicas, the workers' reservations, the new affinity records and the queue
+        reports; the callback takes the pipeline's results for them (in order), hands the other replicas'
+        totals to the book, their affinity records to the map and their best classes waiting to the order."""
         known = set(worker_ids)
         pipe.hgetall(self._keys.replicas)
         pipe.hgetall(self._keys.reserved)
         if self._affinity is not None:
             pipe.xread({self._keys.affinity: self._affinity_seen}, count=AFFINITY_READ_ENTRIES)
+        if self._queue_order is not None:
+            pipe.hgetall(self._keys.waiting)
 
         def apply(results: list[Any]) -> None:
+            if self._queue_order is not None:
+                self._queue_order.apply(self._best_elsewhere(results.pop()))
             if self._affinity is not None:
                 self._apply_affinity(results.pop())
             oldest = self._clock() - PRESENCE_TTL_S
@@ -138,6 +176,24 @@ class PeerExchange:
             self._book.apply_peers(kv, prefill, self.replicas)
         return apply
 
+    def _best_elsewhere(self, reports: Any) -> dict[str, int]:
+        """Pool → the best class the other replicas' fresh reports hold waiting (malformed ones are skipped)."""
+        oldest = self._clock() - REPORT_TTL_S
+        best: dict[str, int] = {}
+        for replica, value in (reports or {}).items():
+            if _text(replica) == self.replica_id:
+                continue
+            try:
+                stamp, pools = orjson.loads(value)
+                fresh = float(stamp) >= oldest
+                waiting = [(str(pool), int(priority)) for pool, priority in pools.items()] if fresh else []
+            except (orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
+                continue
+            for pool, priority in waiting:
+                if priority < best.get(pool, priority + 1):
+                    best[pool] = priority
+        return best
+
     def _apply_affinity(self, streams: Any) -> None:
         """The other replicas' affinity records from an XREAD answer (its own are skipped)."""
         assert self._affinity is not None
@@ -151,6 +207,7 @@ class PeerExchange:
     def queue_leave(self, pipe: Any) -> None:
         """Remove this replica's presence and reservations (a clean stop; a killed one fades by TTL)."""
         pipe.hdel(self._keys.replicas, self.replica_id)
+        pipe.hdel(self._keys.waiting, self.replica_id)
         if self._published:
             pipe.hdel(self._keys.reserved, *map(self._field, self._published))
 

@@ -143,11 +143,14 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
                             model_tasks={pool.model: pool.task for pool in config.pools},
                             prefix_cache=kv_cache[0] if kv_cache is not None else None,
                             disagg=DisaggPlan.from_config(config),
-                            cold_starts=ColdStarts.from_config(config.pools, config.autoscale))
-    watcher.publish_queue(service.director.hold_stage.queue.held_by_domain)
-    place = service.director.place
-    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id, place.reservations,
-                                            affinity=place.affinity))
+                            cold_starts=ColdStarts.from_config(config.pools, config.autoscale),
+                            pools=config.pools)
+    director = service.director
+    watcher.publish_queue(director.hold_stage.queue.held_by_domain)
+    director.hold_stage.on_queue_change(watcher.flush_soon)
+    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
+                                            director.place.reservations, affinity=director.place.affinity,
+                                            queue_order=director.queue_order))
     return service, watcher, catalogue, kv_cache
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.peers import PeerExchange
+from extproc.queue_order import domain_pools
 from extproc.snapshot import FleetSnapshot, build_snapshot, empty_snapshot
 from poolgate.kernel.config import ExtprocSettings, PoolSpec
 from poolgate.kernel.fleet import WorkerRecord
@@ -49,12 +50,8 @@ def held_per_pool(held: Mapping[Hashable, int], pools: Sequence[PoolSpec]) -> di
     """
     counts = {pool.name: 0 for pool in pools}
     for domain, count in held.items():
-        if not (isinstance(domain, tuple) and len(domain) == 3) or count <= 0:
-            continue
-        model, only, excluded = domain
-        for pool in pools:
-            if pool.model == model and (only is None or pool.name in only) and pool.name not in (excluded or ()):
-                counts[pool.name] += count
+        for pool in domain_pools(domain, pools) if count > 0 else ():
+            counts[pool] += count
     return counts
 
 
@@ -87,6 +84,7 @@ class FleetWatcher:
         self._published: dict[str, int] = {}
         self._published_at = float("-inf")
         self._wake = asyncio.Event()
+        self._flush_wake = asyncio.Event()
         self._io_lock = asyncio.Lock()
         self._redis_link = OutageLog(log, "redis unreachable (%s); serving the last fleet snapshot and retrying",
                                 "redis reachable again; fleet snapshot is live", up_level=logging.WARNING,
@@ -155,6 +153,10 @@ class FleetWatcher:
                 alive = replace(alive, updated_at=now)
             self._alive[worker_id] = alive
         return [self._alive[worker_id] for worker_id in sorted(self._alive)]
+
+    def flush_soon(self) -> None:
+        """Something to publish changed besides in-flight counts (the queue): flush within the batch window."""
+        self._flush_wake.set()
 
     def publish_queue(self, held: Callable[[], Mapping[Hashable, int]]) -> None:
         """Publish the queue depth that ``held`` reports (domain → requests held) with each flush."""
@@ -235,14 +237,26 @@ class FleetWatcher:
             except REDIS_ERRORS:
                 await asyncio.sleep(period)  # refresh reports the outage; keep retrying quietly
 
+    async def _writes_due(self, timeout_s: float) -> None:
+        """Until in-flight deltas wait to be written, ``flush_soon`` was called, or ``timeout_s`` passed."""
+        events = (self._inflight.dirty, self._flush_wake)
+        if any(event.is_set() for event in events):
+            return
+        waits = [asyncio.ensure_future(event.wait()) for event in events]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
     async def _flush_loop(self, batch_window_s: float = 0.02) -> None:
         """Write in-flight deltas at most every ``batch_window_s``: at high request rates one pipeline carries
         many requests' changes instead of one Redis round trip per request (measured: that round trip was
         the largest CPU cost of a request), and other replicas still see the load within 20 ms."""
         period = self._settings.snapshot_refresh_s
         while True:
-            with contextlib.suppress(TimeoutError):  # queue depths are refreshed even when no request ends
-                await asyncio.wait_for(self._inflight.dirty.wait(), timeout=QUEUED_REFRESH_S / 2)
+            await self._writes_due(timeout_s=QUEUED_REFRESH_S / 2)  # queue depths are refreshed even when idle
+            self._flush_wake.clear()
             if not await self.flush():
                 await asyncio.sleep(period)
                 continue

@@ -42,6 +42,7 @@ from extproc.pipeline.outcomes import (
 from extproc.pipeline.place import Place
 from extproc.pipeline.resolve import Resolve
 from extproc.pipeline.respond import Respond
+from extproc.queue_order import QueueOrder
 from extproc.scheduling import Decision, NoCapacity, PickRequest
 from poolgate.kernel.routing import QUEUE_WAIT_HEADER
 
@@ -54,7 +55,7 @@ class Director:
     def __init__(self, identify: Identify, resolve: Resolve, admit: Admit, hold: Hold, place: Place,
                  respond: Respond, metrics: Metrics, clock: Callable[[], float] = time.time,
                  timer: Callable[[], float] = time.perf_counter, lengths: OutputLengths | None = None,
-                 cold_starts: ColdStarts | None = None) -> None:
+                 cold_starts: ColdStarts | None = None, queue_order: QueueOrder | None = None) -> None:
         self.identify = identify
         self.resolve = resolve
         self.admit_stage = admit
@@ -69,6 +70,8 @@ class Director:
         """Learned output lengths (expected output below ``max_tokens``); None = the cap or the default."""
         self.cold_starts = cold_starts or ColdStarts()
         """Pools that may scale to zero: a request finding them empty waits for a worker (``cold_start``)."""
+        self.queue_order = queue_order
+        """The best class other replicas hold waiting per pool: a pick leaves those pools to them (None: alone)."""
         hold.attach(self)
 
     def headers(self, context: RequestContext, headers: Iterable[tuple[str, str]], subset: frozenset[str] | None,
@@ -288,10 +291,15 @@ class Director:
         """Pick and conclude; None when there is no capacity now and the request may be held, or when it waits
         for a pool scaled to zero to start a worker (a held request's last pick, ``may_hold`` False with
         ``held_since``, says it waited its limit)."""
-        request, arrival = context.request, context.arrival
-        assert request is not None and arrival is not None
+        request, arrival, tenant = context.request, context.arrival, context.tenant
+        assert request is not None and arrival is not None and tenant is not None
         if held_since is not None:
             request = replace(request, held_s=self._timer() - held_since)
+        if may_hold and self.queue_order is not None and not self._deadline_near(context):
+            narrowed = self.queue_order.narrowed(request, tenant.priority)
+            if narrowed is None:
+                return None  # a higher class waits in another replica for every pool it may use
+            request = narrowed
         outcome = self.place.pick(request, arrival.subset)
         if isinstance(outcome, Decision | PairDecision):
             queued = context.queued
@@ -312,6 +320,11 @@ class Director:
             waited = 0.0 if held_since is None else self._timer() - held_since
             return self.refuse(context, Refused(no_capacity(request.model, waited, outcome.retry_after_s)))
         return self.refuse(context, outcome)
+
+    def _deadline_near(self, context: RequestContext) -> bool:
+        """A held request near its deadline goes even while a higher class waits elsewhere."""
+        queued = context.queued
+        return queued is not None and self.hold_stage.queue.is_urgent(queued.entry)
 
     def _commit(self, context: RequestContext, decision: Decision | PairDecision, held_since: float | None) -> Placed:
         resolved, tenant = context.resolved, context.tenant

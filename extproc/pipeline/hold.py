@@ -62,10 +62,15 @@ class Hold:
         self._dispatch: Dispatch | None = None
         self._pass_pending = False
         self._last_pass = 0.0
+        self._queue_changed: Callable[[], None] | None = None
 
     def attach(self, dispatch: Dispatch) -> None:
         self._dispatch = dispatch
         self.capacity_changed.subscribe(self._request_pass)
+
+    def on_queue_change(self, listener: Callable[[], None]) -> None:
+        """Called whenever a request joins or leaves the queue (the watcher publishes the queue's report)."""
+        self._queue_changed = listener
 
     def may_hold(self, priority: int) -> bool:
         return self.max_wait_s[priority] > 0 and self.queue.max_entries > 0
@@ -90,6 +95,8 @@ class Hold:
         waiter: asyncio.Future[Final] = asyncio.get_running_loop().create_future()
         context.queued = Queued(pushed.entry, waiter, cold_start=cold_start_s is not None)
         self._metrics.queue_depth.labels(tenant.priority_class, tenant.name).inc()
+        if self._queue_changed is not None:
+            self._queue_changed()
         self.release_pass()
         if waiter.done():
             return waiter.result()
@@ -164,6 +171,8 @@ class Hold:
         context.queued = None
         if queued is None or tenant is None:
             return
+        if self._queue_changed is not None:
+            self._queue_changed()
         self._metrics.queue_depth.labels(tenant.priority_class, tenant.name).dec()
         self._metrics.queue_wait_seconds.labels(tenant.priority_class, outcome).observe(
             self._timer() - queued.entry.enqueued_at)

@@ -78,15 +78,16 @@ def fleet_tag(prefix: str) -> str:
 
 
 class PeerKeys:
-    """What extproc replicas tell each other (``extproc/peers.py``): who is alive, each one's reservations, and
-    their affinity records (a stream). In the fleet's slot: the watcher writes them in the same pipeline as the
-    in-flight counts."""
+    """What extproc replicas tell each other (``extproc/peers.py``): who is alive, each one's reservations,
+    their affinity records (a stream) and the best class each holds waiting per pool. In the fleet's slot: the
+    watcher writes them in the same pipeline as the in-flight counts."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.replicas = f"{fleet_tag(prefix)}:extproc:replicas"
         self.affinity = f"{fleet_tag(prefix)}:extproc:affinity"
         self.reserved = f"{fleet_tag(prefix)}:extproc:reserved"
+        self.waiting = f"{fleet_tag(prefix)}:extproc:waiting"
 
 
 class RedisKeys:

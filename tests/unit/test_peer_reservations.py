@@ -55,6 +55,18 @@ def test_four_replicas_picking_at_once_never_promise_more_than_the_free_room() -
     assert placed <= 10_000
 
 
+async def exchange(redis_client: aioredis.Redis, peer: PeerExchange, worker_ids: list[str] | None = None) -> None:
+    """One flush and one refresh of ``peer`` against Redis, as the watcher runs them."""
+    pipe = redis_client.pipeline(transaction=False)
+    written = peer.queue_writes(pipe)
+    await pipe.execute()
+    if written is not None:
+        written()
+    pipe = redis_client.pipeline(transaction=False)
+    apply = peer.queue_reads(pipe, worker_ids or [])
+    apply(await pipe.execute())
+
+
 async def test_one_replica_reads_what_another_published_and_a_dead_ones_fades(redis_client: aioredis.Redis) -> None:
     now = [1_000.0]
     keys = PeerKeys("peers-test")
@@ -62,29 +74,19 @@ async def test_one_replica_reads_what_another_published_and_a_dead_ones_fades(re
     peers = {name: PeerExchange(keys, name, book, clock=lambda: now[0]) for name, book in books.items()}
     books["a"].reserve("w", 300, 100, placed_at=now[0])
 
-    async def exchange(name: str) -> None:
-        pipe = redis_client.pipeline(transaction=False)
-        written = peers[name].queue_writes(pipe)
-        await pipe.execute()
-        if written is not None:
-            written()
-        pipe = redis_client.pipeline(transaction=False)
-        apply = peers[name].queue_reads(pipe, ["w"])
-        apply(await pipe.execute())
-
-    await exchange("a")
-    await exchange("b")
+    await exchange(redis_client, peers["a"], ["w"])
+    await exchange(redis_client, peers["b"], ["w"])
     assert peers["b"].replicas == 2
     books["b"].settle(snapshot(at=now[0]))
     assert books["b"].prefill_tokens == {"w": 300}
     assert books["b"].kv_tokens["w"] == 400 + (10_000 - 400) // 2  # a's 400, and a's half of the rest
     now[0] += PRESENCE_TTL_S + 1  # a was killed: no more writes
-    await exchange("b")
+    await exchange(redis_client, peers["b"], ["w"])
     books["b"].settle(snapshot(at=now[0]))
     assert peers["b"].replicas == 1 and books["b"].kv_tokens == {}
     assert await redis_client.hkeys(keys.reserved) == [b"w a"]  # a died holding it
     now[0] += PRESENCE_REFRESH_S
-    await exchange("b")  # b's next beat removes what it read as dead
+    await exchange(redis_client, peers["b"], ["w"])  # b's next beat removes what it read as dead
     assert await redis_client.hkeys(keys.reserved) == []
 
 
@@ -112,27 +114,17 @@ async def test_a_prefix_placed_through_one_replica_leads_the_other_to_the_same_w
     peers = {name: PeerExchange(keys, name, ReservationBook(settle_s=0.5), affinity=maps[name])
              for name in ("a", "b")}
 
-    async def exchange(name: str) -> None:
-        pipe = redis_client.pipeline(transaction=False)
-        written = peers[name].queue_writes(pipe)
-        await pipe.execute()
-        if written is not None:
-            written()
-        pipe = redis_client.pipeline(transaction=False)
-        apply = peers[name].queue_reads(pipe, [])
-        apply(await pipe.execute())
-
     facts = RequestFacts(path="/v1/chat/completions", method="POST", model="llama", session_id="s1",
                          prompt_parts=("system prompt " * 40, "question"))
     request_keys = prefix_keys(facts, 256, 4)
     maps["a"].record(request_keys, "w1")
-    await exchange("a")
-    await exchange("b")
+    await exchange(redis_client, peers["a"])
+    await exchange(redis_client, peers["b"])
     assert {k: maps["b"].entries.get(k) for k in request_keys} == dict.fromkeys(request_keys, "w1")
     maps["b"].record(request_keys[:1], "w2")  # the session moved on b; a follows, b does not re-apply a's
-    await exchange("b")
-    await exchange("a")
-    await exchange("b")
+    await exchange(redis_client, peers["b"])
+    await exchange(redis_client, peers["a"])
+    await exchange(redis_client, peers["b"])
     assert maps["a"].entries[request_keys[0]] == "w2" and maps["b"].entries[request_keys[0]] == "w2"
     assert maps["a"].entries[request_keys[1]] == "w1"
 
