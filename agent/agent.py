@@ -35,14 +35,15 @@ from agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_m
 from poolgate.kernel.config import Config, KubernetesSettings, WorkerSpec
 from poolgate.kernel.errors import PoolgateError
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.fleet_view import FleetView
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog
 from poolgate.kernel.store import FleetStore
-from poolgate.kernel.tls import client_context, worker_scheme
+from poolgate.kernel.tls import ClientTls, worker_scheme
 
 log = logging.getLogger("poolgate.agent")
 
 FLEET_REFRESH_S = 2.0
-"""How often the list of workers to scrape is re-read from Redis (workers come and go slowly)."""
+"""How often the list of workers to scrape is brought up to date from Redis (workers come and go slowly)."""
 
 
 class MetricsSource(Protocol):
@@ -158,6 +159,9 @@ class Agent:
         self._clock = clock
         self._wall_clock = wall_clock
         self._fleet_refresh_s = fleet_refresh_s
+        self._fleet = FleetView(store, live=False)
+        """Who is registered (identity only: the agent writes the live facts, it need not read them back);
+        re-read in full only on start and on gaps, so a large fleet costs a refresh its changes."""
         self._fleet_read_at: float | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._redis = OutageLog(log, "Redis unreachable (%s); live facts are not written until it is back",
@@ -182,7 +186,7 @@ class Agent:
 
     async def _refresh_fleet(self, now: float) -> None:
         try:
-            records = await self._store.read_fleet()
+            await self._fleet.sync()
         except REDIS_ERRORS as exc:
             self.stats.fleet_read_failures += 1
             self._redis.down(exc)
@@ -191,7 +195,7 @@ class Agent:
             return
         self._redis.up()
         self._fleet_read_at = now
-        wanted = {r.id: r for r in records if self._wanted(r)}
+        wanted = {r.id: r for r in self._fleet.records.values() if self._wanted(r)}
         for worker_id in set(self._tracked) - set(wanted):
             del self._tracked[worker_id]
         for worker_id, record in wanted.items():
@@ -300,9 +304,14 @@ async def run_agent(
             log.info("node %s: no kubelet PodResources socket at %s; GPU facts only for workers with "
                      "configured GPU ids", node, pod_resources_socket)
     session: aiohttp.ClientSession | None = None
+    tls_watch: asyncio.Task[None] | None = None
     if source is None:
         tls = config.tls.workers
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_context(tls) or True))
+        worker_tls = ClientTls(tls, "tls.workers") if tls is not None else None
+        if worker_tls is not None:  # its client certificate rotates without a restart
+            tls_watch = asyncio.create_task(worker_tls.watch(config.tls.reload_s))
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            ssl=worker_tls.context if worker_tls is not None else True))
         # A scrape may outlast one tick a little (busy Python server), never by seconds.
         source = HttpMetricsSource(session, timeout_s=max(0.2, min(2 * interval, 2.0)), scheme=worker_scheme(tls))
     agent = Agent(store, source, gpus, worker_ids=worker_ids, node=node, local_names=local_names,
@@ -319,6 +328,8 @@ async def run_agent(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=max(0.0, next_tick - clock()))
     finally:
+        if tls_watch is not None:
+            tls_watch.cancel()
         if session is not None:
             await session.close()
         if pod_gpus is not None:

@@ -48,9 +48,11 @@ def main(args: argparse.Namespace) -> int:
     import uvloop
 
     from agent.agent import Agent, run_agent
+    from poolgate.kernel.heap import freeze_startup_objects
     from poolgate.kernel.store import FleetStore, connect
 
     def ready(agent: Agent) -> None:
+        freeze_startup_objects()
         if args.workers:
             scope = " ".join(args.workers)
         elif args.node:

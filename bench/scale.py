@@ -44,6 +44,7 @@ from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
 from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
+from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.routing import cluster_name
 from poolgate.procs import envoy_binary, free_port, wait_port
 
@@ -68,6 +69,8 @@ class Counters:
     failed: int = 0
     reregistered: int = 0
     registration_errors: int = 0
+    registrations_deferred: int = 0
+    """Registrations the API put off (503 with Retry-After: it ran behind); retried after that delay."""
     latencies: list[float] = field(default_factory=list)
     """Seconds per heartbeat call (the steady phase's quantiles are reported)."""
 
@@ -190,22 +193,35 @@ class Fleet:
         self.counters = Counters()
         self.state: dict[str, str] = {}
         """State a worker reports in its next heartbeat (one-change phase)."""
+        self._registering: dict[str, asyncio.Task[None]] = {}
+        """Workers of a node being registered again after their node's heartbeat named them expired."""
         self.registered: set[str] = set()
         """Workers whose first registration went through: only they heartbeat (a worker beats once it
         has registered)."""
 
-    async def register(self, worker: Worker) -> bool:
-        """One registration; a refusal or error is counted (the caller retries, as a worker would)."""
+    async def register(self, worker: Worker) -> float:
+        """One registration: 0 once it went through, else how long to wait before the next try (the API's
+        ``Retry-After`` when it puts the registration off, counted apart; 0.1 s after an error, counted)."""
         try:
             async with self._http.post(f"{self._api}/v1/workers", json=registration(worker)) as r:
                 await r.read()
                 if r.status == 201:
                     self.registered.add(worker.id)
-                    return True
+                    return 0.0
+                if r.status == 503 and "Retry-After" in r.headers:
+                    self.counters.registrations_deferred += 1
+                    return float(r.headers["Retry-After"])
         except aiohttp.ClientError:
             pass
         self.counters.registration_errors += 1
-        return False
+        return 0.1
+
+    async def register_until_done(self, worker: Worker) -> None:
+        while True:
+            delay = await self.register(worker)
+            if not delay:
+                return
+            await asyncio.sleep(delay)
 
     async def register_all(self, concurrency: int) -> float:
         """Register everyone with ``concurrency`` clients; returns registrations per second."""
@@ -215,9 +231,9 @@ class Fleet:
         async def client() -> None:
             while queue:
                 worker = queue.pop()
-                if not await self.register(worker):
+                if delay := await self.register(worker):
                     queue.insert(0, worker)  # a worker retries later, as the API asks it to
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(delay)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         return len(self.workers) / (time.monotonic() - started)
@@ -240,7 +256,7 @@ class Fleet:
         elif status == 404:
             self.counters.expired += 1
             self.counters.reregistered += 1
-            await self.register(worker)
+            await self.register_until_done(worker)
         else:
             self.counters.failed += 1
 
@@ -265,17 +281,31 @@ class Fleet:
         self.counters.ok += len(group) - len(missing)
         self.counters.expired += len(missing)
         for worker in group:
-            if worker.id in missing:
+            if worker.id in missing and worker.id not in self._registering:
+                # beside the node's heartbeats, as a node agent would: its other workers keep beating meanwhile
                 self.counters.reregistered += 1
-                await self.register(worker)
+                self._registering[worker.id] = asyncio.create_task(self._register_again(worker))
+
+    async def _register_again(self, worker: Worker) -> None:
+        try:
+            await self.register_until_done(worker)
+        finally:
+            del self._registering[worker.id]
 
     async def run(self) -> None:
         """Heartbeat every worker (or node) every interval, each at its own random phase, until cancelled."""
-        if self._node_batch > 0:
-            groups = [self.workers[i:i + self._node_batch] for i in range(0, len(self.workers), self._node_batch)]
-            await asyncio.gather(*(self._every(lambda g=g: self.heartbeat_node(g)) for g in groups))
-        else:
-            await asyncio.gather(*(self._every(lambda w=w: self.heartbeat(w)) for w in self.workers))
+        try:
+            if self._node_batch > 0:
+                groups = [self.workers[i:i + self._node_batch]
+                          for i in range(0, len(self.workers), self._node_batch)]
+                await asyncio.gather(*(self._every(lambda g=g: self.heartbeat_node(g)) for g in groups))
+            else:
+                await asyncio.gather(*(self._every(lambda w=w: self.heartbeat(w)) for w in self.workers))
+        finally:
+            pending = list(self._registering.values())
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _every(self, beat: Any) -> None:
         await asyncio.sleep(random.uniform(0, self._interval_s))
@@ -349,6 +379,7 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
     await asyncio.sleep(0)
     row: dict[str, Any] = {"heartbeat_success": delta.success, "reregistrations": delta.reregistered,
                            "registration_errors": now.registration_errors,
+                           "registrations_deferred": now.registrations_deferred,
                            "heartbeat_p50_s": quantile(now.latencies, 0.5),
                            "heartbeat_p99_s": quantile(now.latencies, 0.99),
                            "redis_ops_s": ops / wall, "snapshot_age_p50_s": quantile(ages, 0.5),
@@ -399,7 +430,9 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
             group.start(name, [sys.executable, "-m", "bench.scale", "serve-workers", str(port)],
                         env={"PYTHONPATH": str(REPO_ROOT)})
         stack = await start_stack(run_dir, config_path, group)
-        connector = aiohttp.TCPConnector(limit=args.concurrency * 4)
+        # No cap on connections: every node (or worker) heartbeats over its own, as real ones do; a shared
+        # pool would queue the fleet's heartbeats in this process and expire workers the API answered in time.
+        connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, headers={"Authorization": f"Bearer {TOKEN}"},
                                          timeout=aiohttp.ClientTimeout(total=30)) as http:
             fleet_ = Fleet(http, stack.api, fleet(n, pools, fail, alive_port, doomed_port), interval_s,
@@ -455,6 +488,7 @@ def serve_workers(port: int) -> None:
     async def scrape(request: web.Request) -> web.Response:
         return web.Response(body=metrics, content_type="text/plain")
 
+    freeze_startup_objects()
     app = web.Application()
     app.router.add_get("/health", ok)
     app.router.add_get("/v1/models", listing)
@@ -467,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve-workers"]:
         serve_workers(int(argv[1]))
         return 0
+    freeze_startup_objects()  # this process is the fleet's heartbeats: no collector pauses in them either
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1000])
     parser.add_argument("--pools", type=int, nargs="+", default=[1])

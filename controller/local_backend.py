@@ -11,7 +11,9 @@ supervisor task that:
 3. deregisters at once when the process exits, and restarts it with exponential backoff (at once when
    the controller asked for the restart).
 
-Workers come from the config, or are added at run time from a pool's template (``launch``).
+Workers come from the config, or are added at run time from a pool's template (``launch``). With
+``tls.local_workers`` they serve HTTPS from those certificate files (vLLM's ``--ssl-*`` flags), and the
+health check before registration speaks TLS as ``tls.workers`` says.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +44,9 @@ from poolgate.kernel.config import (
     PlacementSettings,
     PoolScaling,
     PoolSpec,
+    TlsServerFiles,
     WorkerSpec,
+    has_flag,
 )
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.net import free_port
@@ -55,10 +60,6 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 """Without it vLLM serves no ``/v1/load_lora_adapter``, and the controller cannot load adapters."""
 
 
-def _has_flag(args: tuple[str, ...], flag: str) -> bool:
-    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
-
-
 def lora_launch(adapters: Sequence[LoraAdapter], served_name: str,
                 extra_args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
     """Arguments and environment that let the controller load the catalogue's adapters for this base model at
@@ -67,8 +68,8 @@ def lora_launch(adapters: Sequence[LoraAdapter], served_name: str,
     adapters = [a for a in adapters if a.base == served_name and a.path]
     if not adapters:
         return [], {}
-    args = [] if _has_flag(extra_args, "--enable-lora") else ["--enable-lora"]
-    if not _has_flag(extra_args, "--max-loras"):
+    args = [] if has_flag(extra_args, "--enable-lora") else ["--enable-lora"]
+    if not has_flag(extra_args, "--max-loras"):
         args += ["--max-loras", str(len(adapters))]
     return args, {RUNTIME_LORA_ENV: "True"}
 
@@ -81,7 +82,7 @@ by their architecture, the simulated worker by ``--transcription``."""
 
 def task_launch(task: str, backend: str, extra_args: tuple[str, ...]) -> list[str]:
     """Flags that start a worker as its pool's kind of model, unless ``extra_args`` chooses one itself."""
-    if any(_has_flag(extra_args, flag) for flag in ("--runner", "--convert", "--task", "--transcription")):
+    if any(has_flag(extra_args, flag) for flag in ("--runner", "--convert", "--task", "--transcription")):
         return []
     if task == "transcription":
         return ["--transcription"] if backend == "sim" else []
@@ -94,9 +95,27 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 def role_launch(role: str, extra_args: tuple[str, ...]) -> list[str]:
     """``--kv-transfer-config`` for a prefill or decode pool's worker (vLLM's NixlConnector; the simulator
     takes the same flag), unless ``extra_args`` sets one itself (another connector, a link speed)."""
-    if role not in KV_ROLES or _has_flag(extra_args, "--kv-transfer-config"):
+    if role not in KV_ROLES or has_flag(extra_args, "--kv-transfer-config"):
         return []
     return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role]})]
+
+
+def tls_launch(files: TlsServerFiles | None, backend: str, extra_args: tuple[str, ...]) -> list[str]:
+    """vLLM's HTTPS flags for a worker from ``tls.local_workers`` (the simulated worker takes the same ones),
+    unless ``extra_args`` gives its own certificate. vLLM re-reads rotated files only with
+    ``--enable-ssl-refresh`` and asks for client certificates only with ``--ssl-cert-reqs 2``
+    (``ssl.CERT_REQUIRED``); the simulated worker always re-reads its files and requires a client
+    certificate whenever it has ``--ssl-ca-certs``."""
+    if files is None or has_flag(extra_args, "--ssl-certfile"):
+        return []
+    args = ["--ssl-certfile", files.cert_file, "--ssl-keyfile", files.key_file]
+    if backend == "vllm":
+        args.append("--enable-ssl-refresh")
+    if files.client_ca_file is not None:
+        args += ["--ssl-ca-certs", files.client_ca_file]
+        if backend == "vllm":
+            args += ["--ssl-cert-reqs", str(int(ssl.CERT_REQUIRED))]
+    return args
 
 
 def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[str, ...], max_model_len: int,
@@ -126,7 +145,7 @@ def worker_command(config: Config, spec: WorkerSpec, port: int,
     lora_args, lora_env = lora_launch(config.catalogue.adapters, pool.model, spec.extra_args)
     extra_env = {**lora_env, **({WORKER_KEY_ENV: key} if key else {})}
     extra_args = (*task_launch(pool.task, spec.backend, spec.extra_args), *role_launch(pool.role, spec.extra_args),
-                  *lora_args,
+                  *tls_launch(config.tls.local_workers, spec.backend, spec.extra_args), *lora_args,
                   *(kv_events.args if kv_events is not None else ()), *spec.extra_args)
     if spec.backend == "sim":
         cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--host", spec.host, "--port", str(port),
@@ -166,15 +185,18 @@ class LocalProcessBackend:
 
     ``command`` gives a worker's command line (``worker_command`` over the config); ``workers`` are the
     configured workers ``start_all`` starts, ``scaling`` the pools' templates ``launch`` starts more from,
-    ``settings`` the heartbeat period and TTL of their registrations."""
+    ``settings`` the heartbeat period and TTL of their registrations; ``worker_tls`` the client context for
+    workers that serve HTTPS (``tls.workers``: the health check before registration goes over TLS)."""
 
     name = "local"
 
     def __init__(self, store: FleetStore, log_dir: Path, command: WorkerCommand, *, pools: Sequence[PoolSpec],
                  workers: Sequence[WorkerSpec], settings: ControllerSettings, placement: PlacementSettings,
                  scaling: Mapping[str, PoolScaling],
-                 max_backoff_s: float = 30.0, gpu_facts: GpuFacts | None = None, kv_events: bool = False) -> None:
+                 max_backoff_s: float = 30.0, gpu_facts: GpuFacts | None = None, kv_events: bool = False,
+                 worker_tls: ssl.SSLContext | None = None) -> None:
         self._command = command
+        self._worker_tls = worker_tls
         self._kv_events = kv_events
         """Start workers publishing their KV-cache events (``extproc.kv_events.enabled``)."""
         self._pools = {pool.name: pool for pool in pools}
@@ -207,7 +229,8 @@ class LocalProcessBackend:
     async def start_all(self, configured: bool = True) -> None:
         """Get ready to run workers, and start the config's (unless ``configured`` is False)."""
         await asyncio.to_thread(self._log_dir.mkdir, parents=True, exist_ok=True)
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        connector = aiohttp.TCPConnector(ssl=self._worker_tls or True)
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0), connector=connector)
         if configured:
             self.start_configured()
 
@@ -352,7 +375,8 @@ class LocalProcessBackend:
     async def _probe(self, worker: WorkerProcess) -> bool:
         assert self._http is not None
         try:
-            async with self._http.get(f"http://{worker.spec.host}:{worker.port}/health") as response:
+            scheme = "https" if self._worker_tls is not None else "http"
+            async with self._http.get(f"{scheme}://{worker.spec.host}:{worker.port}/health") as response:
                 return response.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False

@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import sys
 import tempfile
 from collections.abc import Callable, Coroutine, Mapping
@@ -38,7 +39,8 @@ from controller.drain import Drainer
 from controller.instances import InstanceController
 from controller.lease import LeaderLease
 from controller.local_backend import GpuFacts, LocalProcessBackend, worker_command
-from controller.monitor import HealthMonitor, run_monitor
+from controller.monitor import PROBE_CONCURRENCY, HealthMonitor, run_monitor
+from controller.overload import LoopLag
 from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
@@ -46,11 +48,12 @@ from controller.registry_api import RegistryApi
 from controller.xds.server import XdsServer
 from controller.xds_bridge import bridge_fleet_to_xds
 from poolgate.kernel.config import Config, ConfigError, load_process_config
+from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
 from poolgate.kernel.store import FleetStore, connect
-from poolgate.kernel.tls import ServerTls, client_context, worker_scheme
+from poolgate.kernel.tls import ClientTls, ServerTls, worker_scheme
 
 if TYPE_CHECKING:
     from controller.kube_backend import KubernetesBackend
@@ -85,7 +88,8 @@ async def _publish_api(store: FleetStore, api_url: str) -> None:
         await store.announce_controller(api_url)
 
 
-async def _instance_backend(config: Config, store: FleetStore, log_dir: Path) -> InstanceBackend:
+async def _instance_backend(config: Config, store: FleetStore, log_dir: Path,
+                            worker_tls: ssl.SSLContext | None) -> InstanceBackend:
     """Kubernetes Deployments when ``kubernetes.enabled``, else local processes on this machine."""
     if config.kubernetes.enabled:
         from controller.kube_backend import KubernetesBackend, api_client_from_environment
@@ -96,7 +100,7 @@ async def _instance_backend(config: Config, store: FleetStore, log_dir: Path) ->
     return LocalProcessBackend(store, log_dir, functools.partial(worker_command, config), pools=config.pools,
                                workers=config.workers, settings=config.controller, placement=config.placement,
                                scaling=config.autoscale.pools, gpu_facts=gpus,
-                               kv_events=config.extproc.kv_events.enabled)
+                               kv_events=config.extproc.kv_events.enabled, worker_tls=worker_tls)
 
 
 async def _serve_api(registry: RegistryApi, host: str, port: int,
@@ -108,22 +112,23 @@ async def _serve_api(registry: RegistryApi, host: str, port: int,
     return api, f"{'https' if tls is not None else 'http'}://{host}:{api.addresses[0][1]}"
 
 
-def _probe_session(config: Config) -> aiohttp.ClientSession:
-    """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards."""
+def _probe_session(config: Config, worker_tls: ssl.SSLContext | None) -> aiohttp.ClientSession:
+    """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards. As many
+    connections as the monitor has probes in flight (aiohttp's default, 100, would queue its probes)."""
     worker_key = config.worker_api_key()
-    connector = aiohttp.TCPConnector(ssl=client_context(config.tls.workers) or True)
+    connector = aiohttp.TCPConnector(limit=PROBE_CONCURRENCY, ssl=worker_tls or True)
     return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None,
                                  connector=connector)
 
 
 def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceController, probe_session: aiohttp.ClientSession,
-                 metrics: CollectorRegistry, is_leader: Callable[[], bool],
+                 worker_tls: ssl.SSLContext | None, metrics: CollectorRegistry, is_leader: Callable[[], bool],
                  stop: asyncio.Event) -> list[asyncio.Task[object]]:
     """The loops that keep the fleet: the in-process agent, and (acting on the leader only) the health
     monitor, the adapter loader, the pod sync and the autoscaler."""
     health = config.health
     scheme = worker_scheme(config.tls.workers)
-    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models, scheme=scheme)
+    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models, scheme=scheme, tls=worker_tls)
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
     adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader, scheme=scheme)
     loops: list[Coroutine[object, object, object]] = [
@@ -151,21 +156,27 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     stop = asyncio.Event()
     lease = LeaderLease(store, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                         config.autoscale.lease_ttl_s)
-    xds = XdsServer(config.pools, config.tls.workers)
+    xds = XdsServer(config.pools, config.tls)
     bound_xds = await xds.start(host, xds_port, config.tls.xds)
     api_tls = ServerTls(config.tls.registry_api, "tls.registry_api") if config.tls.registry_api else None
-    backend = await _instance_backend(config, store, log_dir)
+    # One client context for every call to workers (registration checks, probes, adapter loads), re-read
+    # when its files rotate; the agent keeps its own.
+    worker_tls = ClientTls(config.tls.workers, "tls.workers") if config.tls.workers else None
+    backend = await _instance_backend(config, store, log_dir, worker_tls.context if worker_tls else None)
     local = backend if isinstance(backend, LocalProcessBackend) else None
     drainer = Drainer(store, config.drain)
     instances = InstanceController(store, backend, drainer, is_leader=lease.is_leader)
     metrics = CollectorRegistry()
-    registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics)
+    lag = LoopLag()
+    registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics,
+                           lag)
     api, api_url = await _serve_api(registry, host, http_port, api_tls)
     await lease.renew()
     # The config's workers run on the leader only (a standby starting them too would run each twice);
     # a standby starts them when it takes the lease over.
     if local is not None:
         await local.start_all(configured=start_workers and lease.is_leader())
+    freeze_startup_objects()
     print(f"controller ready: api {api_url} xds {host}:{bound_xds} "
           f"workers {len(config.workers) if start_workers and local and lease.is_leader() else 0}", flush=True)
     announcements: set[asyncio.Task[object]] = set()
@@ -186,12 +197,14 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
 
     if lease.is_leader():
         on_gain()
-    probe_session = _probe_session(config)
+    probe_session = _probe_session(config, worker_tls.context if worker_tls else None)
     tasks = [
         asyncio.create_task(bridge_fleet_to_xds(store, xds, empty_grace_s=2 * config.controller.heartbeat_ttl_s)),
         asyncio.create_task(lease.run(stop, on_gain=on_gain)),
-        *([asyncio.create_task(api_tls.watch(config.tls.reload_s, stop))] if api_tls is not None else []),
-        *_fleet_tasks(config, store, instances, probe_session, metrics, lease.is_leader, stop),
+        asyncio.create_task(lag.run()),
+        *[asyncio.create_task(tls.watch(config.tls.reload_s, stop)) for tls in (api_tls, worker_tls) if tls],
+        *_fleet_tasks(config, store, instances, probe_session, worker_tls.context if worker_tls else None, metrics,
+                     lease.is_leader, stop),
     ]
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     try:

@@ -6,9 +6,13 @@ stranger on the network cannot add an address to Envoy's endpoints. Errors are O
 
 from __future__ import annotations
 
+import collections
 import hmac
 import ipaddress
 import logging
+import math
+import random
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,8 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.backend import PlacementRefused
-from controller.heartbeats import HeartbeatCoalescer
+from controller.batched_writes import HeartbeatCoalescer, RegistrationCoalescer
 from controller.instances import InstanceController, NotLeader
+from controller.overload import LoopLag
 from poolgate.kernel.config import ControllerSettings, PoolScaling, PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.store import FleetStore
@@ -117,19 +122,36 @@ def address_refusal(host: str, networks: tuple[Network, ...]) -> str | None:
             "worker is yours")
 
 
+REGISTRATION_LAG_BOUND_S = 0.25
+"""While the loop runs this far behind, new registrations are put off (``controller.overload``); heartbeats
+never are. Well inside the default TTL (1.5 s), so a heartbeat already waiting still lands in time."""
+REGISTRATION_RETRY_AFTER_S = 1
+"""The shortest ``Retry-After`` a put-off registration is answered with."""
+REGISTRATION_RETURNS_PER_S = 200
+"""Put-off registrations are told to come back spread over their number (in the last second) divided by this:
+10,000 at once come back over ~50 s, not together one second later."""
+
+
 class RegistryApi:
     """Routes for the registry over the fleet store; the token check is constant-time. ``scaling`` holds
-    the pools operators may scale (``autoscale.pools``)."""
+    the pools operators may scale (``autoscale.pools``); with ``lag`` (the loop's), registrations wait while
+    the controller runs behind."""
 
     def __init__(self, store: FleetStore, token: str, pools: Sequence[PoolSpec], settings: ControllerSettings,
                  scaling: Mapping[str, PoolScaling] | None = None, instances: InstanceController | None = None,
-                 metrics: CollectorRegistry | None = None) -> None:
+                 metrics: CollectorRegistry | None = None, lag: LoopLag | None = None) -> None:
         self._store = store
         self._token = token.encode()
         self._pools = {pool.name: pool for pool in pools}
         self._ttl_s = settings.heartbeat_ttl_s
         self.heartbeats = HeartbeatCoalescer(store, settings.heartbeat_ttl_s)
-        """Single-worker heartbeats, gathered into one pipeline per batch."""
+        """Single-worker heartbeats, gathered into one Redis command per batch."""
+        self.registrations = RegistrationCoalescer(store, settings.heartbeat_ttl_s)
+        """Registrations, gathered into one pipeline and one announcement per batch."""
+        self._lag = lag
+        self._deferred_at: collections.deque[float] = collections.deque()
+        self.registrations_deferred = 0
+        """Registrations answered 503 because the loop ran behind (for tests and the benchmark)."""
         self._scaling = scaling or {}
         self._instances = instances
         self._metrics = metrics
@@ -177,6 +199,13 @@ class RegistryApi:
             raise web.HTTPBadRequest(text=f"malformed JSON: {exc}") from exc
 
     async def _register(self, request: web.Request) -> web.Response:
+        if self._lag is not None and self._lag.lag_s > REGISTRATION_LAG_BOUND_S:
+            self.registrations_deferred += 1
+            retry_after = self._retry_after()
+            response = _error(503, f"registry busy (event loop {self._lag.lag_s * 1000:.0f} ms behind); "
+                                   f"register again after {retry_after} s", "registry_busy")
+            response.headers["Retry-After"] = str(retry_after)
+            return response
         try:
             body = Registration.model_validate(await self._body(request))
         except (ValidationError, web.HTTPBadRequest) as exc:
@@ -194,9 +223,19 @@ class RegistryApi:
             backend=body.backend, state=body.state, node=body.node or "",
             kv_events_endpoint=body.kv_events_endpoint, kv_events_replay_endpoint=body.kv_events_replay_endpoint,
         )
-        await self._store.register(record, self._ttl_s)
+        await self.registrations.register(record)
         log.info("registered worker %s (%s) in pool %s", record.id, record.address, record.pool)
         return _json(record.to_redis(), status=201)
+
+    def _retry_after(self) -> int:
+        """Whole seconds, drawn so that the registrations put off lately come back spread at about
+        ``REGISTRATION_RETURNS_PER_S`` (a fleet told "1 s" all at once would come back all at once)."""
+        now = time.monotonic()
+        self._deferred_at.append(now)
+        while self._deferred_at[0] < now - 1.0:
+            self._deferred_at.popleft()
+        spread_s = len(self._deferred_at) / REGISTRATION_RETURNS_PER_S
+        return math.ceil(random.uniform(REGISTRATION_RETRY_AFTER_S, REGISTRATION_RETRY_AFTER_S + spread_s))
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]
@@ -211,8 +250,8 @@ class RegistryApi:
         return _json({"ok": True})
 
     async def _heartbeats(self, request: web.Request) -> web.Response:
-        """Heartbeats of many workers in one call (one Redis round trip); the answer names the workers that
-        are not registered (expired), which must register again."""
+        """Heartbeats of many workers in one call (one Redis command); the answer names the workers that are
+        not registered (expired), which must register again."""
         try:
             body = HeartbeatBatch.model_validate(await self._body(request))
         except (ValidationError, web.HTTPBadRequest) as exc:

@@ -18,15 +18,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from poolgate.kernel.fleet import WorkerRecord
-from poolgate.kernel.fleet_view import FleetView
+from poolgate.kernel.fleet_view import RESYNC_S, FleetView
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog, ReturnGrace
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller")
-
-RESYNC_S = 30.0
-"""The bridge reads the whole registry at least this often, whatever the change log says (a safety net)."""
-
 
 OFF_LOOP_WORKERS = 2000
 """From this fleet size on, the xDS build runs in a worker thread (it takes more than a few ms there)."""
@@ -38,6 +34,9 @@ class EndpointSink(Protocol):
     def update(self, workers: Sequence[WorkerRecord]) -> object: ...
 
     async def update_off_loop(self, workers: Sequence[WorkerRecord]) -> object: ...
+
+    @property
+    def fallback_due(self) -> bool: ...
 
 
 async def bridge_fleet_to_xds(store: FleetStore, xds: EndpointSink, *, poll_s: float = 0.25,
@@ -60,7 +59,7 @@ async def bridge_fleet_to_xds(store: FleetStore, xds: EndpointSink, *, poll_s: f
                     if redis.up():
                         after_outage.redis_returned(now)
                         grace_until = now + empty_grace_s
-                    if not pushed or not delta.empty or now <= grace_until + poll_s:
+                    if not pushed or not delta.empty or now <= grace_until + poll_s or xds.fallback_due:
                         workers = after_outage.fill_in(view.workers(), now)
                         if len(workers) >= OFF_LOOP_WORKERS:
                             await xds.update_off_loop(workers)

@@ -8,6 +8,7 @@ import contextlib
 import sys
 
 from poolgate.kernel.config import ConfigError, load_process_config
+from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
 from poolgate.kernel.redaction import redact_url
 from poolgate.kernel.shutdown import on_stop_signal
@@ -41,6 +42,7 @@ def main(args: argparse.Namespace) -> int:
     metrics_port = config.observability.extproc_metrics_port if args.metrics_port is None else args.metrics_port
 
     def listening(bound: int) -> None:
+        freeze_startup_objects()
         print(f"poolgate extproc listening on {args.host}:{bound} (redis {redact_url(redis_url)})", flush=True)
 
     import uvloop

@@ -6,10 +6,11 @@ Keys (named in ``poolgate.kernel.keys.PeerKeys``; the store runs the pipelines):
 - ``{prefix}:extproc:replicas`` hash: replica id → wall-clock time of its last write. A replica writes it at
   least every ``PRESENCE_REFRESH_S``; readers count replicas seen within ``PRESENCE_TTL_S`` (a killed one
   stops counting after that), and a replica that stops cleanly removes itself.
-- ``{prefix}:reserved:{worker}`` hash: replica id → ``"kv prefill stamp"``, the replica's whole current
-  reservation on that worker (absolute, so a lost or repeated write heals at the next one). Written when it
-  changes (batched with the in-flight deltas), removed at zero; a field older than ``PRESENCE_TTL_S`` is
-  ignored (its replica died holding it) and the key expires after it unless renewed.
+- ``{prefix}:extproc:reserved`` hash: ``"worker replica"`` → ``"kv prefill stamp"``, a replica's whole
+  current reservation on a worker (absolute, so a lost or repeated write heals at the next one). Written
+  when it changes (batched with the in-flight deltas), removed at zero, so one read costs the workers that
+  hold reservations, not the fleet; a field older than ``PRESENCE_TTL_S`` is ignored (its replica died
+  holding it) and removed by the next replica that reads it, and the hash expires after it unless renewed.
 - ``{prefix}:extproc:affinity`` stream: one entry per write that has new affinity records (``r`` the replica,
   ``d`` JSON ``[[key, worker], …]``, a session key as a list), capped near ``AFFINITY_LOG_ENTRIES``. Each
   replica reads the entries after the last one it saw and applies the others' records to its map.
@@ -52,6 +53,8 @@ class PeerExchange:
         self._present_at = float("-inf")
         self.replicas = 1
         """Live replicas at the last read, this one included."""
+        self._dead_fields: list[str] = []
+        """Reservations of replicas that died holding them, seen at the last read; removed at the next beat."""
 
     def _pending(self) -> tuple[float, dict[str, tuple[int, int]], dict[str, tuple[int, int]], list[str], bool]:
         """Now, the current reservations, those changed since the last write, those gone, presence beat due."""
@@ -74,14 +77,16 @@ class PeerExchange:
         affinity = self._queue_affinity(pipe)
         if not (changed or gone or due):
             return (lambda: None) if affinity else None
-        ttl_ms = int(PRESENCE_TTL_S * 1000)
-        for worker_id, (kv_tokens, prefill_tokens) in (current.items() if due else changed.items()):
-            key = self._keys.reserved(worker_id)
-            pipe.hset(key, self.replica_id, f"{kv_tokens} {prefill_tokens} {now:.3f}")
-            pipe.pexpire(key, ttl_ms)
-        for worker_id in gone:
-            pipe.hdel(self._keys.reserved(worker_id), self.replica_id)
+        written_now = current if due else changed
+        if written_now:
+            pipe.hset(self._keys.reserved, mapping={self._field(worker_id): f"{kv_tokens} {prefill_tokens} {now:.3f}"
+                                                    for worker_id, (kv_tokens, prefill_tokens) in written_now.items()})
+            pipe.pexpire(self._keys.reserved, int(PRESENCE_TTL_S * 1000))
+        dropped = [self._field(worker_id) for worker_id in gone] + (self._dead_fields if due else [])
+        if dropped:
+            pipe.hdel(self._keys.reserved, *dropped)
         if due:
+            self._dead_fields = []
             pipe.hset(self._keys.replicas, self.replica_id, f"{now:.3f}")
 
         def written() -> None:
@@ -103,10 +108,9 @@ class PeerExchange:
         """Queue the reads of the replicas, the workers' reservations and the new affinity records; the callback
         takes the pipeline's results for them (in order), hands the other replicas' totals to the book and
         their affinity records to the map."""
-        ids = list(worker_ids)
+        known = set(worker_ids)
         pipe.hgetall(self._keys.replicas)
-        for worker_id in ids:
-            pipe.hgetall(self._keys.reserved(worker_id))
+        pipe.hgetall(self._keys.reserved)
         if self._affinity is not None:
             pipe.xread({self._keys.affinity: self._affinity_seen}, count=AFFINITY_READ_ENTRIES)
 
@@ -118,14 +122,18 @@ class PeerExchange:
             replicas.add(self.replica_id)
             kv: dict[str, int] = {}
             prefill: dict[str, int] = {}
-            for worker_id, fields in zip(ids, results[1:], strict=True):
-                for replica, value in fields.items():
-                    if _text(replica) == self.replica_id:
-                        continue
-                    parsed = _reservation(value, oldest)
-                    if parsed is not None:
-                        kv[worker_id] = kv.get(worker_id, 0) + parsed[0]
-                        prefill[worker_id] = prefill.get(worker_id, 0) + parsed[1]
+            dead: list[str] = []
+            for field, value in results[1].items():
+                worker_id, _, replica = _text(field).partition(" ")
+                if replica == self.replica_id:
+                    continue
+                parsed = _reservation(value, oldest)
+                if parsed is None:
+                    dead.append(_text(field))
+                elif worker_id in known:
+                    kv[worker_id] = kv.get(worker_id, 0) + parsed[0]
+                    prefill[worker_id] = prefill.get(worker_id, 0) + parsed[1]
+            self._dead_fields = dead
             self.replicas = len(replicas)
             self._book.apply_peers(kv, prefill, self.replicas)
         return apply
@@ -143,8 +151,12 @@ class PeerExchange:
     def queue_leave(self, pipe: Any) -> None:
         """Remove this replica's presence and reservations (a clean stop; a killed one fades by TTL)."""
         pipe.hdel(self._keys.replicas, self.replica_id)
-        for worker_id in self._published:
-            pipe.hdel(self._keys.reserved(worker_id), self.replica_id)
+        if self._published:
+            pipe.hdel(self._keys.reserved, *map(self._field, self._published))
+
+    def _field(self, worker_id: str) -> str:
+        """This replica's field for a worker (worker ids hold no space: the registry's pattern)."""
+        return f"{worker_id} {self.replica_id}"
 
 
 def _text(value: bytes | str) -> str:

@@ -36,9 +36,6 @@ from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger(__name__)
 
-RESYNC_S = 30.0
-"""The snapshot's view reads the whole fleet at least this often, whatever the change log says."""
-
 QUEUED_REFRESH_S = 1.0
 """A replica's queue count is rewritten at least this often while non-zero (and at once when it changes);
 well inside the store's ``QUEUED_TTL_S``."""
@@ -95,7 +92,7 @@ class FleetWatcher:
                                 "redis reachable again; fleet snapshot is live", up_level=logging.WARNING,
                                 on_change=lambda up: metrics.redis_up.set(1 if up else 0))
         self._after_outage = ReturnGrace(settings.stale_after_s)
-        self._view = FleetView(store, live=True, resync_s=RESYNC_S)
+        self._view = FleetView(store, live=True)
         self._alive: dict[str, WorkerRecord] = {}
         """The view's records with ``updated_at`` moved on to the last time the registry vouched for them."""
         self._built_at = float("-inf")
@@ -118,7 +115,7 @@ class FleetWatcher:
             taken_at = self._clock()
             records = self._vouched(taken_at, delta.full, delta.changed)
             async with self._io_lock:
-                totals = await self._store.read_inflight([r.id for r in records])
+                totals = await self._store.read_busy()
                 self._inflight.apply_remote(totals)
                 peers = self._peers
                 if peers is not None:

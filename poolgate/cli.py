@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -23,10 +24,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("poolgate.bench_cli", "run a benchmark under bench/"),
     "scale": ("poolgate.scale_cli", "set a pool's number of workers (through the controller)"),
     "drain": ("poolgate.drain_cli", "drain a worker: no new requests, finish in-flight ones, then stop it"),
+    "envoy-sds": ("poolgate.envoy_sds_cli", "write the SDS files that name Envoy's certificate files (tls section)"),
 }
 
 
+GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
+"""Read by gRPC when it is imported. poolgate's processes fork only to exec a child (the controller its
+workers, ``up`` the stack), which needs none of gRPC's fork handlers; with them on, a fork while a TLS
+handshake waits for its Python certificate callback (``poolgate.kernel.tls``) stalled the controller 62 s
+per worker started (measured)."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault(GRPC_FORK_SUPPORT_ENV, "false")  # before any subcommand imports grpc
     parser = argparse.ArgumentParser(prog="poolgate", description="Resource-aware routing for LLM fleets")
     subparsers = parser.add_subparsers(dest="command", required=True)
     modules = {}

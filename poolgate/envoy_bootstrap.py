@@ -7,6 +7,9 @@ the request (so a client never picks its own cluster or worker, even while extpr
 follows the cluster header; route 2 is the fail-open default to the fallback cluster, retrying 400s and 404s on
 other hosts so a request finds a worker serving its model and endpoint.
 
+With TLS towards the xDS or extproc servers, the clusters read ``tls.envoy``'s files through SDS files
+(``controller.xds.envoy_tls``) that must exist before Envoy starts: ``write_sds_files`` writes them.
+
 Built from protobuf messages (field names are checked) and rendered as a JSON/YAML-able dict. The
 documented example is ``python -m poolgate.envoy_bootstrap deploy/local.yaml > envoy/bootstrap.example.yaml``.
 """
@@ -49,8 +52,9 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, message, struct_pb2
 from google.protobuf.wrappers_pb2 import BoolValue, UInt32Value
 
-from controller.xds.build import relaxed_circuit_breakers, upstream_tls
-from poolgate.kernel.config import Config, TlsClientFiles, TlsServerFiles
+from controller.xds.build import relaxed_circuit_breakers
+from controller.xds.envoy_tls import ClientSide, client_sides, upstream_tls
+from poolgate.kernel.config import Config, TlsServerFiles
 from poolgate.kernel.routing import (
     CLUSTER_HEADER,
     FALLBACK_CLUSTER,
@@ -148,9 +152,10 @@ def _local_cluster(name: str, ports: Sequence[int]) -> cluster_pb2.Cluster:
     return cluster
 
 
-def _with_tls(cluster: cluster_pb2.Cluster, envoy: TlsClientFiles | None,
+def _with_tls(cluster: cluster_pb2.Cluster, envoy: ClientSide | None,
               server: TlsServerFiles | None) -> cluster_pb2.Cluster:
-    """The cluster speaking TLS (``tls.envoy``'s files, ALPN h2 for gRPC) when its server serves TLS."""
+    """The cluster speaking TLS (``tls.envoy``'s files through SDS, ALPN h2 for gRPC) when its server serves
+    TLS."""
     if server is not None and envoy is not None:
         cluster.transport_socket.CopyFrom(upstream_tls(envoy, alpn=("h2",)))
     return cluster
@@ -395,12 +400,13 @@ def build_bootstrap(
     xDS: Envoy holds its ADS stream to one and reconnects to another when that one goes); ``pd_sidecar_port``
     adds the prefill/decode sidecar's cluster."""
     log = _access_log(access_log_path) if (access_log or access_log_path) else None
+    envoy_side, _ = client_sides(config.tls)
     bootstrap = bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id=node_id, cluster="poolgate"),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
             listeners=[_listener(config, listen_host, listen_port, log)],
-            clusters=[_with_tls(_extproc_cluster(_ports(extproc_port)), config.tls.envoy, config.tls.extproc),
-                      _with_tls(_local_cluster(XDS_CLUSTER, _ports(xds_port)), config.tls.envoy, config.tls.xds)],
+            clusters=[_with_tls(_extproc_cluster(_ports(extproc_port)), envoy_side, config.tls.extproc),
+                      _with_tls(_local_cluster(XDS_CLUSTER, _ports(xds_port)), envoy_side, config.tls.xds)],
         ),
         dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
             ads_config=config_source_pb2.ApiConfigSource(

@@ -15,6 +15,7 @@ import os
 import sys
 
 from poolgate.kernel.config import ConfigError, TlsServerFiles
+from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.shutdown import on_stop_signal
 from poolgate.kernel.tls import check_files
 from simworker import model_tasks
@@ -186,6 +187,7 @@ async def _run(specs: list[WorkerSpec]) -> int:
     stop = asyncio.Event()
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     workers = [SimWorker(spec) for spec in specs]
+    freeze_startup_objects()
     return await serve_workers(workers, stop)
 
 

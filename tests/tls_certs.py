@@ -107,14 +107,24 @@ class TlsFiles:
         write_atomically(self.server_key, key)
         write_atomically(self.server_cert, cert)
 
+    def write_client(self, ca: Authority) -> None:
+        """A new client pair signed by ``ca`` (key first, as ``write_server``)."""
+        cert, key = issue(ca, "poolgate-client", server=False)
+        write_atomically(self.client_key, key)
+        write_atomically(self.client_cert, cert)
 
-def make_tls_files(directory: Path) -> tuple[TlsFiles, Authority]:
-    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, all in ``directory``."""
-    ca = make_ca("poolgate-test-ca")
+    def write_ca(self, ca: Authority) -> None:
+        """``ca`` alone as the CA bundle (the previous CA is no longer trusted by whoever reads it afresh)."""
+        write_atomically(self.ca, ca.pem())
+
+
+def make_tls_files(directory: Path, ca: Authority | None = None) -> tuple[TlsFiles, Authority]:
+    """A CA (``ca``, or a new one), a server certificate for localhost/127.0.0.1 and a client certificate,
+    all in ``directory``."""
+    ca = ca or make_ca("poolgate-test-ca")
+    directory.mkdir(parents=True, exist_ok=True)
     files = TlsFiles(directory)
-    files.ca.write_bytes(ca.pem())
+    files.write_ca(ca)
     files.write_server(ca)
-    cert, key = issue(ca, "poolgate-client", server=False)
-    files.client_cert.write_bytes(cert)
-    files.client_key.write_bytes(key)
+    files.write_client(ca)
     return files, ca

@@ -14,20 +14,18 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, health_check_pb2
+from envoy.config.core.v3 import address_pb2, config_source_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
-from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as tls_common_pb2
-from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
-from envoy.type.matcher.v3 import string_pb2
 from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import duration_pb2
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
-from poolgate.kernel.config import PoolSpec, TlsClientFiles
+from controller.xds.envoy_tls import client_sides, upstream_tls
+from poolgate.kernel.config import PoolSpec, TlsSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
 
@@ -142,38 +140,18 @@ def _eds_cluster(name: str, policy: cluster_pb2.LoadBalancingPolicy) -> cluster_
     return cluster
 
 
-def build_clusters(pools: Sequence[PoolSpec], worker_tls: TlsClientFiles | None = None) -> list[cluster_pb2.Cluster]:
+def build_clusters(pools: Sequence[PoolSpec], tls: TlsSettings | None = None) -> list[cluster_pb2.Cluster]:
     """One override_host cluster per pool (with outlier detection), plus the least_request fallback cluster;
-    with ``worker_tls`` every one reaches its workers over TLS (``tls.workers``)."""
+    with ``tls.workers`` every one reaches its workers over TLS, its certificate files read through SDS."""
     clusters = [_eds_cluster(cluster_name(pool.name), _override_host()) for pool in pools]
     for cluster in clusters:
         cluster.outlier_detection.CopyFrom(outlier_detection())
     clusters.append(_eds_cluster(FALLBACK_CLUSTER, _least_request()))
-    if worker_tls is not None:
+    _, workers = client_sides(tls) if tls is not None else (None, None)
+    if workers is not None:
         for cluster in clusters:
-            cluster.transport_socket.CopyFrom(upstream_tls(worker_tls))
+            cluster.transport_socket.CopyFrom(upstream_tls(workers))
     return clusters
-
-
-def upstream_tls(files: TlsClientFiles, alpn: Sequence[str] = ()) -> base_pb2.TransportSocket:
-    """Envoy's TLS towards an upstream: the server's chain checked against ``ca_file`` (and its name
-    against ``server_name``, also sent as SNI, when set), a client certificate when ``cert_file`` is set.
-    gRPC upstreams need ``alpn`` ``h2`` (a gRPC server refuses a TLS client that offers no ALPN)."""
-    context = tls_pb2.UpstreamTlsContext(sni=files.server_name)
-    common = context.common_tls_context
-    common.alpn_protocols.extend(alpn)
-    common.validation_context.trusted_ca.filename = files.ca_file
-    if files.server_name:
-        common.validation_context.match_typed_subject_alt_names.add(
-            san_type=tls_common_pb2.SubjectAltNameMatcher.DNS,
-            matcher=string_pb2.StringMatcher(exact=files.server_name))
-    if files.cert_file is not None and files.key_file is not None:
-        certificate = common.tls_certificates.add()
-        certificate.certificate_chain.filename = files.cert_file
-        certificate.private_key.filename = files.key_file
-    socket = base_pb2.TransportSocket(name="envoy.transport_sockets.tls")
-    socket.typed_config.Pack(context)
-    return socket
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -40,13 +41,17 @@ from controller.xds.build import (
 from controller.xds.cache import Snapshot, SnapshotCache
 from controller.xds.delta import DeltaAdsStream
 from controller.xds.stream import StreamState
-from poolgate.kernel.config import PoolSpec, TlsClientFiles, TlsServerFiles
+from poolgate.kernel.config import PoolSpec, TlsServerFiles, TlsSettings
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.routing import cluster_name
 from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
 
+FALLBACK_PERIOD_S = 1.0
+"""The fail-open route's assignment (every usable worker of every pool) is rebuilt at most this often. Rebuilt
+with each change, one worker's change would send the whole fleet to every Envoy (10,000 endpoints for one);
+it serves only while extproc is away, so it may trail the pools' assignments by up to this long."""
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """A large fleet's EDS answer can pass grpc's 4 MiB default."""
 
@@ -218,7 +223,8 @@ class StreamStatus:
 class XdsServer:
     """ADS for the pools of one config. ``update`` may be called as often as the fleet changes."""
 
-    def __init__(self, pools: tuple[PoolSpec, ...], worker_tls: TlsClientFiles | None = None) -> None:
+    def __init__(self, pools: tuple[PoolSpec, ...], tls: TlsSettings | None = None, *,
+                 fallback_period_s: float = FALLBACK_PERIOD_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._pools = tuple(pools)
         self._cache = SnapshotCache()
         self._streams: dict[_Stream, asyncio.Queue[_Event]] = {}
@@ -227,7 +233,12 @@ class XdsServer:
         """Per pool, what Envoy saw of its workers at the last build."""
         self.pools_built = 0
         """Pool load assignments built so far (a one-worker change builds one)."""
-        self._clusters = Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools, worker_tls))
+        self._clock = clock
+        self._fallback_period_s = fallback_period_s
+        self._fallback_at = float("-inf")
+        self._fallback_stale = False
+        """The fallback's assignment trails a change the pools' assignments already carry."""
+        self._clusters = Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools, tls))
         """The pools' clusters: fixed by the config, built once (re-offered by each update)."""
         # Nothing is cached, so nothing is served, before the first ``update``: a controller binds its port
         # before it has read the fleet, and an Envoy that reconnects meanwhile kept its endpoints. An empty
@@ -253,6 +264,7 @@ class XdsServer:
     def update(self, workers: Sequence[WorkerRecord]) -> str:
         """Rebuild the pools whose endpoints changed, cache them, push changes; returns the snapshot version.
         ``workers`` is the whole fleet as read (the first call opens the service to every waiting stream).
+        While ``fallback_due``, call it again (with the same fleet) to bring the fallback up to date.
 
         Call it from the event loop the server runs on (it wakes streams without awaiting).
         """
@@ -273,21 +285,33 @@ class XdsServer:
         keys = {pool: tuple(endpoint_key(w) for w in members) for pool, members in by_pool.items()}
         previous = self._cache.get(ENDPOINT_TYPE_URL)
         changed = [pool for pool in by_pool if self._keys is None or keys[pool] != self._keys.get(pool)]
-        if previous is not None and not changed:
+        if previous is not None and not changed and not self.fallback_due:
             return None, keys
         rebuilt = {pool: pool_assignment(pool, by_pool[pool]) for pool in changed}
         self.pools_built += len(changed)
-        addresses = {(host, port) for pool_keys in keys.values() for _, host, port, _ in pool_keys}
-        if len(addresses) == sum(map(len, keys.values())):  # no address twice: join the pools' assignments
-            built = dict(previous.resources) if previous is not None else {}
-            built.update((cluster_name(pool), assignment) for pool, assignment in rebuilt.items())
-            fallback = merged_fallback([built[cluster_name(pool)] for pool in sorted(by_pool)])  # usable's order
+        assignments = list(rebuilt.values())
+        now = self._clock()
+        if previous is None or now - self._fallback_at >= self._fallback_period_s:
+            addresses = {(host, port) for pool_keys in keys.values() for _, host, port, _ in pool_keys}
+            if len(addresses) == sum(map(len, keys.values())):  # no address twice: join the pools' assignments
+                built = dict(previous.resources) if previous is not None else {}
+                built.update((cluster_name(pool), assignment) for pool, assignment in rebuilt.items())
+                assignments.append(merged_fallback([built[cluster_name(pool)] for pool in sorted(by_pool)]))
+            else:
+                assignments.append(fallback_assignment(usable))
+            self._fallback_at, self._fallback_stale = now, False
         else:
-            fallback = fallback_assignment(usable)
-        assignments = [*rebuilt.values(), fallback]
+            self._fallback_stale = True  # the next update after the period brings it up to date
+        if not assignments:
+            return None, keys
         if previous is None:
             return Snapshot.of(ENDPOINT_TYPE_URL, assignments), keys
         return previous.replaced(assignments), keys
+
+    @property
+    def fallback_due(self) -> bool:
+        """The fallback's assignment trails a change and may be rebuilt now: call ``update`` again."""
+        return self._fallback_stale and self._clock() - self._fallback_at >= self._fallback_period_s
 
     def _apply(self, endpoints: Snapshot | None, keys: dict[str, tuple[Any, ...]]) -> str:
         self._keys = keys

@@ -10,7 +10,8 @@ per tenant. Fleet keys (``{prefix}`` below is that braced tag):
 - ``{prefix}:worker:{id}``  hash: one ``WorkerRecord`` (identity and live facts). It expires when heartbeats
   stop.
 - ``{prefix}:workers``      set of worker ids (an index; readers prune ids whose hash has expired).
-- ``{prefix}:inflight:{id}`` cross-replica count of requests extproc has in flight on a worker.
+- ``{prefix}:inflight``     hash: worker id → cross-replica count of requests extproc has in flight on it
+  (a worker with none has no field, so a reader's one read costs the busy workers, not the fleet).
 - ``{prefix}:events``       pub/sub channel; each message (``register ID V``, ``update ID V``, ``deregister ID
   V``, ``expire ID V``; V is the fleet version of the change) means "the fleet changed, refresh now".
 - ``{prefix}:fleet:version`` the fleet version: bumped by every change readers must see.
@@ -81,9 +82,7 @@ class PeerKeys:
         self.prefix = prefix
         self.replicas = f"{fleet_tag(prefix)}:extproc:replicas"
         self.affinity = f"{fleet_tag(prefix)}:extproc:affinity"
-
-    def reserved(self, worker_id: str) -> str:
-        return f"{fleet_tag(self.prefix)}:reserved:{worker_id}"
+        self.reserved = f"{fleet_tag(prefix)}:extproc:reserved"
 
 
 class RedisKeys:
@@ -98,6 +97,7 @@ class RedisKeys:
         self.leader = f"{fleet}:leader"
         self.controller = f"{fleet}:controller"
         self.drains = f"{fleet}:drains"
+        self.inflight = f"{fleet}:inflight"
         self.fleet_version = f"{fleet}:fleet:version"
         self.fleet_epoch = f"{fleet}:fleet:epoch"
         self.peers = PeerKeys(prefix)
@@ -105,9 +105,6 @@ class RedisKeys:
 
     def worker(self, worker_id: str) -> str:
         return f"{self.fleet}:worker:{worker_id}"
-
-    def inflight(self, worker_id: str) -> str:
-        return f"{self.fleet}:inflight:{worker_id}"
 
     def passive(self, worker_id: str) -> str:
         return f"{self.fleet}:passive:{worker_id}"

@@ -50,6 +50,9 @@ def connect(url: str, max_connections: int | None = POOL_CONNECTIONS, wait_s: fl
                        socket_connect_timeout=socket_connect_timeout, retries=retries)
 
 
+FACTS_PER_CALL = 500
+"""Workers one ``WRITE_FACTS_MANY`` call writes at most (a larger batch is several calls in one pipeline), so
+one call holds Redis for a few ms at most."""
 PASSIVE_TTL_S = 60.0
 """A worker's data-path failure count expires this long after its last failure."""
 QUEUED_TTL_S = 5.0
@@ -157,6 +160,8 @@ class FleetStore:
         (the script builds its other key names from the tag, all in that slot)."""
         self._register = redis.register_script(store_scripts.REGISTER)
         self._write_facts = redis.register_script(store_scripts.WRITE_FACTS)
+        self._write_facts_many = redis.register_script(store_scripts.WRITE_FACTS_MANY)
+        self._add_inflight = redis.register_script(store_scripts.ADD_INFLIGHT)
         self._deregister = redis.register_script(store_scripts.DEREGISTER)
         self._poll = redis.register_script(store_scripts.POLL)
 
@@ -167,12 +172,27 @@ class FleetStore:
     # Registration and liveness: the registrant's (registry API, local and Kubernetes backends).
 
     async def register(self, record: WorkerRecord, ttl_s: float) -> None:
-        """Write a worker's full record, index it, and announce the change. Registering is a liveness report:
-        ``updated_at`` is stamped now, so a record built earlier (and re-sent after an expiry) is not stale."""
+        """Write a worker's full record, index it, and announce the change."""
+        await self._register(client=self._redis, keys=self._route, args=self._register_args(record, ttl_s, "1"))
+
+    async def register_many(self, records: Sequence[WorkerRecord], ttl_s: float) -> None:
+        """``register`` for many workers in one pipeline and one announcement (a burst of registrations)."""
+        if not records:
+            return
+
+        def queue(pipe: Any) -> None:
+            for record in records:
+                self._queue_script(pipe, self._register, self._register_args(record, ttl_s, "q"))
+        await self._scripted_pipeline(queue, store_scripts.REGISTER)
+        await self._redis.publish(self.keys.events, f"batch {len(records)}")  # a Cluster pipeline has no PUBLISH
+
+    def _register_args(self, record: WorkerRecord, ttl_s: float, announce: str) -> list[Any]:
+        """Registering is a liveness report: ``updated_at`` is stamped now, so a record built earlier (and
+        re-sent after an expiry) is not stale."""
         now = time.time()
         record = replace(record, updated_at=now, registered_at=record.registered_at or now)
-        await self._register(client=self._redis, keys=self._route, args=[self.keys.fleet, record.id, _ttl_ms(ttl_s),
-                                   *(p for pair in record.to_redis().items() for p in pair)])
+        return [self.keys.fleet, record.id, _ttl_ms(ttl_s), announce,
+                *(p for pair in record.to_redis().items() for p in pair)]
 
     async def heartbeat(self, worker_id: str, ttl_s: float, announce: bool = False, **facts: Any) -> bool:
         """Refresh a worker's TTL and the given facts in one round trip; False means it is not registered
@@ -182,17 +202,29 @@ class FleetStore:
                                              args=self._facts_args(worker_id, _ttl_ms(ttl_s), announce, facts)))
 
     async def heartbeat_many(self, beats: Mapping[str, Mapping[str, Any]], ttl_s: float) -> list[str]:
-        """Heartbeats of many workers (a node agent's) in one pipeline; returns the ids not registered."""
-        if not beats:
-            return []
+        """Heartbeats of many workers (a node agent's, or the API's gathered ones) in one round trip; returns
+        the ids not registered."""
         now = time.time()
+        alive = await self._write_many({worker_id: {"updated_at": now, **facts} for worker_id, facts in beats.items()},
+                                       _ttl_ms(ttl_s), "0")
+        return [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
+
+    async def _write_many(self, facts: Mapping[str, Mapping[str, Any]], ttl_ms: int, announce: str) -> list[Any]:
+        """``WRITE_FACTS`` for every worker in ``facts``: one command per ``FACTS_PER_CALL`` workers, all in one
+        pipeline; ``WRITE_FACTS``'s answers in order."""
+        if not facts:
+            return []
+        items = list(facts.items())
 
         def queue(pipe: Any) -> None:
-            for worker_id, facts in beats.items():
-                self._queue_facts(pipe, self._facts_args(worker_id, _ttl_ms(ttl_s), False,
-                                                         {"updated_at": now, **facts}))
-        alive = await self._scripted_pipeline(queue)
-        return [worker_id for worker_id, ok in zip(beats, alive, strict=True) if not ok]
+            for start in range(0, len(items), FACTS_PER_CALL):
+                args: list[Any] = [self.keys.fleet, ttl_ms, announce]
+                for worker_id, values in items[start:start + FACTS_PER_CALL]:
+                    pairs = _pairs(values)
+                    args += [worker_id, len(pairs), *pairs]
+                self._queue_script(pipe, self._write_facts_many, args)
+        return [answer for chunk in await self._scripted_pipeline(queue, store_scripts.WRITE_FACTS_MANY)
+                for answer in chunk]
 
     def _facts_args(self, worker_id: str, ttl_ms: int, announce: bool | str, facts: Mapping[str, Any]) -> list[Any]:
         flag = announce if isinstance(announce, str) else int(announce)
@@ -220,19 +252,17 @@ class FleetStore:
         if not states:
             return []
 
-        def queue(pipe: Any) -> None:
-            for worker_id, state in states.items():
-                self._queue_facts(pipe, self._facts_args(worker_id, 0, "q", {"state": state.value}))
-        written = await self._scripted_pipeline(queue)
+        written = await self._write_many({worker_id: {"state": state.value} for worker_id, state in states.items()},
+                                         0, "q")
         await self._redis.publish(self.keys.events, f"batch {len(states)}")  # a Cluster pipeline has no PUBLISH
         return [worker_id for worker_id, ok in zip(states, written, strict=True) if ok]
 
-    def _queue_facts(self, pipe: Any, args: list[Any]) -> None:
-        """``WRITE_FACTS`` by its digest on a pipeline (a Cluster pipeline has no ``evalsha`` method)."""
-        pipe.execute_command("EVALSHA", self._write_facts.sha, len(self._route), *self._route, *args)
+    def _queue_script(self, pipe: Any, script: Any, args: list[Any]) -> None:
+        """A script by its digest on a pipeline (a Cluster pipeline has no ``evalsha`` method)."""
+        pipe.execute_command("EVALSHA", script.sha, len(self._route), *self._route, *args)
 
-    async def _scripted_pipeline(self, queue: Callable[[Any], None]) -> list[Any]:
-        """Run the ``WRITE_FACTS`` calls ``queue`` puts on one pipeline. A server that does not know the
+    async def _scripted_pipeline(self, queue: Callable[[Any], None], script: str) -> list[Any]:
+        """Run the calls of ``script`` that ``queue`` puts on one pipeline. A server that does not know the
         script (restarted, or a replica a failover promoted) answers NOSCRIPT: load it and send the
         pipeline again (its writes bear repeating)."""
         pipe = self._redis.pipeline(transaction=False)
@@ -240,7 +270,7 @@ class FleetStore:
         try:
             return list(await pipe.execute())
         except NoScriptError:
-            await self._redis.script_load(store_scripts.WRITE_FACTS)
+            await self._redis.script_load(script)
         pipe = self._redis.pipeline(transaction=False)
         queue(pipe)
         return list(await pipe.execute())
@@ -261,7 +291,7 @@ class FleetStore:
             pipe = self._redis.pipeline(transaction=False)
             for worker_id in expired:
                 pipe.srem(self.keys.workers, worker_id)
-                pipe.delete(self.keys.inflight(worker_id))
+                pipe.hdel(self.keys.inflight, worker_id)
             await pipe.execute()
         return [WorkerRecord.from_redis(data) for data in raw if data]
 
@@ -295,7 +325,14 @@ class FleetStore:
 
     async def read_inflight(self, worker_ids: Sequence[str]) -> dict[str, int]:
         """Requests extproc replicas have in flight per worker (0 when none)."""
-        return await self._counts([self.keys.inflight(w) for w in worker_ids], worker_ids)
+        if not worker_ids:
+            return {}
+        values = await self._redis.hmget(self.keys.inflight, list(worker_ids))
+        return {w: max(0, int(v or 0)) for w, v in zip(worker_ids, values, strict=True)}
+
+    async def read_busy(self) -> dict[str, int]:
+        """Requests in flight on every worker that has any (one read, as large as the busy part of the fleet)."""
+        return {_text(w): n for w, v in (await self._redis.hgetall(self.keys.inflight)).items() if (n := int(v)) > 0}
 
     async def read_passive_failures(self, worker_ids: Sequence[str]) -> dict[str, int]:
         """Cumulative data-path failure counts (0 when none or expired); readers compare with their last read."""
@@ -326,20 +363,23 @@ class FleetStore:
     async def add_counts(self, inflight_deltas: Mapping[str, int], queued: Mapping[str, int],
                          replica_id: str, also: Callable[[Any], object] | None = None) -> None:
         """One pipeline: add in-flight deltas per worker, and set this replica's held count per pool (0 removes
-        its field); ``also`` queues more writes of the same flush on it (extproc's peer exchange)."""
-        pipe = self._redis.pipeline(transaction=False)
-        if also is not None:
-            also(pipe)
-        for worker_id, delta in inflight_deltas.items():
-            pipe.incrby(self.keys.inflight(worker_id), delta)
-        for pool, count in queued.items():
-            key = self.keys.queued(pool)
-            if count:
-                pipe.hset(key, replica_id, count)
-                pipe.pexpire(key, _ttl_ms(QUEUED_TTL_S))
-            else:
-                pipe.hdel(key, replica_id)
-        await pipe.execute()
+        its field); ``also`` queues more writes of the same flush on it (extproc's peer exchange: absolute
+        values, which bear repeating when a restarted server asks for the script and the pipeline goes again)."""
+        deltas = [part for worker_id, delta in inflight_deltas.items() if delta for part in (worker_id, delta)]
+
+        def queue(pipe: Any) -> None:
+            if also is not None:
+                also(pipe)
+            if deltas:
+                pipe.execute_command("EVALSHA", self._add_inflight.sha, 1, self.keys.inflight, *deltas)
+            for pool, count in queued.items():
+                key = self.keys.queued(pool)
+                if count:
+                    pipe.hset(key, replica_id, count)
+                    pipe.pexpire(key, _ttl_ms(QUEUED_TTL_S))
+                else:
+                    pipe.hdel(key, replica_id)
+        await self._scripted_pipeline(queue, store_scripts.ADD_INFLIGHT)
 
     # The controllers' lease and the leader's address.
 

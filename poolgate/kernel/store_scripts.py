@@ -31,47 +31,52 @@ end
 """
 
 REGISTER = _COMMON + """
-local id, ttl = ARGV[2], tonumber(ARGV[3])
+local id, ttl, quiet = ARGV[2], tonumber(ARGV[3]), ARGV[4] == 'q'
 local key = P .. ':worker:' .. id
 redis.call('DEL', key)
-redis.call('HSET', key, unpack(ARGV, 4))
+redis.call('HSET', key, unpack(ARGV, 5))
 redis.call('PEXPIRE', key, ttl)
 redis.call('SADD', P .. ':workers', id)
 redis.call('ZADD', P .. ':fleet:deadlines', now_ms() + ttl, id)
 local v = bump(id, 'changed')
-redis.call('PUBLISH', P .. ':events', 'register ' .. id .. ' ' .. v)
+if not quiet then redis.call('PUBLISH', P .. ':events', 'register ' .. id .. ' ' .. v) end
 return v
 """
-"""KEYS: one key of the fleet slot (routes the call on Cluster). ARGV: the fleet tag, id, ttl ms, field/value
-pairs of the full record."""
+"""KEYS: one key of the fleet slot (routes the call on Cluster). ARGV: the fleet tag, id, ttl ms, announce
+(1, or q: publish nothing, the caller announces a batch), field/value pairs of the full record."""
 
-WRITE_FACTS = _COMMON + """
-local id, ttl, announce, quiet = ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', ARGV[4] == 'q'
-local key = P .. ':worker:' .. id
-if redis.call('EXISTS', key) == 0 then return 0 end
-local state_changed, live = false, false
-for i = 5, #ARGV, 2 do
-  if ARGV[i] == 'state' then
-    state_changed = redis.call('HGET', key, 'state') ~= ARGV[i + 1]
-  elseif ARGV[i] ~= 'updated_at' then
-    live = true
+_WRITE_FACTS_FN = """
+local function write_facts(id, ttl, announce, quiet, first, last)
+  local key = P .. ':worker:' .. id
+  if redis.call('EXISTS', key) == 0 then return 0 end
+  local state_changed, live = false, false
+  for i = first, last, 2 do
+    if ARGV[i] == 'state' then
+      state_changed = redis.call('HGET', key, 'state') ~= ARGV[i + 1]
+    elseif ARGV[i] ~= 'updated_at' then
+      live = true
+    end
   end
+  if last >= first then redis.call('HSET', key, unpack(ARGV, first, last)) end
+  if ttl > 0 then
+    redis.call('PEXPIRE', key, ttl)
+    redis.call('ZADD', P .. ':fleet:deadlines', now_ms() + ttl, id)
+  end
+  if state_changed then
+    local v = bump(id, 'changed')
+    if not quiet then redis.call('PUBLISH', P .. ':events', 'update ' .. id .. ' ' .. v) end
+    return 2
+  end
+  if live then
+    local v = bump(id, 'live')
+    if announce then redis.call('PUBLISH', P .. ':events', 'update ' .. id .. ' ' .. v) end
+  end
+  return 1
 end
-if #ARGV >= 5 then redis.call('HSET', key, unpack(ARGV, 5)) end
-if ttl > 0 then
-  redis.call('PEXPIRE', key, ttl)
-  redis.call('ZADD', P .. ':fleet:deadlines', now_ms() + ttl, id)
-end
-if state_changed then
-  local v = bump(id, 'changed')
-  if not quiet then redis.call('PUBLISH', P .. ':events', 'update ' .. id .. ' ' .. v) end
-  return 2
-end
-if live then
-  local v = bump(id, 'live')
-  if announce then redis.call('PUBLISH', P .. ':events', 'update ' .. id .. ' ' .. v) end
-end
-return 1
+"""
+
+WRITE_FACTS = _COMMON + _WRITE_FACTS_FN + """
+return write_facts(ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', ARGV[4] == 'q', 5, #ARGV)
 """
 """ARGV: fleet tag, id, ttl ms (0: leave the TTL alone), announce (1, 0, or q: publish nothing, the caller
 announces a batch), field/value pairs. Returns 0 when the
@@ -79,9 +84,24 @@ worker is not registered, 2 when its state changed (announced), else 1. A state 
 goes to the ``changed`` log; other facts go to the ``live`` log, announced only when asked; a heartbeat
 that carries nothing but its time writes no change at all."""
 
+WRITE_FACTS_MANY = _COMMON + _WRITE_FACTS_FN + """
+local ttl, announce, quiet = tonumber(ARGV[2]), ARGV[3] == '1', ARGV[3] == 'q'
+local answers, i = {}, 4
+while i <= #ARGV do
+  local n = tonumber(ARGV[i + 1])
+  answers[#answers + 1] = write_facts(ARGV[i], ttl, announce, quiet, i + 2, i + 1 + n)
+  i = i + 2 + n
+end
+return answers
+"""
+"""``WRITE_FACTS`` for many workers in one call (a batch of heartbeats or a round's states: one command, not
+one per worker). ARGV: fleet tag, ttl ms, announce, then per worker its id, the count of field/value items
+that follow, and those items. Returns ``WRITE_FACTS``'s answer per worker, in order."""
+
 DEREGISTER = _COMMON + """
 local id = ARGV[2]
-redis.call('DEL', P .. ':worker:' .. id, P .. ':inflight:' .. id, P .. ':passive:' .. id)
+redis.call('DEL', P .. ':worker:' .. id, P .. ':passive:' .. id)
+redis.call('HDEL', P .. ':inflight', id)
 redis.call('SREM', P .. ':workers', id)
 redis.call('ZREM', P .. ':fleet:deadlines', id)
 local v = bump(id, 'changed')
@@ -97,7 +117,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':fleet:deadlines', '-inf',
   if pttl == -2 then
     redis.call('ZREM', P .. ':fleet:deadlines', id)
     redis.call('SREM', P .. ':workers', id)
-    redis.call('DEL', P .. ':inflight:' .. id)
+    redis.call('HDEL', P .. ':inflight', id)
     local v = bump(id, 'changed')
     redis.call('PUBLISH', P .. ':events', 'expire ' .. id .. ' ' .. v)
   elseif pttl == -1 then
@@ -135,3 +155,11 @@ First expires the workers whose TTL ran out (a key expiry publishes nothing, so 
 writes the change for everyone), trims the logs to about twice the fleet (readers older than the trimmed
 part read everything again), then answers epoch, version, floor and the ids changed since ``since``
 (false instead of the ids when ``since`` is below the floor or above the version: read everything)."""
+
+ADD_INFLIGHT = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) <= 0 then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+"""
+"""KEYS: the in-flight hash. ARGV: worker id, delta pairs. A count that falls to zero (or below: an increment
+lost with a Redis restart) leaves the hash, so it holds only the workers with requests in flight."""

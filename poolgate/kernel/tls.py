@@ -1,7 +1,8 @@
 """TLS from certificate files that rotate without a restart (the ``tls`` config section).
 
-- ``ServerTls`` holds an ``ssl.SSLContext`` for an HTTP server (aiohttp); ``watch`` re-reads the files when
-  they change, into the same context, so the next handshake uses them and open connections go on.
+- ``ServerTls`` holds an ``ssl.SSLContext`` for an HTTP server (aiohttp), ``ClientTls`` one for a
+  long-lived client (probes, scrapes); ``watch`` re-reads the files when they change, into the same
+  context, so the next handshake uses them and open connections go on.
 - ``grpc_server_credentials`` gives gRPC credentials whose files are looked at on every new handshake
   (gRPC asks for them then), so a rotated certificate is served from the next connection on.
 
@@ -16,7 +17,7 @@ import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,21 +47,21 @@ def check_files(files: TlsServerFiles, field: str) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def _paths(files: TlsServerFiles) -> list[str]:
-    return [p for p in (files.cert_file, files.key_file, files.client_ca_file) if p is not None]
+def _paths(files: TlsServerFiles | TlsClientFiles) -> list[str]:
+    names = ("cert_file", "key_file", "client_ca_file", "ca_file")
+    return [path for path in (getattr(files, name, None) for name in names) if path is not None]
 
 
-class ServerTls:
-    """A server-side SSL context from ``files``, re-read in place when they change."""
+class WatchedTls:
+    """An SSL context whose certificate files are loaded again, into the same context, when they change:
+    connections made after the change use them, open ones go on with what they started with."""
 
-    def __init__(self, files: TlsServerFiles, field: str) -> None:
-        check_files(files, field)
-        self._files = files
+    def __init__(self, context: ssl.SSLContext, paths: Sequence[str], load: Callable[[ssl.SSLContext], None],
+                 field: str) -> None:
+        self.context = context
+        self._paths = list(paths)
+        self._load = load
         self._field = field
-        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
-        if files.client_ca_file is not None:
-            self.context.verify_mode = ssl.CERT_REQUIRED
         self._signature: tuple[tuple[int, int], ...] = ()
         self.loads = 0
         """How many times the files were loaded (1 at start, +1 per rotation seen)."""
@@ -69,13 +70,11 @@ class ServerTls:
     def reload(self) -> bool:
         """Load the files if they changed since the last load; True when they did. A half-written file
         (a key that does not match the certificate) is logged and retried at the next look."""
-        signature = file_signature(_paths(self._files))
+        signature = file_signature(self._paths)
         if signature == self._signature:
             return False
         try:
-            self.context.load_cert_chain(self._files.cert_file, self._files.key_file)
-            if self._files.client_ca_file is not None:
-                self.context.load_verify_locations(cafile=self._files.client_ca_file)
+            self._load(self.context)
         except (ssl.SSLError, OSError) as exc:
             if not self.loads:
                 raise ConfigError(f"{self._field}: cannot load the certificate files: {exc}") from exc
@@ -96,6 +95,43 @@ class ServerTls:
                 await asyncio.wait_for(stop.wait(), interval_s)
             with contextlib.suppress(OSError):  # a file being replaced: look again next time
                 self.reload()
+
+
+class ServerTls(WatchedTls):
+    """A server-side SSL context (an HTTP server's) from ``files``, re-read in place when they change."""
+
+    def __init__(self, files: TlsServerFiles, field: str) -> None:
+        check_files(files, field)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if files.client_ca_file is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+
+        def load(context: ssl.SSLContext) -> None:
+            context.load_cert_chain(files.cert_file, files.key_file)
+            if files.client_ca_file is not None:
+                context.load_verify_locations(cafile=files.client_ca_file)
+
+        super().__init__(context, _paths(files), load, field)
+
+
+class ClientTls(WatchedTls):
+    """A long-lived client's SSL context from ``files`` (as ``client_context``: the controller's probes, the
+    agent's scrapes), its client certificate and CA re-read in place when they change."""
+
+    def __init__(self, files: TlsClientFiles, field: str) -> None:
+        try:
+            context = client_context(files)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(f"{field}: cannot load the certificate files: {exc}") from exc
+        assert context is not None
+
+        def load(context: ssl.SSLContext) -> None:
+            context.load_verify_locations(cafile=files.ca_file)
+            if files.cert_file is not None and files.key_file is not None:
+                context.load_cert_chain(files.cert_file, files.key_file)
+
+        super().__init__(context, _paths(files), load, field)
 
 
 def _read(path: str) -> bytes:

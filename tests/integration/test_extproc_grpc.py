@@ -186,7 +186,7 @@ async def test_inflight_is_in_redis_until_the_stream_ends(redis_url: str,
         calls = [await extproc.open_routed() for _ in range(3)]
 
         async def inflight_is(n: int) -> bool:
-            return int(await redis_client.get(KEYS.inflight("w1")) or 0) == n
+            return int(await redis_client.hget(KEYS.inflight, "w1") or 0) == n
 
         await eventually(lambda: inflight_is(3))
         for call, _ in calls[:2]:
@@ -217,7 +217,7 @@ async def test_two_replicas_see_each_others_inflight(redis_url: str, redis_clien
 
 
 async def _redis_total(client: Any, ids: list[str], expected: int) -> bool:
-    values = [int(await client.get(KEYS.inflight(i)) or 0) for i in ids]
+    values = [int(await client.hget(KEYS.inflight, i) or 0) for i in ids]
     return sum(values) == expected
 
 

@@ -138,8 +138,8 @@ async def settled_pick(extproc: Extproc, data: dict[str, object], redis_client: 
     keys = RedisKeys(PREFIX)
     deadline = time.monotonic() + 30.0
     while True:
-        reserved = [k async for k in redis_client.scan_iter(match=keys.peers.reserved("*"))]
-        counts = [await redis_client.get(k) async for k in redis_client.scan_iter(match=keys.inflight("*"))]
+        reserved = await redis_client.hkeys(keys.peers.reserved)
+        counts = await redis_client.hvals(keys.inflight)
         if not reserved and all(int(c or 0) == 0 for c in counts):
             break
         assert time.monotonic() < deadline, f"placements never released: {reserved} {counts}"

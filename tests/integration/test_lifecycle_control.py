@@ -97,6 +97,36 @@ async def test_monitor_writes_states_and_asks_for_a_replacement(redis_client: ai
     assert monitor.stats.transitions == {"Ready->Failed": 1, "Failed->Ready": 1}
 
 
+class SequenceProber:
+    """Answers each probe with the next of ``answers`` (then passes)."""
+
+    def __init__(self, answers: list[bool]) -> None:
+        self.answers = answers
+        self.calls = 0
+
+    async def probe(self, record: WorkerRecord) -> ProbeResult:
+        self.calls += 1
+        ok = self.answers.pop(0) if self.answers else True
+        return ProbeResult(ok, 0.01, "" if ok else "connection refused")
+
+
+@pytest.mark.parametrize(("answers", "after"), [
+    ([False, False, False], WorkerState.FAILED),  # dead: confirmed within the round that found it
+    ([False, True], WorkerState.READY),  # one failed answer, then a good one: still serving
+])
+async def test_a_serving_workers_failed_probe_is_confirmed_within_the_round(
+        redis_client: aioredis.Redis, answers: list[bool], after: WorkerState) -> None:
+    await register(redis_client)
+    prober = SequenceProber([True])
+    health = CONFIG.health.model_copy(update={"probe_interval_s": 0.1})
+    monitor = HealthMonitor(fleet(redis_client), health, STALE_AFTER_S, prober, clock=ManualClock())
+    await monitor.round()  # known and serving
+    prober.answers = list(answers)
+    await monitor.round()
+    assert await state(redis_client) is after
+    assert prober.calls == 1 + len(answers)
+
+
 async def test_passive_failures_reported_through_redis_eject_at_once(redis_client: aioredis.Redis) -> None:
     await register(redis_client)
     monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, ScriptedProber(), clock=ManualClock())
@@ -121,7 +151,7 @@ async def test_follower_does_nothing(redis_client: aioredis.Redis) -> None:
 
 async def test_drain_waits_for_inflight_and_engine_queues(redis_client: aioredis.Redis) -> None:
     await register(redis_client)
-    await redis_client.set(KEYS.inflight("w1"), 1)
+    await redis_client.hset(KEYS.inflight, "w1", 1)
     await redis_client.hset(KEYS.worker("w1"), mapping={"running": 1})
     drainer = Drainer(fleet(redis_client), CONFIG.drain)
     stopped = asyncio.Event()
@@ -133,7 +163,7 @@ async def test_drain_waits_for_inflight_and_engine_queues(redis_client: aioredis
     assert await state(redis_client) is WorkerState.DRAINING
     await asyncio.sleep(0.3)
     assert not stopped.is_set()
-    await redis_client.set(KEYS.inflight("w1"), 0)
+    await redis_client.hdel(KEYS.inflight, "w1")
     await asyncio.sleep(0.2)
     assert not stopped.is_set()  # the engine still runs one (a stream extproc already let go of)
     await redis_client.hset(KEYS.worker("w1"), mapping={"running": 0})
@@ -207,7 +237,7 @@ async def test_a_drain_the_leader_left_is_finished_by_its_successor(redis_client
     """The leader begins a drain and dies before it ends; the controller that takes the lease over finishes
     it (stops the worker once nothing is in flight), the grace period still counted from the first start."""
     await register(redis_client)
-    await redis_client.set(KEYS.inflight("w1"), 1)
+    await redis_client.hset(KEYS.inflight, "w1", 1)
     old_backend, new_backend = FakeBackend(), FakeBackend()  # one shared fleet (Kubernetes-like)
     old_leader = InstanceController(fleet(redis_client), old_backend, Drainer(fleet(redis_client), CONFIG.drain))
     assert await old_leader.drain("w1")
@@ -220,7 +250,7 @@ async def test_a_drain_the_leader_left_is_finished_by_its_successor(redis_client
     assert successor.drainer.history["w1"].started_at < time.monotonic() - 0.15
     await asyncio.sleep(0.2)
     assert new_backend.stopped == []  # still one in flight
-    await redis_client.set(KEYS.inflight("w1"), 0)
+    await redis_client.hdel(KEYS.inflight, "w1")
     reason = await asyncio.wait_for(successor.drainer.wait("w1"), 5)
     assert reason is not None and "nothing in flight" in reason
     assert new_backend.stopped == ["w1"] and old_backend.stopped == []

@@ -57,3 +57,4 @@ async def test_models_are_asked_once_per_registration_and_period(
         assert not result.ok and "does not list 'm1'" in result.reason
         result = await prober.probe(replace(record, registered_at=2.0))
         assert not result.ok and hits["models"] == 4  # a failed check is repeated on every probe
+        prober.close()

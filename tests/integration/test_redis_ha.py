@@ -98,7 +98,7 @@ async def test_every_fleet_path_runs_on_the_deployment(deployment: Deployment) -
         assert await store.update_live("w1", announce=True, waiting=3)
         await store.record_passive_failure("w1")
         await store.add_counts({"w1": 2}, {"chat": 4}, "replica-a",
-                               also=lambda pipe: pipe.hset(KEYS.peers.reserved("w1"), "replica-a", "1 2 3"))
+                               also=lambda pipe: pipe.hset(KEYS.peers.reserved, "w1 replica-a", "1 2 3"))
 
         view = FleetView(store)
         await view.sync()
@@ -114,10 +114,10 @@ async def test_every_fleet_path_runs_on_the_deployment(deployment: Deployment) -
         reserved: list[object] = []
 
         def read_peers(pipe: object) -> object:
-            pipe.hgetall(KEYS.peers.reserved("w1"))  # type: ignore[attr-defined]
+            pipe.hgetall(KEYS.peers.reserved)  # type: ignore[attr-defined]
             return reserved.extend
         await store.exchange(read_peers)
-        assert reserved == [{b"replica-a": b"1 2 3"}]
+        assert reserved == [{b"w1 replica-a": b"1 2 3"}]
 
         assert await store.take_lease("ctl-a", 5.0)
         assert not await store.take_lease("ctl-b", 5.0)

@@ -32,9 +32,9 @@ from poolgate.controller_client import CommandError, call
 from poolgate.kernel.config import ConfigError, TlsClientFiles, TlsServerFiles, parse_config
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.store import FleetStore
-from poolgate.kernel.tls import ServerTls, worker_scheme
+from poolgate.kernel.tls import ClientTls, ServerTls, worker_scheme
 from poolgate.kernel.tls import client_context as files_context
-from tests.tls_certs import Authority, TlsFiles, issue, make_ca, make_tls_files
+from tests.tls_certs import Authority, TlsFiles, issue, make_ca, make_tls_files, write_atomically
 
 CONFIG = parse_config({"pools": [{"name": "chat", "model": "m1"}]})
 ROTATION_S = 5.0
@@ -222,11 +222,8 @@ async def test_extproc_port_over_mutual_tls(tmp_path: Path) -> None:
         await server.stop(0)
 
 
-async def test_health_probes_reach_https_workers_with_the_client_certificate(tmp_path: Path) -> None:
-    """With ``tls.workers`` the controller's probes speak HTTPS and present its certificate."""
-    files, _ = make_tls_files(tmp_path)
-    worker_tls = ServerTls(server_files(files), "worker")
-
+async def https_worker(files: TlsServerFiles) -> tuple[web.AppRunner, WorkerRecord]:
+    """A worker stand-in that answers /health over HTTPS from ``files``, and its record."""
     async def health(request: web.Request) -> web.Response:
         return web.json_response({})
 
@@ -234,17 +231,55 @@ async def test_health_probes_reach_https_workers_with_the_client_certificate(tmp
     app.router.add_get("/health", health)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=worker_tls.context)
-    await site.start()
-    port = runner.addresses[0][1]
-    record = WorkerRecord(id="w1", pool="chat", model="m1", host="127.0.0.1", port=port)
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ServerTls(files, "worker").context).start()
+    return runner, WorkerRecord(id="w1", pool="chat", model="m1", host="127.0.0.1", port=runner.addresses[0][1])
+
+
+async def test_health_probes_reach_https_workers_with_the_client_certificate(tmp_path: Path) -> None:
+    """With ``tls.workers`` the controller's probes speak HTTPS and present its certificate."""
+    files, _ = make_tls_files(tmp_path)
+    runner, record = await https_worker(server_files(files))
     client = TlsClientFiles(ca_file=str(files.ca), cert_file=str(files.client_cert), key_file=str(files.client_key))
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=files_context(client))) as session:
-            assert (await HttpProber(session, 5, False, scheme=worker_scheme(client)).probe(record)).ok
+        context = files_context(client)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as session:
+            prober = HttpProber(session, 5, False, scheme=worker_scheme(client), tls=context)
+            assert (await prober.probe(record)).ok
+            prober.close()
             assert not (await HttpProber(session, 5, False).probe(record)).ok  # plain HTTP to a TLS worker
-        anonymous = aiohttp.TCPConnector(ssl=files_context(TlsClientFiles(ca_file=str(files.ca))))
-        async with aiohttp.ClientSession(connector=anonymous) as session:
-            assert not (await HttpProber(session, 5, False, scheme="https").probe(record)).ok
+        anonymous = files_context(TlsClientFiles(ca_file=str(files.ca)))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=anonymous)) as session:
+            assert not (await HttpProber(session, 5, False, scheme="https", tls=anonymous).probe(record)).ok
     finally:
+        await runner.cleanup()
+
+
+async def test_probes_present_a_rotated_client_certificate_without_a_restart(tmp_path: Path) -> None:
+    """A worker that accepts only client certificates of a new CA: the probe's old certificate is refused;
+    once its files are renamed into place, the same client context presents the new one."""
+    files, _ = make_tls_files(tmp_path / "tls")
+    new_ca = make_ca("new-client-ca")
+    runner, record = await https_worker(TlsServerFiles(cert_file=str(files.server_cert), key_file=str(files.server_key),
+                                                       client_ca_file=str(trust(tmp_path, new_ca))))
+    client = ClientTls(TlsClientFiles(ca_file=str(files.ca), cert_file=str(files.client_cert),
+                                      key_file=str(files.client_key)), "tls.workers")
+    watch = asyncio.create_task(client.watch(0.05))
+
+    async def probe_ok() -> bool:
+        # a session per probe: a new connection each time, as after a pooled connection closes
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client.context)) as session:
+            prober = HttpProber(session, 5, False, scheme="https", tls=client.context)
+            ok = (await prober.probe(record)).ok
+            prober.close()
+            return ok
+
+    try:
+        assert not await probe_ok()  # its certificate is from the old CA
+        cert, key = issue(new_ca, "poolgate-client", server=False)
+        write_atomically(files.client_key, key)
+        write_atomically(files.client_cert, cert)
+        took = await eventually(probe_ok, ROTATION_S, "the rotated client certificate presented")
+        print(f"\nprobe client: rotated certificate presented after {took:.2f} s, {client.loads} loads")
+    finally:
+        watch.cancel()
         await runner.cleanup()

@@ -104,7 +104,9 @@ async def upstreams() -> AsyncIterator[dict[str, Upstream]]:
 
 @pytest.fixture()
 async def xds() -> AsyncIterator[tuple[XdsServer, int]]:
-    server = XdsServer(CONFIG.pools)
+    # Every update brings the fallback too: these tests look at what Envoy makes of one update (its trailing by
+    # FALLBACK_PERIOD_S is the unit tests').
+    server = XdsServer(CONFIG.pools, fallback_period_s=0)
     server.update([])  # the fleet read: empty until a test adds workers
     port = await server.start("127.0.0.1", 0)
     yield server, port

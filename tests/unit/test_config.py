@@ -45,6 +45,14 @@ def test_good_config_resolves_models_to_pools() -> None:
         ({"tls": {"workers": {"ca_file": "ca.pem", "cert_file": "c.pem"}}}, "tls.workers: cert_file and key_file go"),
         ({"tls": {"registry_api": {"cert_file": "", "key_file": "k.pem"}}}, "tls.registry_api.cert_file"),
         ({"tls": {"reload_s": 0}}, "tls.reload_s"),
+        ({"tls": {"workers": {"ca_file": "ca.pem"}}}, "tls: envoy_sds_dir: Envoy reads its certificate files"),
+        ({"tls": {"workers": {"ca_file": "ca.pem"}, "envoy_sds_dir": "sds"}}, "envoy_sds_dir: 'sds' is relative"),
+        ({"tls": {"local_workers": {"cert_file": "s.pem", "key_file": "k.pem"}}},
+         "tls: local_workers: the local backend's workers serve HTTPS, so tls.workers"),
+        ({"tls": {"local_workers": {"cert_file": "s.pem", "key_file": "k.pem", "client_ca_file": "ca.pem"},
+                  "workers": {"ca_file": "ca.pem"}, "envoy_sds_dir": "/sds"}}, "tls.workers needs cert_file"),
+        ({"tls": {"workers": {"ca_file": "ca.pem"}, "envoy_sds_dir": "/sds"}},
+         "workers.0: tls.workers has Envoy and the probes reach workers over HTTPS"),
     ],
 )
 def test_bad_values_name_their_field(change: dict[str, object], expected: str) -> None:

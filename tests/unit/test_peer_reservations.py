@@ -7,7 +7,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from extproc.affinity import AffinityMap
-from extproc.peers import PRESENCE_TTL_S, PeerExchange, PeerKeys
+from extproc.peers import PRESENCE_REFRESH_S, PRESENCE_TTL_S, PeerExchange, PeerKeys
 from extproc.request import RequestFacts
 from extproc.reservations import ReservationBook
 from extproc.scheduling.estimate import prefix_keys
@@ -82,6 +82,10 @@ async def test_one_replica_reads_what_another_published_and_a_dead_ones_fades(re
     await exchange("b")
     books["b"].settle(snapshot(at=now[0]))
     assert peers["b"].replicas == 1 and books["b"].kv_tokens == {}
+    assert await redis_client.hkeys(keys.reserved) == [b"w a"]  # a died holding it
+    now[0] += PRESENCE_REFRESH_S
+    await exchange("b")  # b's next beat removes what it read as dead
+    assert await redis_client.hkeys(keys.reserved) == []
 
 
 async def test_a_clean_stop_removes_the_replica_at_once(redis_client: aioredis.Redis) -> None:
@@ -98,7 +102,7 @@ async def test_a_clean_stop_removes_the_replica_at_once(redis_client: aioredis.R
     peer.queue_leave(pipe)
     await pipe.execute()
     assert await redis_client.hgetall(keys.replicas) == {}
-    assert await redis_client.hgetall(keys.reserved("w")) == {}
+    assert await redis_client.hgetall(keys.reserved) == {}
 
 
 async def test_a_prefix_placed_through_one_replica_leads_the_other_to_the_same_worker(

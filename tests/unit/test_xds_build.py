@@ -13,6 +13,7 @@ from envoy.extensions.load_balancing_policies.override_host.v3 import override_h
 
 from controller.xds import XdsServer
 from controller.xds.build import ENDPOINT_TYPE_URL, build_clusters, build_endpoints, fallback_assignment, usable_workers
+from controller.xds.server import FALLBACK_PERIOD_S
 from poolgate.kernel.config import PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
@@ -133,17 +134,48 @@ def test_the_fallback_joined_from_pools_equals_the_one_built_from_workers() -> N
     pools = tuple(PoolSpec(name=f"p{i}", model="m") for i in (3, 1, 2))  # config order is not name order
     workers = [WorkerRecord(id=f"w{i:03d}", pool=f"p{i % 3 + 1}", model="m", host=f"10.0.0.{i + 1}", port=8000)
                for i in range(30)]
-    server = XdsServer(pools)
+    now = [0.0]
+    server = XdsServer(pools, clock=lambda: now[0])
     server.update(workers)
     changed = [*workers[:4], replace(workers[4], state=WorkerState.DRAINING), *workers[5:]]
     built = server.pools_built
+    now[0] += FALLBACK_PERIOD_S
     server.update(changed)
     assert server.pools_built == built + 1  # one pool rebuilt; the fallback joined from the three
     assert fallback(server).SerializeToString(deterministic=True) == fallback_assignment(
         usable_workers(pools, changed)).SerializeToString(deterministic=True)
     twice = [*changed, replace(workers[0], id="w999", pool="p2")]  # w000's address in a second pool too
+    now[0] += FALLBACK_PERIOD_S
     server.update(twice)
     assert fallback(server) == fallback_assignment(usable_workers(pools, twice))
+
+
+def test_a_change_sends_its_pool_at_once_and_the_fallback_at_most_once_a_period() -> None:
+    pools = (PoolSpec(name="a", model="m"), PoolSpec(name="b", model="m"))
+    workers = [WorkerRecord(id=f"w{i}", pool="ab"[i % 2], model="m", host=f"10.0.1.{i + 1}", port=8000)
+               for i in range(6)]
+    now = [0.0]
+    server = XdsServer(pools, clock=lambda: now[0])
+    server.update(workers)
+    before = fallback(server)
+    now[0] += 0.1
+    drained = [replace(workers[0], state=WorkerState.DRAINING), *workers[1:]]
+    server.update(drained)
+    statuses = {e.endpoint.hostname: e.health_status for e in assignment(server, "a").endpoints[0].lb_endpoints}
+    assert statuses["w0"] != statuses["w2"]  # the pool shows the change at once
+    assert fallback(server) == before and not server.fallback_due  # the fallback waits for its period
+    now[0] += FALLBACK_PERIOD_S
+    assert server.fallback_due
+    server.update(drained)  # the bridge's next look, with nothing else changed
+    assert fallback(server) == fallback_assignment(usable_workers(pools, drained)) and not server.fallback_due
+
+
+def assignment(server: XdsServer, pool: str) -> endpoint_pb2.ClusterLoadAssignment:
+    snapshot = server._cache.get(ENDPOINT_TYPE_URL)
+    assert snapshot is not None
+    resource = snapshot.resources[cluster_name(pool)]
+    assert isinstance(resource, endpoint_pb2.ClusterLoadAssignment)
+    return resource
 
 
 def fallback(server: XdsServer) -> endpoint_pb2.ClusterLoadAssignment:

@@ -41,7 +41,7 @@ from poolgate.kernel.config.lifecycle import (
     WorkerTemplate,
 )
 from poolgate.kernel.config.loader import Config, load_config, load_process_config, parse_config
-from poolgate.kernel.config.pools import PoolRole, PoolSpec, PoolTask, PoolTokenizer, WorkerSpec
+from poolgate.kernel.config.pools import PoolRole, PoolSpec, PoolTask, PoolTokenizer, WorkerSpec, has_flag
 from poolgate.kernel.config.processes import (
     ControllerSettings,
     ExtprocSettings,
@@ -105,6 +105,7 @@ __all__ = [
     "TlsSettings",
     "WorkerSpec",
     "WorkerTemplate",
+    "has_flag",
     "load_config",
     "load_process_config",
     "parse_config",

@@ -19,7 +19,7 @@ from poolgate.kernel.config.lifecycle import (
     KubernetesSettings,
     PlacementSettings,
 )
-from poolgate.kernel.config.pools import PoolSpec, WorkerSpec
+from poolgate.kernel.config.pools import PoolSpec, WorkerSpec, has_flag
 from poolgate.kernel.config.processes import (
     ControllerSettings,
     ExtprocSettings,
@@ -130,6 +130,22 @@ class Config(Section):
             if pool.role == "prefill" and not any(p.model == pool.model and p.role != "prefill" for p in self.pools):
                 raise ValueError(f"pools.{index}.role: prefill pool {pool.name!r} has no decode pool; add a pool "
                                  f"of model {pool.model!r} with role 'decode' (or 'both')")
+        return self
+
+    @model_validator(mode="after")
+    def _local_workers_tls(self) -> Config:
+        """With ``tls.workers`` everything reaches workers over HTTPS, so workers this controller starts must
+        serve it: from ``tls.local_workers``, or their own ``--ssl-certfile`` in ``extra_args``."""
+        if self.tls.workers is None or self.tls.local_workers is not None or self.kubernetes.enabled:
+            return self
+        launched = [(f"workers.{i}", w.extra_args) for i, w in enumerate(self.workers)]
+        launched += [(f"autoscale.pools.{name}.template", s.template.extra_args)
+                     for name, s in self.autoscale.pools.items()]
+        for field, extra_args in launched:
+            if not has_flag(extra_args, "--ssl-certfile"):
+                raise ValueError(f"{field}: tls.workers has Envoy and the probes reach workers over HTTPS, but the "
+                                 "local backend would start this one serving plain HTTP; set tls.local_workers "
+                                 "(the certificate it serves) or give it --ssl-certfile/--ssl-keyfile in extra_args")
         return self
 
     def disaggregated_models(self) -> frozenset[str]:

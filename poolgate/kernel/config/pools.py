@@ -28,6 +28,11 @@ PoolTask = Literal["generate", "embed", "score", "transcription"]
 
 
 PoolRole = Literal["both", "prefill", "decode"]
+
+
+def has_flag(args: tuple[str, ...], flag: str) -> bool:
+    """Whether a worker's ``extra_args`` set ``flag`` (``--flag value`` or ``--flag=value``)."""
+    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 """A pool's part in prefill/decode disaggregation: ``both`` (an ordinary pool), ``prefill`` (workers compute
 long prompts' KV and hand it over: vLLM's ``kv_role: kv_producer``) or ``decode`` (workers take the KV and
 generate: ``kv_consumer``)."""

@@ -1,13 +1,17 @@
 """Transport security outside a mesh: TLS from certificate files for the controller's registry API, its xDS
 server, extproc's gRPC port and Envoy's connections to those and to the workers.
 
-Every file is re-read when it changes (looked at every ``reload_s``), so certificates rotate without a
-restart. A server section with ``client_ca_file`` requires clients to present a certificate signed by that
-CA (mutual TLS); without it any client may connect over TLS. The files are checked when a process that uses
-them starts (they may live only on the machines that need them), not by ``poolgate config check``.
+Every file is re-read when it changes, so certificates rotate without a restart: poolgate's servers look
+at theirs every ``reload_s``; Envoy reads its own (``envoy``, ``workers``) through file-based SDS, from
+small SDS files in ``envoy_sds_dir`` that name them, and reloads them when one is renamed into place. A
+server section with ``client_ca_file`` requires clients to present a certificate signed by that CA (mutual
+TLS); without it any client may connect over TLS. The files are checked when a process that uses them
+starts (they may live only on the machines that need them), not by ``poolgate config check``.
 """
 
 from __future__ import annotations
+
+import posixpath
 
 from pydantic import Field, model_validator
 
@@ -65,6 +69,16 @@ class TlsSettings(Section):
     agent's scrapes; workers then serve HTTPS."""
     operator: TlsClientFiles | None = None
     """The operator commands' (``poolgate drain``, ``poolgate scale``) side towards an HTTPS registry API."""
+    local_workers: TlsServerFiles | None = None
+    """The certificate the local backend starts its workers with (``vllm serve --ssl-certfile --ssl-keyfile
+    --enable-ssl-refresh``; with ``client_ca_file`` also ``--ssl-ca-certs`` and ``--ssl-cert-reqs 2``, so a
+    worker refuses clients without a certificate from that CA). Needs ``workers``: how the clients check
+    them."""
+    envoy_sds_dir: str | None = None
+    """Absolute directory on Envoy's machine for the SDS files through which Envoy reads the ``envoy`` and
+    ``workers`` certificate files (every Envoy of the deployment uses the same one: the controller names it
+    in the pool clusters it sends). ``poolgate up`` writes them; ``poolgate envoy-sds`` writes them for an
+    Envoy started otherwise. Required when ``envoy`` or ``workers`` is set."""
 
     @model_validator(mode="after")
     def _envoy_side(self) -> TlsSettings:
@@ -76,4 +90,26 @@ class TlsSettings(Section):
             if server is not None and server.client_ca_file and self.envoy is not None and not self.envoy.cert_file:
                 raise ValueError(f"envoy: {name} requires client certificates (client_ca_file), so tls.envoy "
                                  "needs cert_file and key_file")
+        return self
+
+    @model_validator(mode="after")
+    def _envoy_sds(self) -> TlsSettings:
+        if (self.envoy is not None or self.workers is not None) and not self.envoy_sds_dir:
+            raise ValueError("envoy_sds_dir: Envoy reads its certificate files (tls.envoy, tls.workers) through "
+                             "SDS files so that they rotate without a restart; set an absolute directory on "
+                             "Envoy's machine for them (poolgate up writes them there)")
+        if self.envoy_sds_dir and not posixpath.isabs(self.envoy_sds_dir):
+            raise ValueError(f"envoy_sds_dir: {self.envoy_sds_dir!r} is relative; Envoy resolves it against its "
+                             "own working directory, so give an absolute path")
+        return self
+
+    @model_validator(mode="after")
+    def _local_workers(self) -> TlsSettings:
+        if self.local_workers is not None and self.workers is None:
+            raise ValueError("local_workers: the local backend's workers serve HTTPS, so tls.workers (the CA that "
+                             "Envoy and the probes check them with) is needed too")
+        if (self.local_workers is not None and self.local_workers.client_ca_file
+                and self.workers is not None and not self.workers.cert_file):
+            raise ValueError("local_workers: the workers require client certificates (client_ca_file), so "
+                             "tls.workers needs cert_file and key_file")
         return self
