@@ -38,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import new_session
 from bench.replay import Progress, Window, replay
+from bench.report import parse_out_args
 from bench.scenarios import SCENARIOS
 from bench.sched_fleet import LAYOUTS, MODELS, BenchFleet, FleetLayout
 
@@ -251,11 +252,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = parse_out_args(__doc__, add_arguments, argv)
     report = asyncio.run(run(args, out))
     print(markdown(report))
     print(f"disaggregation benchmark took {report['wall_s'] / 60:.1f} min (wall)")

@@ -47,6 +47,7 @@ from bench.loadgen import new_session
 from bench.peer_install import PeerVenv, default_venv_dir, ensure_peers
 from bench.peers_report import evaluate_targets, markdown, write_outputs
 from bench.replay import Progress, Window, replay
+from bench.report import parse_out_args
 from bench.routers import ALL_ROUTERS, ORACLE, PEER_ROUTERS, capacity_weights, make_router
 from bench.scenarios import SCENARIOS, Scenario
 from bench.sched_fleet import LAYOUTS, MODELS, BenchFleet
@@ -280,11 +281,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = parse_out_args(__doc__, add_arguments, argv)
     plan = make_plan(args)
     venv = None
     if not args.no_peers:

@@ -8,6 +8,7 @@ plotted against one column.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,18 @@ class Panel:
     y_keys: tuple[str, ...]
     y_label: str
     log_y: bool = False
+
+
+def parse_out_args(doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
+                   argv: Sequence[str] | None) -> tuple[argparse.Namespace, Path]:
+    """A benchmark's options (``add_arguments``, described by its docstring's first line) and its ``--out``
+    directory, created."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n", 1)[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return args, out
 
 
 def write_report(name: str, report: Any, plot: PlotFunction | None = None, *, panels: int = 1,

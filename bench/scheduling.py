@@ -37,6 +37,7 @@ import aiohttp
 
 from bench.loadgen import Counters, new_session, run_closed_loop
 from bench.replay import Progress, Window, replay, with_progress
+from bench.report import parse_out_args
 from bench.sched_fleet import MODELS, BenchFleet
 from bench.sched_report import evaluate_targets, write_outputs
 from bench.workload import MIX, RequestSpec, draw_request, poisson_trace, request_body
@@ -178,11 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = parse_out_args(__doc__, add_arguments, argv)
     report = asyncio.run(run(make_plan(args), out))
     write_outputs(out, report)
     print((out / "report.md").read_text())

@@ -242,14 +242,21 @@ class LocalProcessBackend:
         return [spec.id for spec in specs]
 
     def _start(self, spec: WorkerSpec) -> WorkerProcess:
-        worker = WorkerProcess(spec=spec, port=spec.port or free_port(spec.host),
-                               log_path=self._log_dir / f"{spec.id}.log")
-        if self._kv_events:
-            worker.kv_events = kv_events_launch(spec.extra_args, spec.host, kv_socket_path(self._log_dir, spec.id),
-                                                free_port(spec.host))
+        worker = WorkerProcess(spec=spec, port=spec.port, log_path=self._log_dir / f"{spec.id}.log")
+        self._assign_ports(worker)
         self._workers[spec.id] = worker
         worker.task = asyncio.create_task(self._supervise(worker), name=f"worker-{spec.id}")
         return worker
+
+    def _assign_ports(self, worker: WorkerProcess) -> None:
+        """A free port unless the spec names one, and with KV events a free replay port. A free port is only
+        free when it is picked: another process may bind it before the worker does, so a worker that exits
+        before it ever served gets new ones (on the same ports it would fail again, for good)."""
+        spec = worker.spec
+        worker.port = spec.port or free_port(spec.host)
+        if self._kv_events:
+            worker.kv_events = kv_events_launch(spec.extra_args, spec.host, kv_socket_path(self._log_dir, spec.id),
+                                                free_port(spec.host))
 
     def _next_id(self, pool: str) -> str:
         while True:
@@ -400,6 +407,8 @@ class LocalProcessBackend:
             if worker.registered:
                 await self._store.deregister(worker.spec.id)
                 worker.registered = False
+            else:  # it never served: perhaps its port was taken before it could bind it
+                self._assign_ports(worker)
             worker.restarts += 1
             if worker.restart_now:
                 worker.restart_now = False

@@ -22,10 +22,10 @@ from collections import deque
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-import orjson
 import zmq
 import zmq.asyncio
 
+from simworker.json_flag import json_object
 from simworker.kv_events import KVEvent, encode_batch
 
 log = logging.getLogger(__name__)
@@ -54,12 +54,7 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parse the flag's JSON; ValueError names the field that is wrong."""
-        try:
-            raw = orjson.loads(text)
-        except orjson.JSONDecodeError as error:
-            raise ValueError(f"--kv-events-config is not JSON: {error}") from error
-        if not isinstance(raw, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
+        raw = json_object("--kv-events-config", text)
         known = {f.name: f for f in fields(cls)}
         for name, value in raw.items():
             if name not in known:

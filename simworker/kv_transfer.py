@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import orjson
+from simworker.json_flag import json_object
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 ROLES: tuple[KVRole, ...] = ("kv_producer", "kv_consumer", "kv_both")
@@ -63,12 +63,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
         """Parse the flag's JSON; ValueError names the field that is wrong."""
-        try:
-            raw = orjson.loads(text)
-        except orjson.JSONDecodeError as error:
-            raise ValueError(f"--kv-transfer-config is not JSON: {error}") from error
-        if not isinstance(raw, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
+        raw = json_object("--kv-transfer-config", text)
         connector, role = raw.get("kv_connector"), raw.get("kv_role")
         if not isinstance(connector, str) or not connector:
             raise ValueError("--kv-transfer-config: 'kv_connector' must name a connector, e.g. NixlConnector")

@@ -1,13 +1,22 @@
-"""Shared fixtures: a private redis-server on a free port (never the machine's 6379)."""
+"""Shared fixtures: a private redis-server on a free port (never the machine's 6379), and simulated workers
+served in the test's event loop."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from bench.redis_deployments import RedisServer
+from poolgate.procs import free_port
+from simworker.presets import PRESETS
+from simworker.worker import SimWorker, WorkerSpec
+
+StartSimWorker = Callable[..., Awaitable[SimWorker]]
+"""Starts one simulated worker; keywords are ``WorkerSpec`` fields."""
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +38,24 @@ async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.from_url(redis_url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture()
+async def start_simworker() -> AsyncIterator[StartSimWorker]:
+    """Simulated workers, each on a free port and listening when ``start`` returns: an H100 at 20× real speed
+    with the id ``sim-PORT`` unless the keywords say otherwise. All are stopped after the test."""
+    running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    async def start(**spec: Any) -> SimWorker:
+        port = free_port()
+        worker = SimWorker(WorkerSpec(**{"port": port, "worker_id": f"sim-{port}", "preset": PRESETS["h100-80gb"],
+                                         "time_scale": 20.0, **spec}))
+        stop = asyncio.Event()
+        running.append((stop, asyncio.create_task(worker.serve(stop))))
+        await asyncio.wait_for(worker.listening.wait(), 5)
+        return worker
+
+    yield start
+    for stop, _ in running:
+        stop.set()
+    await asyncio.wait_for(asyncio.gather(*(task for _, task in running)), 10)

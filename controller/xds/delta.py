@@ -23,6 +23,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from controller.xds.build import CLUSTER_TYPE_URL, SERVED_TYPES, short_type
 from controller.xds.cache import SnapshotCache
+from controller.xds.stream import StreamState
 
 log = logging.getLogger(__name__)
 
@@ -53,24 +54,16 @@ class DeltaSubscription:
         return self.wildcard or name in self.names
 
 
-class DeltaAdsStream:
+class DeltaAdsStream(StreamState):
     """Turns delta requests and cache changes into delta responses for one Envoy."""
 
     def __init__(self, cache: SnapshotCache, peer: str = "") -> None:
-        self._cache = cache
-        self.peer = peer
-        self.node_id = ""
+        super().__init__(cache, peer)
         self.subscriptions: dict[str, DeltaSubscription] = {}
-        self._nonce = 0
-        self.resources_sent = 0
-        """Resources sent on this stream so far (a one-worker change adds one, or two with the fallback)."""
 
     def on_request(self, request: discovery_pb2.DeltaDiscoveryRequest) -> list[discovery_pb2.DeltaDiscoveryResponse]:
-        if request.node.id and not self.node_id:
-            self.node_id = request.node.id
-        type_url = request.type_url
-        if type_url not in SERVED_TYPES:
-            log.warning("xds: node %s asked for unserved type %s; ignored", self.node_id, type_url)
+        type_url = self._served_type(request)
+        if type_url is None:
             return []
         subscription = self.subscriptions.get(type_url)
         if subscription is None:
@@ -145,8 +138,7 @@ class DeltaAdsStream:
                 subscription.acked_version = snapshot.version  # Envoy holds everything at this version
                 subscription.last_error = ""
             return []
-        self._nonce += 1
-        nonce = str(self._nonce)
+        nonce = self._next_nonce()
         response = discovery_pb2.DeltaDiscoveryResponse(
             system_version_info=snapshot.version, type_url=type_url, nonce=nonce, removed_resources=removed
         )

@@ -40,6 +40,7 @@ from controller.xds.build import (
 )
 from controller.xds.cache import Snapshot, SnapshotCache
 from controller.xds.delta import DeltaAdsStream
+from controller.xds.stream import StreamState
 from poolgate.kernel.config import PoolSpec, TlsServerFiles, TlsSettings
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.routing import cluster_name
@@ -69,26 +70,19 @@ class Subscription:
     last_error: str = ""
 
 
-class AdsStream:
+class AdsStream(StreamState):
     """The protocol state of one Envoy connection; turns requests and cache changes into responses.
 
     No I/O here, so the ACK/NACK rules are testable without gRPC.
     """
 
     def __init__(self, cache: SnapshotCache, peer: str = "") -> None:
-        self._cache = cache
-        self.peer = peer
-        self.node_id = ""
+        super().__init__(cache, peer)
         self.subscriptions: dict[str, Subscription] = {}
-        self._nonce = 0
-        self.resources_sent = 0
 
     def on_request(self, request: discovery_pb2.DiscoveryRequest) -> list[discovery_pb2.DiscoveryResponse]:
-        if request.node.id and not self.node_id:
-            self.node_id = request.node.id
-        type_url = request.type_url
-        if type_url not in SERVED_TYPES:
-            log.warning("xds: node %s asked for unserved type %s; ignored", self.node_id, type_url)
+        type_url = self._served_type(request)
+        if type_url is None:
             return []
         names = self._names(type_url, request.resource_names)
         subscription = self.subscriptions.get(type_url)
@@ -140,9 +134,8 @@ class AdsStream:
             if not names:
                 subscription.sent_version = snapshot.version
                 return []
-        self._nonce += 1
         subscription.sent_version = snapshot.version
-        subscription.sent_nonce = str(self._nonce)
+        subscription.sent_nonce = self._next_nonce()
         subscription.sent_resources.update((n, snapshot.versions.get(n, "")) for n in names)
         response = discovery_pb2.DiscoveryResponse(
             version_info=snapshot.version, type_url=type_url, nonce=subscription.sent_nonce

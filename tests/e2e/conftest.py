@@ -25,7 +25,7 @@ import redis
 import yaml
 
 from poolgate.kernel.keys import RedisKeys
-from poolgate.procs import free_port
+from poolgate.procs import free_port, stop_process
 
 E2E_CONFIG: dict[str, Any] = {
     "key_prefix": "e2e",
@@ -118,16 +118,24 @@ class RunningStack:
         raise AssertionError("controller did not print its API address")
 
 
+UP_BOUND_S = 240.0
+"""How long ``poolgate_up`` waits for READY at most: a backstop beyond ``poolgate up``'s own bounds (its
+children's ports, then ``READY_TIMEOUT_S`` until every pool that should serve answers), so that ``up``'s own
+message, naming what did not come up, is what a failure shows."""
+
+
 @contextlib.contextmanager
-def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = 120,
+def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = UP_BOUND_S,
                 env: dict[str, str] | None = None) -> Iterator[RunningStack]:
     """``poolgate up`` with ``config`` on free ports (and ``env`` added to its environment), until READY; on
     exit SIGTERM it and check that no process it started (children or workers, found by the run directory in
-    their command line) is left."""
+    their command line) is left. When it does not become ready, the failure carries its output and the end of
+    every log in its run directory (a temporary directory a CI job does not keep)."""
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-e2e-"))
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port, admin = free_port(), free_port()
+    started = time.monotonic()
     process = subprocess.Popen(
         [sys.executable, "-m", "poolgate.cli", "up", "--config", str(config_path), "--port", str(port),
          "--admin-port", str(admin), "--redis-url", redis_url, "--log-dir", str(run_dir)],
@@ -135,24 +143,29 @@ def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = 120,
     )
     assert process.stdout is not None
     output: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        output.append(line)
-        if line.startswith("READY "):
-            break
-    if not output or not output[-1].startswith("READY "):
-        process.kill()
-        process.wait()
+    ready, answered = threading.Event(), threading.Event()
+
+    def read_output() -> None:  # on after READY too, so a chatty child can never block on a full pipe
+        for line in process.stdout or []:
+            output.append(line)
+            if line.startswith("READY "):
+                ready.set()
+                answered.set()
+        answered.set()  # it exited
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
+    answered.wait(timeout_s)
+    if not ready.is_set():
+        stop_process(process, grace_s=30)  # it stops its children (when it has not exited already)
+        reader.join(5)
         process.stdout.close()
-        raise AssertionError("poolgate up did not become ready:\n" + "".join(output))
+        raise AssertionError(
+            f"poolgate up did not become ready ({time.monotonic() - started:.0f} s, exit code {process.returncode}"
+            f"); its output:\n{''.join(output)}\n{stack_logs(run_dir)}")
+    print(f"poolgate up ready after {time.monotonic() - started:.1f} s (logs in {run_dir})")
     running = RunningStack(f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{admin}", redis_url, run_dir,
                            config_path, config, process, output)
-    # Keep reading its output so a chatty child can never block on a full pipe.
-    drain = threading.Thread(target=lambda: output.extend(process.stdout or []), daemon=True)
-    drain.start()
     try:
         yield running
     finally:
@@ -162,12 +175,22 @@ def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = 120,
         finally:
             if process.poll() is None:
                 process.kill()
-        drain.join(5)
+        reader.join(5)
         if process.stdout:
             process.stdout.close()
-    started = [*running.children().values(), *_pids_mentioning(run_dir)]
-    leftovers = [pid for pid in started if pid_alive(pid)]
+    pids = [*running.children().values(), *_pids_mentioning(run_dir)]
+    leftovers = [pid for pid in pids if pid_alive(pid)]
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def stack_logs(run_dir: Path, lines: int = 40) -> str:
+    """The last ``lines`` of every log of a stack's run directory: its children's (controller, extproc, Envoy and
+    its access log) and its workers'."""
+    parts = [f"logs in {run_dir}:"]
+    for path in sorted([*run_dir.glob("*.log"), *run_dir.glob("workers/*.log")]):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {path.relative_to(run_dir)} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(parts)
 
 
 def _pids_mentioning(run_dir: Path) -> list[int]:

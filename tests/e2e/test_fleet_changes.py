@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from poolgate.procs import free_port
+from poolgate.procs import free_port, stop_process
 from tests.e2e.conftest import E2E_CONFIG, RunningStack, poolgate_up
 
 pytestmark = pytest.mark.e2e
@@ -74,8 +74,7 @@ class ExternalWorker:
     def close(self) -> None:
         self.stop_heartbeats()
         self.api.close()
-        self.process.terminate()
-        self.process.wait(10)
+        stop_process(self.process, grace_s=30)  # killed if a loaded machine stops it too slowly: never left behind
 
 
 @pytest.fixture()

@@ -20,8 +20,8 @@ from poolgate.kernel.routing import DECODE_HEADER, PREFILL_HEADER, WORKER_HEADER
 from poolgate.procs import free_port
 from simworker.faults import FaultSettings
 from simworker.kv_transfer import KVTransferConfig
-from simworker.presets import PRESETS
-from simworker.worker import SimWorker, WorkerSpec
+from simworker.worker import SimWorker
+from tests.conftest import StartSimWorker
 
 MODEL = "sim-llama-3-8b"
 LONG_PROMPT = "summarise this report " * 800
@@ -33,23 +33,14 @@ def kv(role: str, abort_timeout_s: float = 480.0) -> KVTransferConfig:
 
 
 @pytest.fixture()
-async def start_worker() -> AsyncIterator[Start]:
-    running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
-
+def start_worker(start_simworker: StartSimWorker) -> Start:
+    """A worker of a KV-transfer role at 10× real speed, its id ``ROLE-PORT``."""
     async def start(role: str, **overrides: Any) -> SimWorker:
         port = free_port()
-        settings: dict[str, Any] = {"port": port, "worker_id": f"{role}-{port}", "preset": PRESETS["h100-80gb"],
-                                    "time_scale": 10.0, "kv_transfer": kv(role), **overrides}
-        worker = SimWorker(WorkerSpec(**settings))
-        stop = asyncio.Event()
-        running.append((stop, asyncio.create_task(worker.serve(stop))))
-        await asyncio.wait_for(worker.listening.wait(), 5)
-        return worker
+        return await start_simworker(**{"port": port, "worker_id": f"{role}-{port}", "time_scale": 10.0,
+                                        "kv_transfer": kv(role), **overrides})
 
-    yield start
-    for stop, _ in running:
-        stop.set()
-    await asyncio.wait_for(asyncio.gather(*(task for _, task in running)), 10)
+    return start
 
 
 @pytest.fixture()

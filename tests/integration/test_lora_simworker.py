@@ -4,40 +4,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
 
 from agent.vllm_metrics import parse_engine_metrics
-from poolgate.procs import free_port
 from simworker import cli
-from simworker.presets import PRESETS
-from simworker.worker import SimWorker, WorkerSpec
+from tests.conftest import StartSimWorker
 
 MODEL = "sim-llama-3-8b"
 StartWorker = Callable[..., Awaitable[str]]
 
 
 @pytest.fixture()
-async def start_worker() -> AsyncIterator[StartWorker]:
-    running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
-
+def start_worker(start_simworker: StartSimWorker) -> StartWorker:
+    """A worker started with ``overrides``; its base URL."""
     async def start(**overrides: Any) -> str:
-        port = free_port()
-        worker = SimWorker(WorkerSpec(port=port, worker_id=f"sim-lora-{port}", preset=PRESETS["h100-80gb"],
-                                      time_scale=20.0, **overrides))
-        stop = asyncio.Event()
-        task = asyncio.create_task(worker.serve(stop))
-        await asyncio.wait_for(worker.listening.wait(), 5)
-        running.append((stop, task))
-        return f"http://127.0.0.1:{port}"
+        worker = await start_simworker(**overrides)
+        return f"http://127.0.0.1:{worker.spec.port}"
 
-    yield start
-    for stop, _ in running:
-        stop.set()
-    await asyncio.wait_for(asyncio.gather(*(task for _, task in running)), 10)
+    return start
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:

@@ -3,22 +3,20 @@ shapes (checked through the openai SDK where it has a client) and vLLM's refusal
 
 from __future__ import annotations
 
-import asyncio
 import io
 import math
 import struct
 import wave
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
-from poolgate.procs import free_port
 from simworker.model_tasks import ModelTasks
-from simworker.presets import PRESETS
-from simworker.worker import SimWorker, WorkerSpec
+from simworker.worker import SimWorker
+from tests.conftest import StartSimWorker
 
 StartWorker = Callable[..., Awaitable[SimWorker]]
 EMBED = ModelTasks(runner="pooling", convert="embed", embedding_dim=64)
@@ -27,23 +25,12 @@ GENERATIVE = ModelTasks()
 
 
 @pytest.fixture()
-async def start_worker() -> AsyncIterator[StartWorker]:
-    running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
-
+def start_worker(start_simworker: StartSimWorker) -> StartWorker:
+    """A worker serving a model of the given kind (a generative one by default)."""
     async def start(tasks: ModelTasks = GENERATIVE, model: str = "sim-model", **overrides: Any) -> SimWorker:
-        port = free_port()
-        worker = SimWorker(WorkerSpec(port=port, worker_id=f"sim-{port}", preset=PRESETS["h100-80gb"],
-                                      time_scale=20.0, model_name=model, tasks=tasks, **overrides))
-        stop = asyncio.Event()
-        task = asyncio.create_task(worker.serve(stop))
-        await asyncio.wait_for(worker.listening.wait(), 5)
-        running.append((stop, task))
-        return worker
+        return await start_simworker(tasks=tasks, model_name=model, **overrides)
 
-    yield start
-    for stop, _ in running:
-        stop.set()
-    await asyncio.wait_for(asyncio.gather(*(task for _, task in running)), 10)
+    return start
 
 
 def url(worker: SimWorker, path: str = "") -> str:

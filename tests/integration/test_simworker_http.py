@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import aiohttp
 import openai
@@ -12,34 +10,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from poolgate.kernel.routing import WORKER_HEADER
-from poolgate.procs import free_port
 from simworker.faults import FaultSettings
-from simworker.presets import PRESETS
-from simworker.worker import SimWorker, WorkerSpec
+from simworker.worker import SimWorker
+from tests.conftest import StartSimWorker
 
 MODEL = "sim-llama-3-8b"
-StartWorker = Callable[..., Awaitable[SimWorker]]
-
-
-@pytest.fixture()
-async def start_worker() -> AsyncIterator[StartWorker]:
-    running: list[tuple[SimWorker, asyncio.Event, asyncio.Task[None]]] = []
-
-    async def start(**overrides: Any) -> SimWorker:
-        port = free_port()
-        settings: dict[str, Any] = {"port": port, "worker_id": f"sim-test-{port}", "preset": PRESETS["h100-80gb"],
-                                    "time_scale": 20.0, **overrides}
-        worker = SimWorker(WorkerSpec(**settings))
-        stop = asyncio.Event()
-        task = asyncio.create_task(worker.serve(stop))
-        await asyncio.wait_for(worker.listening.wait(), 5)
-        running.append((worker, stop, task))
-        return worker
-
-    yield start
-    for _, stop, _ in running:
-        stop.set()
-    await asyncio.wait_for(asyncio.gather(*(task for _, _, task in running)), 10)
 
 
 def base_url(worker: SimWorker) -> str:
@@ -63,8 +38,8 @@ async def metric_samples(session: aiohttp.ClientSession, worker: SimWorker) -> d
     return samples
 
 
-async def test_models_card_matches_vllm(start_worker: StartWorker) -> None:
-    worker = await start_worker(max_model_len=4096)
+async def test_models_card_matches_vllm(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(max_model_len=4096)
     async with aiohttp.ClientSession() as session, session.get(base_url(worker) + "/v1/models") as response:
         body = await response.json()
         assert response.headers[WORKER_HEADER] == worker.spec.worker_id
@@ -77,8 +52,8 @@ async def test_models_card_matches_vllm(start_worker: StartWorker) -> None:
     assert [model.id for model in models.data] == [MODEL]
 
 
-async def test_chat_completion_counts_tokens_and_names_the_worker(start_worker: StartWorker) -> None:
-    worker = await start_worker()
+async def test_chat_completion_counts_tokens_and_names_the_worker(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker()
     async with client(worker) as sdk:
         raw = await sdk.chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": "Hello there!"}], max_tokens=7)
@@ -94,8 +69,8 @@ async def test_chat_completion_counts_tokens_and_names_the_worker(start_worker: 
     assert len((choice.message.content or "").split()) == 7
 
 
-async def test_completion_without_max_tokens_stops_by_itself(start_worker: StartWorker) -> None:
-    worker = await start_worker(time_scale=200.0)
+async def test_completion_without_max_tokens_stops_by_itself(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(time_scale=200.0)
     async with client(worker) as sdk:
         first = await sdk.completions.create(model=MODEL, prompt="Tell me a story about routers.")
         again = await sdk.completions.create(model=MODEL, prompt="Tell me a story about routers.")
@@ -104,8 +79,8 @@ async def test_completion_without_max_tokens_stops_by_itself(start_worker: Start
     assert first.choices[0].text == again.choices[0].text  # deterministic per prompt
 
 
-async def test_ignore_eos_runs_to_max_tokens(start_worker: StartWorker) -> None:
-    worker = await start_worker(time_scale=200.0)
+async def test_ignore_eos_runs_to_max_tokens(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(time_scale=200.0)
     async with client(worker) as sdk:
         completion = await sdk.completions.create(model=MODEL, prompt="x", max_tokens=600,
                                                   extra_body={"ignore_eos": True})
@@ -113,8 +88,8 @@ async def test_ignore_eos_runs_to_max_tokens(start_worker: StartWorker) -> None:
     assert completion.usage is not None and completion.usage.completion_tokens == 600
 
 
-async def test_chat_stream_with_usage(start_worker: StartWorker) -> None:
-    worker = await start_worker()
+async def test_chat_stream_with_usage(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker()
     async with client(worker) as sdk:
         stream = await sdk.chat.completions.create(
             model=MODEL, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
@@ -130,8 +105,8 @@ async def test_chat_stream_with_usage(start_worker: StartWorker) -> None:
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (4 + 3 + 4 + 1 + 4, 5)
 
 
-async def test_completion_stream_and_raw_sse_framing(start_worker: StartWorker) -> None:
-    worker = await start_worker()
+async def test_completion_stream_and_raw_sse_framing(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker()
     async with aiohttp.ClientSession() as session, session.post(
             base_url(worker) + "/v1/completions",
             json={"model": MODEL, "prompt": "one two three", "max_tokens": 3, "stream": True}) as response:
@@ -154,9 +129,9 @@ async def test_completion_stream_and_raw_sse_framing(start_worker: StartWorker) 
     ("prompt_over_limit", openai.BadRequestError, 400),
     ("n_2", openai.BadRequestError, 400),
 ])
-async def test_sdk_sees_vllm_errors(start_worker: StartWorker, call: str, error_type: type[openai.APIStatusError],
+async def test_sdk_sees_vllm_errors(start_simworker: StartSimWorker, call: str, error_type: type[openai.APIStatusError],
                                     status: int) -> None:
-    worker = await start_worker(max_model_len=64)
+    worker = await start_simworker(max_model_len=64)
     async with client(worker) as sdk:
         with pytest.raises(error_type) as raised:
             if call == "unknown_model":
@@ -182,8 +157,8 @@ async def test_sdk_sees_vllm_errors(start_worker: StartWorker, call: str, error_
     ("/v1/completions", b'{"prompt": {"text": "hi"}}'),
     ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}'),
 ])
-async def test_malformed_requests_are_400_json(start_worker: StartWorker, path: str, body: bytes) -> None:
-    worker = await start_worker()
+async def test_malformed_requests_are_400_json(start_simworker: StartSimWorker, path: str, body: bytes) -> None:
+    worker = await start_simworker()
     async with aiohttp.ClientSession() as session, session.post(
             base_url(worker) + path, data=body, headers={"Content-Type": "application/json"}) as response:
         assert response.status == 400
@@ -192,8 +167,8 @@ async def test_malformed_requests_are_400_json(start_worker: StartWorker, path: 
     assert error["type"] == "BadRequestError" and error["code"] == 400
 
 
-async def test_bad_request_does_not_disturb_a_running_stream(start_worker: StartWorker) -> None:
-    worker = await start_worker(time_scale=5.0)
+async def test_bad_request_does_not_disturb_a_running_stream(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(time_scale=5.0)
     async with client(worker) as sdk, aiohttp.ClientSession() as session:
         async def stream_all() -> int:
             stream = await sdk.completions.create(model=MODEL, prompt="steady", max_tokens=30, stream=True,
@@ -208,8 +183,8 @@ async def test_bad_request_does_not_disturb_a_running_stream(start_worker: Start
         assert await streaming == 30
 
 
-async def test_health_version_and_metrics_names(start_worker: StartWorker) -> None:
-    worker = await start_worker(legacy_kv_metric=True, enable_prefix_caching=True)
+async def test_health_version_and_metrics_names(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(legacy_kv_metric=True, enable_prefix_caching=True)
     async with client(worker) as sdk:
         await sdk.completions.create(model=MODEL, prompt="count these tokens", max_tokens=4)
     async with aiohttp.ClientSession() as session:
@@ -242,8 +217,8 @@ async def test_health_version_and_metrics_names(start_worker: StartWorker) -> No
     assert samples["vllm:time_to_first_token_seconds_count"].value == 1
 
 
-async def test_client_disconnect_aborts_and_frees_kv(start_worker: StartWorker) -> None:
-    worker = await start_worker(time_scale=1.0)
+async def test_client_disconnect_aborts_and_frees_kv(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(time_scale=1.0)
     async with aiohttp.ClientSession() as session:
         body = {"prompt": "long " * 200, "max_tokens": 1000, "ignore_eos": True, "stream": True}
         async with session.post(base_url(worker) + "/v1/completions", json=body) as response:
@@ -262,8 +237,8 @@ async def test_client_disconnect_aborts_and_frees_kv(start_worker: StartWorker) 
     assert samples["vllm:kv_cache_usage_perc"] == 0
 
 
-async def test_fault_api_is_absent_without_the_flag(start_worker: StartWorker) -> None:
-    worker = await start_worker()
+async def test_fault_api_is_absent_without_the_flag(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker()
     async with aiohttp.ClientSession() as session:
         for method in ("GET", "POST"):
             async with session.request(method, base_url(worker) + "/sim/faults", json={"error_rate": 1}) as response:
@@ -271,8 +246,8 @@ async def test_fault_api_is_absent_without_the_flag(start_worker: StartWorker) -
                 assert response.headers[WORKER_HEADER] == worker.spec.worker_id
 
 
-async def test_error_rate_fault_through_the_api(start_worker: StartWorker) -> None:
-    worker = await start_worker(enable_fault_api=True)
+async def test_error_rate_fault_through_the_api(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(enable_fault_api=True)
     async with aiohttp.ClientSession() as session, client(worker) as sdk:
         async with session.post(base_url(worker) + "/sim/faults", json={"error_rate": 1.0}) as response:
             assert response.status == 200
@@ -290,8 +265,8 @@ async def test_error_rate_fault_through_the_api(start_worker: StartWorker) -> No
     assert completion.choices[0].finish_reason == "length"
 
 
-async def test_slow_start_answers_503_then_200(start_worker: StartWorker) -> None:
-    worker = await start_worker(faults=FaultSettings(slow_start_s=0.4))
+async def test_slow_start_answers_503_then_200(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(faults=FaultSettings(slow_start_s=0.4))
     async with aiohttp.ClientSession() as session:
         async with session.get(base_url(worker) + "/health") as response:
             assert response.status == 503
@@ -303,8 +278,8 @@ async def test_slow_start_answers_503_then_200(start_worker: StartWorker) -> Non
             assert response.status == 200
 
 
-async def test_hang_accepts_and_never_answers(start_worker: StartWorker) -> None:
-    worker = await start_worker(enable_fault_api=True, faults=FaultSettings(hang=True))
+async def test_hang_accepts_and_never_answers(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(enable_fault_api=True, faults=FaultSettings(hang=True))
     async with aiohttp.ClientSession() as session:
         with pytest.raises(asyncio.TimeoutError):
             async with session.get(base_url(worker) + "/health", timeout=aiohttp.ClientTimeout(total=0.3)):
@@ -315,8 +290,8 @@ async def test_hang_accepts_and_never_answers(start_worker: StartWorker) -> None
             assert response.status == 200
 
 
-async def test_kv_leak_shrinks_capacity(start_worker: StartWorker) -> None:
-    worker = await start_worker(num_gpu_blocks=1000, max_model_len=1024,
+async def test_kv_leak_shrinks_capacity(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(num_gpu_blocks=1000, max_model_len=1024,
                                 faults=FaultSettings(kv_leak_blocks_per_s=1000))
     await asyncio.sleep(0.3)
     async with aiohttp.ClientSession() as session:
@@ -325,8 +300,8 @@ async def test_kv_leak_shrinks_capacity(start_worker: StartWorker) -> None:
     assert samples["poolgate_sim_kv_leaked_blocks"] >= 200
 
 
-async def test_crash_after_requests_kills_the_worker(start_worker: StartWorker) -> None:
-    worker = await start_worker(faults=FaultSettings(crash_after_requests=1))
+async def test_crash_after_requests_kills_the_worker(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(faults=FaultSettings(crash_after_requests=1))
     async with aiohttp.ClientSession() as session:
         async with session.post(base_url(worker) + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
             assert r.status == 200
@@ -347,8 +322,8 @@ async def test_crash_after_requests_kills_the_worker(start_worker: StartWorker) 
         raise AssertionError("the crashed worker still accepts connections")
 
 
-async def test_an_api_key_guards_v1_paths_as_vllm_does(start_worker: StartWorker) -> None:
-    worker = await start_worker(api_key="worker-key")
+async def test_an_api_key_guards_v1_paths_as_vllm_does(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(api_key="worker-key")
     async with aiohttp.ClientSession() as session:
         for headers in ({}, {"Authorization": "Bearer another-key"}, {"Authorization": "worker-key"}):
             async with session.get(base_url(worker) + "/v1/models", headers=headers) as response:

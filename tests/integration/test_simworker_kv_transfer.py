@@ -4,8 +4,8 @@ worker answers params, the decode worker reads the KV and streams without prefil
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -13,11 +13,10 @@ import pytest
 
 from poolgate.procs import free_port
 from simworker.kv_transfer import KVTransferConfig
-from simworker.presets import PRESETS
-from simworker.worker import SimWorker, WorkerSpec
+from simworker.worker import SimWorker
+from tests.conftest import StartSimWorker
 
 MODEL = "sim-llama-3-8b"
-StartWorker = Callable[..., Awaitable[SimWorker]]
 PROMPT = "summarise " * 6000
 
 
@@ -26,24 +25,9 @@ def role(kv_role: str, abort_timeout_s: float = 480.0) -> KVTransferConfig:
 
 
 @pytest.fixture()
-async def start_worker() -> AsyncIterator[StartWorker]:
-    running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
-
-    async def start(**overrides: Any) -> SimWorker:
-        port = free_port()
-        settings: dict[str, Any] = {"port": port, "worker_id": f"sim-pd-{port}", "preset": PRESETS["h100-80gb"],
-                                    "time_scale": 4.0, "max_model_len": 16384, "step_jitter": 0.0, **overrides}
-        worker = SimWorker(WorkerSpec(**settings))
-        stop = asyncio.Event()
-        task = asyncio.create_task(worker.serve(stop))
-        await asyncio.wait_for(worker.listening.wait(), 5)
-        running.append((stop, task))
-        return worker
-
-    yield start
-    for stop, _ in running:
-        stop.set()
-    await asyncio.wait_for(asyncio.gather(*(task for _, task in running)), 10)
+def start_worker(start_simworker: StartSimWorker) -> StartSimWorker:
+    """Workers with a long context, at 4× real speed and without step jitter, so transfer times compare."""
+    return functools.partial(start_simworker, time_scale=4.0, max_model_len=16384, step_jitter=0.0)
 
 
 def url(worker: SimWorker, path: str) -> str:
@@ -68,7 +52,7 @@ async def first_event_s(session: aiohttp.ClientSession, worker: SimWorker, body:
     raise AssertionError("no event")
 
 
-async def test_prefill_then_decode_skips_the_prompt_on_the_decode_worker(start_worker: StartWorker) -> None:
+async def test_prefill_then_decode_skips_the_prompt_on_the_decode_worker(start_worker: StartSimWorker) -> None:
     prefill = await start_worker(kv_transfer=role("kv_producer"), time_scale=1.0)  # real time: Python's own
     decode = await start_worker(kv_transfer=role("kv_consumer"), time_scale=1.0)  # costs stay small beside it
     async with aiohttp.ClientSession() as session:
@@ -93,7 +77,7 @@ async def test_prefill_then_decode_skips_the_prompt_on_the_decode_worker(start_w
             assert error["param"] == "kv_transfer_params" and "unknown" in error["message"]
 
 
-async def test_expired_and_invented_params_are_refused(start_worker: StartWorker) -> None:
+async def test_expired_and_invented_params_are_refused(start_worker: StartSimWorker) -> None:
     prefill = await start_worker(kv_transfer=role("kv_producer", abort_timeout_s=0.4))  # model s; 0.1 s real
     decode = await start_worker(kv_transfer=role("kv_consumer"))
     body = {"model": MODEL, "prompt": "hello " * 50, "max_tokens": 4}
