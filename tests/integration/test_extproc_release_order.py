@@ -8,8 +8,9 @@ import asyncio
 import time
 from typing import Any
 
-from test_extproc_grpc import KEYS, PREFIX, Extproc, pin_of, running_extproc
-from test_extproc_scheduling import held_exchange
+import grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
+from test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 from poolgate.kernel.config import Config, ExtprocSettings, PoolSpec, SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
@@ -36,8 +37,22 @@ def worker(waiting: int) -> WorkerRecord:
                         kv_capacity_tokens=1_000_000, waiting=waiting, prefill_tokens_per_s=10_000.0)
 
 
+async def exchange(extproc: Extproc, data: object) -> list[ProcessingResponse]:
+    """Headers, then the body; reads answers until the final one (a hold sends a timeout extension first)."""
+    call = extproc.stub.Process()
+    await call.write(headers("POST", "/v1/chat/completions"))
+    answers = [await call.read()]
+    await call.write(body(data))
+    answers.append(await call.read())
+    if answers[-1].HasField("override_message_timeout"):
+        answers.append(await call.read())
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    return answers
+
+
 async def timed(extproc: Extproc, data: object) -> tuple[str, float]:
-    answers, _ = await held_exchange(extproc, data)
+    answers = await exchange(extproc, data)
     return pin_of(answers[-1]), time.monotonic()
 
 

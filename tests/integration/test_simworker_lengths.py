@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from simworker.presets import PRESETS
-from tests.integration.test_simworker_http import MODEL, StartWorker, client, start_worker
+from tests.conftest import StartSimWorker
+from tests.integration.test_simworker_http import MODEL, client
 
-__all__ = ["start_worker"]  # the fixture, imported for pytest
 
-
-async def test_two_different_workers_give_one_request_the_same_answer(start_worker: StartWorker) -> None:
-    workers = [await start_worker(time_scale=100.0), await start_worker(time_scale=100.0, preset=PRESETS["l4-24gb"])]
+async def test_two_different_workers_give_one_request_the_same_answer(start_simworker: StartSimWorker) -> None:
+    workers = [await start_simworker(time_scale=100.0),
+               await start_simworker(time_scale=100.0, preset=PRESETS["l4-24gb"])]
     answers = []
     for worker in workers:
         async with client(worker) as sdk:

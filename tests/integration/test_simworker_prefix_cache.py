@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import aiohttp
 
-from tests.integration.test_simworker_http import (
-    MODEL,
-    StartWorker,
-    base_url,
-    client,
-    metric_samples,
-    start_worker,
-)
-
-__all__ = ["start_worker"]  # the fixture, imported for pytest
+from tests.conftest import StartSimWorker
+from tests.integration.test_simworker_http import MODEL, base_url, client, metric_samples
 
 DOCUMENT = " ".join(f"word{i % 97}" for i in range(300))
 
@@ -24,8 +16,8 @@ async def complete(worker_url: str, session: aiohttp.ClientSession, prompt: str,
         assert response.status == 200
 
 
-async def test_repeated_prompt_hits_the_cache_until_it_is_reset(start_worker: StartWorker) -> None:
-    worker = await start_worker()
+async def test_repeated_prompt_hits_the_cache_until_it_is_reset(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker()
     url = base_url(worker)
     async with aiohttp.ClientSession() as session:
         await complete(url, session, DOCUMENT)
@@ -42,8 +34,8 @@ async def test_repeated_prompt_hits_the_cache_until_it_is_reset(start_worker: St
     assert after_reset["vllm:prefix_cache_hits_total"] == after_two["vllm:prefix_cache_hits_total"]
 
 
-async def test_turned_off_nothing_is_cached_or_counted(start_worker: StartWorker) -> None:
-    worker = await start_worker(enable_prefix_caching=False)
+async def test_turned_off_nothing_is_cached_or_counted(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(enable_prefix_caching=False)
     async with aiohttp.ClientSession() as session:
         for _ in range(2):
             await complete(base_url(worker), session, DOCUMENT)
@@ -54,8 +46,8 @@ async def test_turned_off_nothing_is_cached_or_counted(start_worker: StartWorker
     assert samples["vllm:prompt_tokens_total"] == 600
 
 
-async def test_reset_running_requests_preempts_a_stream_which_still_completes(start_worker: StartWorker) -> None:
-    worker = await start_worker(time_scale=2.0)
+async def test_reset_running_requests_preempts_a_stream_which_still_completes(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(time_scale=2.0)
     url = base_url(worker)
     async with client(worker) as sdk, aiohttp.ClientSession() as session:
         stream = await sdk.chat.completions.create(
@@ -76,8 +68,8 @@ async def test_reset_running_requests_preempts_a_stream_which_still_completes(st
     assert samples["vllm:generation_tokens_total"] == 40
 
 
-async def test_a_bad_reset_flag_is_a_400(start_worker: StartWorker) -> None:
-    worker = await start_worker()
+async def test_a_bad_reset_flag_is_a_400(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker()
     async with aiohttp.ClientSession() as session:
         async with session.post(base_url(worker) + "/reset_prefix_cache?reset_running_requests=maybe") as response:
             assert response.status == 400
@@ -93,9 +85,9 @@ async def cached_prefix(url: str, session: aiohttp.ClientSession, body: dict[str
 
 
 async def test_the_debug_endpoint_tells_the_cached_prefix_as_the_engine_counts_a_hit(
-        start_worker: StartWorker) -> None:
+        start_simworker: StartSimWorker) -> None:
     """``/sim/cached_prefix`` (the benchmark oracle's ground truth) agrees with the hit counter's next step."""
-    worker = await start_worker()
+    worker = await start_simworker()
     url = base_url(worker)
     question = {"model": MODEL, "prompt": DOCUMENT + " and a question", "max_tokens": 2}
     async with aiohttp.ClientSession() as session:

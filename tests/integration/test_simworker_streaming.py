@@ -5,13 +5,12 @@ from __future__ import annotations
 import aiohttp
 import orjson
 
-from tests.integration.test_simworker_http import MODEL, StartWorker, base_url, metric_samples, start_worker
+from tests.conftest import StartSimWorker
+from tests.integration.test_simworker_http import MODEL, base_url, metric_samples
 
-__all__ = ["start_worker"]  # the fixture, imported for pytest
 
-
-async def test_role_chunk_waits_for_the_first_token(start_worker: StartWorker) -> None:
-    worker = await start_worker(time_scale=1.0)  # a 4k-token prefill takes ~0.15 s of real time
+async def test_role_chunk_waits_for_the_first_token(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker(time_scale=1.0)  # a 4k-token prefill takes ~0.15 s of real time
     body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 4000}], "max_tokens": 3,
             "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as session:
@@ -29,8 +28,8 @@ async def test_role_chunk_waits_for_the_first_token(start_worker: StartWorker) -
     assert all(set(t["choices"][0]["delta"]) == {"content"} and t["choices"][0]["delta"]["content"] for t in tokens)
 
 
-async def test_a_completion_stream_has_no_role_chunk(start_worker: StartWorker) -> None:
-    worker = await start_worker()
+async def test_a_completion_stream_has_no_role_chunk(start_simworker: StartSimWorker) -> None:
+    worker = await start_simworker()
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as session:
         async with session.post(base_url(worker) + "/v1/completions", json=body) as response:
