@@ -28,6 +28,7 @@ import json
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -516,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=60.0, help="give up waiting for Envoy after this")
     parser.add_argument("--name", default="scale", help="report name under bench/reports")
     args = parser.parse_args(argv)
+    # Stopped from outside, stop the stack too: the exit cancels the run, whose cleanup stops every process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     rows = [asyncio.run(measure(n, p, args)) for p in args.pools for n in args.workers]
     save_rows(args.name, rows, COLUMNS, x_key="workers",
               panels=[Panel("time to Envoy", ("all_in_envoy_s", "change_p99_s", "ejection_s"), "s"),
