@@ -27,6 +27,18 @@ TOKEN = "batch-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
+def registration(worker_id: str, port: int) -> dict[str, object]:
+    """The body a worker of pool ``chat`` registers with."""
+    return {"id": worker_id, "pool": "chat", "host": "127.0.0.1", "port": port}
+
+
+async def register(http: aiohttp.ClientSession, base: str, worker_id: str, port: int) -> int:
+    """One registration through the API; its status."""
+    async with http.post(f"{base}/v1/workers", json=registration(worker_id, port)) as response:
+        await response.read()
+        return response.status
+
+
 LONG_TTL = parse_config({"pools": [{"name": "chat", "model": "m1"}], "controller": {"heartbeat_ttl_s": 60}})
 
 
@@ -65,9 +77,7 @@ async def test_one_batch_keeps_a_nodes_workers_alive(api: tuple[str, aioredis.Re
     ids = [f"n1-w{i}" for i in range(6)]
     async with aiohttp.ClientSession(headers=AUTH) as http:
         for i, worker_id in enumerate(ids):
-            body = {"id": worker_id, "pool": "chat", "host": "127.0.0.1", "port": 9100 + i}
-            async with http.post(f"{base}/v1/workers", json=body) as response:
-                assert response.status == 201
+            assert await register(http, base, worker_id, 9100 + i) == 201
         for _ in range(6):  # 1.2 s: twice the TTL, kept alive by batches alone
             beats = [{"id": worker_id} for worker_id in ids[1:]] + [{"id": "n1-gone"}]
             beats[0]["state"] = "Busy"
@@ -92,12 +102,8 @@ async def test_bad_batch_is_a_400(api: tuple[str, aioredis.Redis], body: object)
 async def test_many_callers_at_once_wait_for_the_pool_instead_of_failing(api: tuple[str, aioredis.Redis]) -> None:
     base, _ = api
     async with aiohttp.ClientSession(headers=AUTH) as http:
-        async def register(i: int) -> int:
-            body = {"id": f"c{i}", "pool": "chat", "host": "127.0.0.1", "port": 9200 + i}
-            async with http.post(f"{base}/v1/workers", json=body) as response:
-                return response.status
-
-        statuses = await asyncio.gather(*(register(i) for i in range(64)))  # 64 callers, 4 connections
+        # 64 callers at once over the registry's 4 Redis connections
+        statuses = await asyncio.gather(*(register(http, base, f"c{i}", 9200 + i) for i in range(64)))
     assert statuses == [201] * 64
 
 
@@ -106,9 +112,7 @@ async def test_single_heartbeats_at_once_share_pipelines_and_each_gets_its_own_a
         ids = [f"s-w{i}" for i in range(100)]
         async with aiohttp.ClientSession(headers=AUTH) as http:
             for i, worker_id in enumerate(ids):
-                body = {"id": worker_id, "pool": "chat", "host": "127.0.0.1", "port": 9300 + i}
-                async with http.post(f"{base}/v1/workers", json=body) as response:
-                    assert response.status == 201
+                assert await register(http, base, worker_id, 9300 + i) == 201
 
             async def beat(worker_id: str, body: dict[str, str]) -> int:
                 async with http.post(f"{base}/v1/workers/{worker_id}/heartbeat", json=body) as response:
@@ -128,14 +132,8 @@ async def test_single_heartbeats_at_once_share_pipelines_and_each_gets_its_own_a
 async def test_a_burst_of_registrations_shares_pipelines_and_wakes_readers_once_per_batch(redis_url: str) -> None:
     async with serving(redis_url, "r") as (base, registry, store):
         async with store.changes() as feed, aiohttp.ClientSession(headers=AUTH) as http:
-            async def register(i: int) -> int:
-                body = {"id": f"r-w{i}", "pool": "chat", "host": "127.0.0.1", "port": 9400 + i}
-                async with http.post(f"{base}/v1/workers", json=body) as response:
-                    await response.read()
-                    return response.status
-
-            statuses = await asyncio.gather(*(register(i) for i in range(100)),
-                                            register(7))  # the same worker twice at once: written once
+            statuses = await asyncio.gather(*(register(http, base, f"r-w{i}", 9400 + i) for i in range(100)),
+                                            register(http, base, "r-w7", 9407))  # twice at once: written once
             announcements: list[FleetChange] = []
             for _ in range(5):  # the first read may take only the subscription's confirmation
                 announcements += await feed.changes(timeout_s=0.2)
@@ -150,21 +148,17 @@ async def test_a_registry_running_behind_puts_registrations_off_but_keeps_taking
     lag = LoopLag()
     async with serving(redis_url, "d", lag) as (base, registry, _):
         async with aiohttp.ClientSession(headers=AUTH) as http:
-            def body(worker_id: str) -> dict[str, object]:
-                return {"id": worker_id, "pool": "chat", "host": "127.0.0.1", "port": 9500}
-
-            async with http.post(f"{base}/v1/workers", json=body("d-early")) as response:
-                assert response.status == 201
+            assert await register(http, base, "d-early", 9500) == 201
             now = time.monotonic()
             for i in range(10):  # the loop has been 0.6 s behind for the last half second
                 lag.record(now - 0.5 + i * 0.05, 0.6)
-            async with http.post(f"{base}/v1/workers", json=body("d-late")) as response:
+            async with http.post(f"{base}/v1/workers", json=registration("d-late", 9500)) as response:
                 assert response.status == 503
                 assert int(response.headers["Retry-After"]) >= REGISTRATION_RETRY_AFTER_S
                 assert (await response.json())["error"]["code"] == "registry_busy"
             retry_after = []
             for i in range(400):  # a fleet registering at once is told to come back spread out
-                async with http.post(f"{base}/v1/workers", json=body(f"d-many-{i}")) as response:
+                async with http.post(f"{base}/v1/workers", json=registration(f"d-many-{i}", 9500)) as response:
                     assert response.status == 503
                     retry_after.append(int(response.headers["Retry-After"]))
             print(f"Retry-After over 400 put-off registrations: {min(retry_after)}-{max(retry_after)} s")
@@ -174,6 +168,5 @@ async def test_a_registry_running_behind_puts_registrations_off_but_keeps_taking
             async with http.post(f"{base}/v1/heartbeats", json={"workers": [{"id": "d-early"}]}) as response:
                 assert await response.json() == {"ok": 1, "not_registered": []}
             lag.record(now + 2.0, 0.0)  # caught up
-            async with http.post(f"{base}/v1/workers", json=body("d-late")) as response:
-                assert response.status == 201
+            assert await register(http, base, "d-late", 9500) == 201
         assert registry.registrations_deferred == 401
