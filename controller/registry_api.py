@@ -199,10 +199,11 @@ class RegistryApi:
             raise web.HTTPBadRequest(text=f"malformed JSON: {exc}") from exc
 
     async def _register(self, request: web.Request) -> web.Response:
-        if self._lag is not None and self._lag.lag_s > REGISTRATION_LAG_BOUND_S:
+        lag_s = self._lag.lag_s if self._lag is not None else 0.0
+        if lag_s > REGISTRATION_LAG_BOUND_S:
             self.registrations_deferred += 1
             retry_after = self._retry_after()
-            response = _error(503, f"registry busy (event loop {self._lag.lag_s * 1000:.0f} ms behind); "
+            response = _error(503, f"registry busy (event loop {lag_s * 1000:.0f} ms behind); "
                                    f"register again after {retry_after} s", "registry_busy")
             response.headers["Retry-After"] = str(retry_after)
             return response
