@@ -51,8 +51,10 @@ class HealthClient:
                 return await self._ask(address, *kept)
             except (ConnectionError, asyncio.IncompleteReadError):
                 pass  # closed by the worker while idle: ask on a new connection
-        context = (self._tls or ssl.create_default_context()) if https else None
-        reader, writer = await asyncio.open_connection(host, port, ssl=context, limit=MAX_HEAD_BYTES)
+        if https and self._tls is None:
+            self._tls = ssl.create_default_context()  # once: building one loads the system's CAs
+        reader, writer = await asyncio.open_connection(host, port, ssl=self._tls if https else None,
+                                                       limit=MAX_HEAD_BYTES)
         return await self._ask(address, reader, writer)
 
     async def _ask(self, address: tuple[str, int, bool], reader: asyncio.StreamReader,
