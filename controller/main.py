@@ -128,7 +128,7 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
     monitor, the adapter loader, the pod sync and the autoscaler."""
     health = config.health
     scheme = worker_scheme(config.tls.workers)
-    prober = HttpProber(probe_session, health.probe_timeout_s, health.check_models, scheme=scheme, tls=worker_tls)
+    prober = HttpProber(health.probe_timeout_s, health.check_models, scheme=scheme, tls=worker_tls)
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
     adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader, scheme=scheme)
     loops: list[Coroutine[object, object, object]] = [

@@ -11,7 +11,6 @@ import subprocess
 import tempfile
 from collections.abc import AsyncIterator
 
-import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
@@ -230,12 +229,11 @@ async def test_a_mass_failure_is_written_in_one_batch_with_one_announcement(redi
     for i, port in enumerate(dead_ports):
         await store.register(WorkerRecord(id=f"d{i}", pool="p0", model="llama", host="127.0.0.1", port=port), 60)
     settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=1.0, failures_to_fail=2, check_models=False)
-    async with aiohttp.ClientSession() as session:
-        monitor = HealthMonitor(store, settings, 3.0, HttpProber(session, 1.0, False), spread_s=0.05)
-        async with store.changes() as feed:
-            await monitor.round()
-            await monitor.round()
-            changes = await heard(feed)
+    monitor = HealthMonitor(store, settings, 3.0, HttpProber(1.0, False), spread_s=0.05)
+    async with store.changes() as feed:
+        await monitor.round()
+        await monitor.round()
+        changes = await heard(feed)
     states = {r.id: r.state for r in await store.read_fleet()}
     assert set(states.values()) == {WorkerState.FAILED}
     assert monitor.stats.batches == 1 and monitor.stats.transitions == {"Ready->Failed": 30}

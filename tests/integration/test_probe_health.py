@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import aiohttp
 import pytest
 
 from controller.probe import HttpProber
@@ -52,27 +51,25 @@ async def worker() -> AsyncIterator[tuple[Worker, WorkerRecord]]:
 async def test_probes_reuse_one_connection_and_reopen_one_the_worker_closed(
         worker: tuple[Worker, WorkerRecord]) -> None:
     fake, record = worker
-    async with aiohttp.ClientSession() as session:
-        prober = HttpProber(session, 2.0, check_models=False)
-        for _ in range(5):
-            assert (await prober.probe(record)).ok
-        assert fake.connections == 1
-        fake.close_after_answer = True  # e.g. the worker's keep-alive timeout
+    prober = HttpProber(2.0, check_models=False)
+    for _ in range(5):
         assert (await prober.probe(record)).ok
-        fake.close_after_answer = False
-        assert (await prober.probe(record)).ok  # the closed connection is noticed and a new one opened
-        assert fake.connections == 2
-        fake.answers = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
-                        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 5\r\n\r\nbusy!"]
-        assert (await prober.probe(record)).ok
-        result = await prober.probe(record)
-        assert not result.ok and result.reason == "/health answered 503"
-        assert (await prober.probe(record)).ok and fake.connections == 2  # answers read whole: still in step
-        prober.close()
+    assert fake.connections == 1
+    fake.close_after_answer = True  # e.g. the worker's keep-alive timeout
+    assert (await prober.probe(record)).ok
+    fake.close_after_answer = False
+    assert (await prober.probe(record)).ok  # the closed connection is noticed and a new one opened
+    assert fake.connections == 2
+    fake.answers = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 5\r\n\r\nbusy!"]
+    assert (await prober.probe(record)).ok
+    result = await prober.probe(record)
+    assert not result.ok and result.reason == "/health answered 503"
+    assert (await prober.probe(record)).ok and fake.connections == 2  # answers read whole: still in step
+    prober.close()
 
 
 async def test_a_refused_connection_is_a_failed_probe() -> None:
-    async with aiohttp.ClientSession() as session:
-        prober = HttpProber(session, 2.0, check_models=False)
-        result = await prober.probe(WorkerRecord(id="gone", pool="p", model="m", host="127.0.0.1", port=free_port()))
-        assert not result.ok and result.reason == "connection refused"
+    prober = HttpProber(2.0, check_models=False)
+    result = await prober.probe(WorkerRecord(id="gone", pool="p", model="m", host="127.0.0.1", port=free_port()))
+    assert not result.ok and result.reason == "connection refused"

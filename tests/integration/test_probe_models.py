@@ -7,7 +7,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -43,18 +42,17 @@ async def test_models_are_asked_once_per_registration_and_period(
         worker: tuple[WorkerRecord, Counter[str], list[str]]) -> None:
     record, hits, served = worker
     now = [0.0]
-    async with aiohttp.ClientSession() as session:
-        prober = HttpProber(session, 2.0, True, clock=lambda: now[0], models_recheck_s=10.0)
-        for _ in range(5):
-            assert (await prober.probe(record)).ok
-            now[0] += 1.0
-        assert hits == {"health": 5, "models": 1}
-        assert (await prober.probe(replace(record, registered_at=2.0))).ok  # restarted: asked again
-        assert hits["models"] == 2
-        now[0] += 10.0
-        served[:] = ["other"]
-        result = await prober.probe(replace(record, registered_at=2.0))  # the period is over: asked again
-        assert not result.ok and "does not list 'm1'" in result.reason
-        result = await prober.probe(replace(record, registered_at=2.0))
-        assert not result.ok and hits["models"] == 4  # a failed check is repeated on every probe
-        prober.close()
+    prober = HttpProber(2.0, True, clock=lambda: now[0], models_recheck_s=10.0)
+    for _ in range(5):
+        assert (await prober.probe(record)).ok
+        now[0] += 1.0
+    assert hits == {"health": 5, "models": 1}
+    assert (await prober.probe(replace(record, registered_at=2.0))).ok  # restarted: asked again
+    assert hits["models"] == 2
+    now[0] += 10.0
+    served[:] = ["other"]
+    result = await prober.probe(replace(record, registered_at=2.0))  # the period is over: asked again
+    assert not result.ok and "does not list 'm1'" in result.reason
+    result = await prober.probe(replace(record, registered_at=2.0))
+    assert not result.ok and hits["models"] == 4  # a failed check is repeated on every probe
+    prober.close()

@@ -242,14 +242,12 @@ async def test_health_probes_reach_https_workers_with_the_client_certificate(tmp
     client = TlsClientFiles(ca_file=str(files.ca), cert_file=str(files.client_cert), key_file=str(files.client_key))
     try:
         context = files_context(client)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as session:
-            prober = HttpProber(session, 5, False, scheme=worker_scheme(client), tls=context)
-            assert (await prober.probe(record)).ok
-            prober.close()
-            assert not (await HttpProber(session, 5, False).probe(record)).ok  # plain HTTP to a TLS worker
+        prober = HttpProber(5, False, scheme=worker_scheme(client), tls=context)
+        assert (await prober.probe(record)).ok
+        prober.close()
+        assert not (await HttpProber(5, False).probe(record)).ok  # plain HTTP to a TLS worker
         anonymous = files_context(TlsClientFiles(ca_file=str(files.ca)))
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=anonymous)) as session:
-            assert not (await HttpProber(session, 5, False, scheme="https", tls=anonymous).probe(record)).ok
+        assert not (await HttpProber(5, False, scheme="https", tls=anonymous).probe(record)).ok
     finally:
         await runner.cleanup()
 
@@ -267,11 +265,10 @@ async def test_probes_present_a_rotated_client_certificate_without_a_restart(tmp
 
     async def probe_ok() -> bool:
         # a session per probe: a new connection each time, as after a pooled connection closes
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client.context)) as session:
-            prober = HttpProber(session, 5, False, scheme="https", tls=client.context)
-            ok = (await prober.probe(record)).ok
-            prober.close()
-            return ok
+        prober = HttpProber(5, False, scheme="https", tls=client.context)
+        ok = (await prober.probe(record)).ok
+        prober.close()
+        return ok
 
     try:
         assert not await probe_ok()  # its certificate is from the old CA
