@@ -1,4 +1,5 @@
-"""Gathers the registry API's writes into one Redis pipeline per batch: heartbeats, and registrations.
+"""Gathers the registry API's writes into one Redis pipeline per batch: heartbeats (single ones and nodes'
+batches alike), and registrations.
 
 At 1,000 workers beating every 0.5 s the API takes 2,000 heartbeats a second, and a fleet that starts (or
 a controller that restarts) sends thousands of registrations at once. Sent one by one, each write pays
@@ -26,29 +27,48 @@ V = TypeVar("V")
 R = TypeVar("R")
 
 
+class _Waiter(Generic[R]):
+    """One caller's writes: answered once every one of its keys has been through a batch."""
+
+    __slots__ = ("answers", "future", "pending")
+
+    def __init__(self, future: asyncio.Future[dict[str, R]], pending: int) -> None:
+        self.future = future
+        self.pending = pending
+        self.answers: dict[str, R] = {}
+
+
 class Coalescer(Generic[V, R]):
-    """``submit(key, value)`` answers ``flush``'s result for that key. A key submitted twice before its
-    batch leaves is written once, with ``merge(earlier, later)``, and both callers get its answer."""
+    """``submit(key, value)`` answers ``flush``'s result for that key; ``submit_many`` does so for many keys
+    at once (a node's heartbeats), with one wait. A key submitted twice before its batch leaves is written
+    once, with ``merge(earlier, later)``, and both callers get its answer."""
 
     def __init__(self, flush: Callable[[dict[str, V]], Awaitable[Mapping[str, R]]],
                  merge: Callable[[V, V], V]) -> None:
         self._flush_batch = flush
         self._merge = merge
-        self._waiting: dict[str, tuple[V, list[asyncio.Future[R]]]] = {}
+        self._waiting: dict[str, tuple[V, list[_Waiter[R]]]] = {}
         self._flusher: asyncio.Task[None] | None = None
         self.batches = 0
         """Pipelines sent so far (for tests and the benchmark)."""
 
     async def submit(self, key: str, value: V) -> R:
-        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        waiting = self._waiting.get(key)
-        if waiting is None:
-            self._waiting[key] = (value, [future])
-        else:
-            self._waiting[key] = (self._merge(waiting[0], value), [*waiting[1], future])
+        return (await self.submit_many({key: value}))[key]
+
+    async def submit_many(self, values: Mapping[str, V]) -> dict[str, R]:
+        if not values:
+            return {}
+        waiter: _Waiter[R] = _Waiter(asyncio.get_running_loop().create_future(), len(values))
+        for key, value in values.items():
+            waiting = self._waiting.get(key)
+            if waiting is None:
+                self._waiting[key] = (value, [waiter])
+            else:
+                waiting[1].append(waiter)
+                self._waiting[key] = (self._merge(waiting[0], value), waiting[1])
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        return await future
+        return await waiter.future
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let the writes already read in this turn join the first batch
@@ -59,16 +79,18 @@ class Coalescer(Generic[V, R]):
             try:
                 answers = await self._flush_batch({key: value for key, (value, _) in batch.items()})
             except Exception as exc:  # each caller sees the error its own write would have raised
-                for _, futures in batch.values():
-                    for future in futures:
-                        if not future.done():
-                            future.set_exception(exc)
+                for _, waiters in batch.values():
+                    for waiter in waiters:
+                        if not waiter.future.done():
+                            waiter.future.set_exception(exc)
                 continue
             self.batches += 1
-            for key, (_, futures) in batch.items():
-                for future in futures:
-                    if not future.done():
-                        future.set_result(answers[key])
+            for key, (_, waiters) in batch.items():
+                for waiter in waiters:
+                    waiter.answers[key] = answers[key]
+                    waiter.pending -= 1
+                    if not waiter.pending and not waiter.future.done():
+                        waiter.future.set_result(waiter.answers)
 
 
 class HeartbeatCoalescer(Coalescer[dict[str, Any], bool]):
@@ -83,6 +105,10 @@ class HeartbeatCoalescer(Coalescer[dict[str, Any], bool]):
 
     async def beat(self, worker_id: str, facts: Mapping[str, Any]) -> bool:
         return await self.submit(worker_id, dict(facts))
+
+    async def beat_many(self, beats: Mapping[str, dict[str, Any]]) -> list[str]:
+        """A node's heartbeats, written with every other heartbeat of the same turn; the ids not registered."""
+        return [worker_id for worker_id, alive in (await self.submit_many(beats)).items() if not alive]
 
 
 class RegistrationCoalescer(Coalescer[WorkerRecord, None]):

@@ -143,9 +143,8 @@ class RegistryApi:
         self._store = store
         self._token = token.encode()
         self._pools = {pool.name: pool for pool in pools}
-        self._ttl_s = settings.heartbeat_ttl_s
         self.heartbeats = HeartbeatCoalescer(store, settings.heartbeat_ttl_s)
-        """Single-worker heartbeats, gathered into one Redis command per batch."""
+        """Heartbeats, single and batched, gathered into one Redis pipeline per batch."""
         self.registrations = RegistrationCoalescer(store, settings.heartbeat_ttl_s)
         """Registrations, gathered into one pipeline and one announcement per batch."""
         self._lag = lag
@@ -251,15 +250,16 @@ class RegistryApi:
         return _json({"ok": True})
 
     async def _heartbeats(self, request: web.Request) -> web.Response:
-        """Heartbeats of many workers in one call (one Redis command); the answer names the workers that are
-        not registered (expired), which must register again."""
+        """Heartbeats of many workers in one call, written with the other calls of the same turn (one Redis
+        command per ``FACTS_PER_CALL`` workers); the answer names the workers that are not registered
+        (expired), which must register again."""
         try:  # parsed and checked in one pass over the bytes: this is the API's busiest call
             body = HeartbeatBatch.model_validate_json(await request.read())
         except ValidationError as exc:
             return _error(400, str(exc), "invalid_heartbeat")
         beats = {beat.id: beat.model_dump(exclude_none=True, exclude={"id"}) if len(beat.model_fields_set) > 1 else {}
                  for beat in body.workers}
-        missing = await self._store.heartbeat_many(beats, self._ttl_s)
+        missing = await self.heartbeats.beat_many(beats)
         return _json({"ok": len(beats) - len(missing), "not_registered": missing})
 
     async def _deregister(self, request: web.Request) -> web.Response:

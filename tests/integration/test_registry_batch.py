@@ -13,6 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from controller.batched_writes import MAX_BATCH as COALESCED_MAX
+from controller.batched_writes import Coalescer
 from controller.overload import LoopLag
 from controller.registry_api import MAX_BATCH, REGISTRATION_RETRY_AFTER_S, RegistryApi
 from poolgate.kernel.config import parse_config
@@ -127,6 +129,45 @@ async def test_single_heartbeats_at_once_share_pipelines_and_each_gets_its_own_a
         assert registry.heartbeats.batches < 101
         states = {r.id: r.state for r in await store.read_fleet()}
         assert states["s-w7"] is WorkerState.BUSY and states["s-w8"] is WorkerState.READY
+
+
+async def test_node_batches_at_once_share_pipelines_and_each_gets_its_own_answer(redis_url: str) -> None:
+    async with serving(redis_url, "n") as (base, registry, store):
+        nodes = [[f"n{n}-w{i}" for i in range(5)] for n in range(20)]
+        async with aiohttp.ClientSession(headers=AUTH) as http:
+            for n, node in enumerate(nodes):
+                for i, worker_id in enumerate(node):
+                    assert await register(http, base, worker_id, 9400 + 5 * n + i) == 201
+
+            async def beat(beats: list[dict[str, str]]) -> object:
+                async with http.post(f"{base}/v1/heartbeats", json={"workers": beats}) as response:
+                    return await response.json()
+
+            batches = [[{"id": worker_id} for worker_id in node] for node in nodes]
+            batches[3].append({"id": "n0-w0", "state": "Busy"})  # a worker named by two nodes' batches
+            batches[5].append({"id": "gone"})
+            answers = await asyncio.gather(*(beat(b) for b in batches))
+        assert answers[3] == {"ok": 6, "not_registered": []}
+        assert answers[5] == {"ok": 5, "not_registered": ["gone"]}
+        assert all(a == {"ok": 5, "not_registered": []} for i, a in enumerate(answers) if i not in (3, 5))
+        print(f"20 node batches at once went in {registry.heartbeats.batches} pipelines")
+        assert registry.heartbeats.batches < 20
+        states = {r.id: r.state for r in await store.read_fleet()}
+        assert states["n0-w0"] is WorkerState.BUSY and len(states) == 100
+
+
+async def test_a_batch_longer_than_one_pipeline_is_answered_once_all_of_it_is_written() -> None:
+    flushed: list[int] = []
+
+    async def flush(values: dict[str, int]) -> dict[str, int]:
+        flushed.append(len(values))
+        return {key: value * 2 for key, value in values.items()}
+
+    coalescer: Coalescer[int, int] = Coalescer(flush, lambda earlier, later: later)
+    values = {f"k{i}": i for i in range(COALESCED_MAX + 10)}
+    answers, single = await asyncio.gather(coalescer.submit_many(values), coalescer.submit("k3", 100))
+    assert flushed == [COALESCED_MAX, 10]
+    assert answers == {**{key: value * 2 for key, value in values.items()}, "k3": 200} and single == 200
 
 
 async def test_a_burst_of_registrations_shares_pipelines_and_wakes_readers_once_per_batch(redis_url: str) -> None:
