@@ -4,7 +4,9 @@ A real stack, as ``poolgate up`` runs it: redis-server, the controller (registry
 extproc and two Envoys on ADS. Fake workers are addresses on loopback (``127.1.x.y``) answered by two small
 HTTP servers (``/health``, ``/v1/models``, ``/metrics``), one for the workers that will fail and one for the
 rest; they register and heartbeat through the registry API at the configured interval, as external
-workers do (``--node-batch K``: a node agent heartbeats K workers in one call). Per size it reports:
+workers do (``--node-batch K``: a node agent heartbeats K workers in one call), each node (or worker) over
+its own kept-alive connection with a lean client, so that this process is not what runs out of CPU first.
+Per size it reports:
 
 - registration rate through the API (``--concurrency`` clients at once);
 - heartbeat success (2xx share; a 404 means the worker expired and it registers again, as a worker would);
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import re
@@ -32,12 +35,14 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import yaml
 
 from bench.harness import ProcessGroup, cpu_seconds
@@ -46,6 +51,7 @@ from bench.report import Column, Panel, save_rows
 from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.heap import freeze_startup_objects
+from poolgate.kernel.lean_http import LeanHttpClient
 from poolgate.kernel.routing import cluster_name
 from poolgate.procs import envoy_binary, free_port, wait_port
 
@@ -53,6 +59,8 @@ TOKEN = "bench-scale-token"
 MODEL = "scale-model"
 ENVOYS = ("a", "b")
 REPO_ROOT = Path(__file__).resolve().parent.parent
+HEARTBEAT_TIMEOUT_S = 30.0
+"""A heartbeat call that takes longer counts as failed."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +196,9 @@ class Fleet:
                  node_batch: int) -> None:
         self._http = http
         self._api = api
+        url = urllib.parse.urlsplit(api)
+        self._address = (url.hostname or "127.0.0.1", url.port or 80, False)
+        self._clients: list[LeanHttpClient] = []
         self.workers = workers
         self._interval_s = interval_s
         self._node_batch = node_batch
@@ -239,19 +250,24 @@ class Fleet:
         await asyncio.gather(*(client() for _ in range(concurrency)))
         return len(self.workers) / (time.monotonic() - started)
 
-    async def heartbeat(self, worker: Worker) -> None:
+    async def _post(self, client: LeanHttpClient, path: bytes, body: dict[str, Any]) -> tuple[int, bytes] | None:
+        """One heartbeat call over the caller's own kept-alive connection; None when it failed (counted by
+        the caller). Timed into ``latencies``."""
+        sent = time.monotonic()
+        try:
+            async with asyncio.timeout(HEARTBEAT_TIMEOUT_S):
+                answer = await client.request(b"POST", self._address, path, orjson.dumps(body))
+        except (OSError, ValueError, asyncio.IncompleteReadError, TimeoutError):
+            return None
+        self.counters.latencies.append(time.monotonic() - sent)
+        return answer
+
+    async def heartbeat(self, worker: Worker, client: LeanHttpClient) -> None:
         if worker.id not in self.registered:
             return
         body = {"state": self.state[worker.id]} if worker.id in self.state else {}
-        sent = time.monotonic()
-        try:
-            async with self._http.post(f"{self._api}/v1/workers/{worker.id}/heartbeat", json=body) as r:
-                status = r.status
-                await r.read()
-            self.counters.latencies.append(time.monotonic() - sent)
-        except (aiohttp.ClientError, TimeoutError):
-            self.counters.failed += 1
-            return
+        answer = await self._post(client, b"/v1/workers/%s/heartbeat" % worker.id.encode(), body)
+        status = answer[0] if answer is not None else 0
         if status == 200:
             self.counters.ok += 1
         elif status == 404:
@@ -261,24 +277,16 @@ class Fleet:
         else:
             self.counters.failed += 1
 
-    async def heartbeat_node(self, group: Sequence[Worker]) -> None:
+    async def heartbeat_node(self, group: Sequence[Worker], client: LeanHttpClient) -> None:
         group = [w for w in group if w.id in self.registered]
         if not group:
             return
         beats = [{"id": w.id, **({"state": self.state[w.id]} if w.id in self.state else {})} for w in group]
-        sent = time.monotonic()
-        try:
-            async with self._http.post(f"{self._api}/v1/heartbeats", json={"workers": beats}) as r:
-                status = r.status
-                answer = await r.json() if status == 200 else {}
-            self.counters.latencies.append(time.monotonic() - sent)
-        except (aiohttp.ClientError, TimeoutError):
+        answer = await self._post(client, b"/v1/heartbeats", {"workers": beats})
+        if answer is None or answer[0] != 200:
             self.counters.failed += len(group)
             return
-        if status != 200:
-            self.counters.failed += len(group)
-            return
-        missing = set(answer.get("not_registered", ()))
+        missing = set(orjson.loads(answer[1]).get("not_registered", ()))
         self.counters.ok += len(group) - len(missing)
         self.counters.expired += len(missing)
         for worker in group:
@@ -299,14 +307,24 @@ class Fleet:
             if self._node_batch > 0:
                 groups = [self.workers[i:i + self._node_batch]
                           for i in range(0, len(self.workers), self._node_batch)]
-                await asyncio.gather(*(self._every(lambda g=g: self.heartbeat_node(g)) for g in groups))
+                await asyncio.gather(*(self._every(functools.partial(self.heartbeat_node, g, self.own_client()))
+                                       for g in groups))
             else:
-                await asyncio.gather(*(self._every(lambda w=w: self.heartbeat(w)) for w in self.workers))
+                await asyncio.gather(*(self._every(functools.partial(self.heartbeat, w, self.own_client()))
+                                       for w in self.workers))
         finally:
             pending = list(self._registering.values())
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            for client in self._clients:
+                client.close()
+
+    def own_client(self) -> LeanHttpClient:
+        """A node's (or worker's) own connection to the API, as real node agents each have."""
+        client = LeanHttpClient(headers=b"Authorization: Bearer %s\r\n" % TOKEN.encode())
+        self._clients.append(client)
+        return client
 
     async def _every(self, beat: Any) -> None:
         await asyncio.sleep(random.uniform(0, self._interval_s))
@@ -402,13 +420,14 @@ async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, 
     The latency counts from the heartbeat that carries the state, sent at once: a worker reports a state
     change when it happens, not at its next beat. A change not seen within 5 s counts as NaN (missed)."""
     latencies = []
+    client = fleet_.own_client()
     for index in range(changes):
         worker = fleet_.workers[-1 - index % max(1, len(fleet_.workers) // 2)]
         for state, step in (("Draining", -1), ("Ready", 1)):
             start = min((await healthy_counts(http, stack, pools)).values())
             fleet_.state[worker.id] = state
             sent = time.monotonic()
-            await fleet_.heartbeat(worker)
+            await fleet_.heartbeat(worker, client)
             reached = await wait_counts(http, stack, pools, lambda c, e=start + step: c == e, timeout_s=5,
                                         poll_s=0.005)
             latencies.append(time.monotonic() - sent if reached is not None else float("nan"))

@@ -113,8 +113,8 @@ async def _serve_api(registry: RegistryApi, host: str, port: int,
 
 
 def _probe_session(config: Config, worker_tls: ssl.SSLContext | None) -> aiohttp.ClientSession:
-    """Model listings and adapter loads sit under /v1, which a worker started with --api-key guards. As many
-    connections as the monitor has probes in flight (aiohttp's default, 100, would queue its probes)."""
+    """Adapter loads sit under /v1, which a worker started with --api-key guards. As many connections as the
+    monitor has probes in flight (aiohttp's default, 100, would queue its probes)."""
     worker_key = config.worker_api_key()
     connector = aiohttp.TCPConnector(limit=PROBE_CONCURRENCY, ssl=worker_tls or True)
     return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None,
@@ -128,7 +128,8 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
     monitor, the adapter loader, the pod sync and the autoscaler."""
     health = config.health
     scheme = worker_scheme(config.tls.workers)
-    prober = HttpProber(health.probe_timeout_s, health.check_models, scheme=scheme, tls=worker_tls)
+    prober = HttpProber(health.probe_timeout_s, health.check_models, scheme=scheme, tls=worker_tls,
+                        api_key=config.worker_api_key())
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
     adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader, scheme=scheme)
     loops: list[Coroutine[object, object, object]] = [

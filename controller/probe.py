@@ -29,13 +29,14 @@ MAX_MODELS_BYTES = 1024 * 1024
 
 
 class HttpProber:
-    """Probes ``/health`` and ``/v1/models`` over the worker's kept-alive connection (``LeanHttpClient``);
-    each probe is bounded by ``timeout_s`` in total."""
+    """Probes ``/health`` and ``/v1/models`` over the worker's kept-alive connection (``LeanHttpClient``),
+    with the workers' ``api_key`` when they have one; each probe is bounded by ``timeout_s`` in total."""
 
     def __init__(self, timeout_s: float, check_models: bool, clock: Callable[[], float] = time.perf_counter,
                  scheme: str = "http", models_recheck_s: float = MODELS_RECHECK_S,
-                 tls: ssl.SSLContext | None = None) -> None:
-        self._http = LeanHttpClient(tls)
+                 tls: ssl.SSLContext | None = None, api_key: str | None = None) -> None:
+        # a worker started with --api-key guards /v1 (its model listing); /health stays open either way
+        self._http = LeanHttpClient(tls, b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b"")
         self._https = scheme == "https"
         self._timeout = timeout_s
         self._check_models = check_models

@@ -25,6 +25,8 @@ async def worker() -> AsyncIterator[tuple[WorkerRecord, Counter[str], list[str]]
 
     async def models(request: web.Request) -> web.Response:
         hits["models"] += 1
+        if request.headers.get("Authorization", "Bearer worker-key") != "Bearer worker-key":
+            return web.json_response({"error": "bad key"}, status=401)  # as vLLM started with --api-key
         return web.json_response({"object": "list", "data": [{"id": name} for name in served]})
 
     app = web.Application()
@@ -55,4 +57,16 @@ async def test_models_are_asked_once_per_registration_and_period(
     assert not result.ok and "does not list 'm1'" in result.reason
     result = await prober.probe(replace(record, registered_at=2.0))
     assert not result.ok and hits["models"] == 4  # a failed check is repeated on every probe
+    prober.close()
+
+
+async def test_the_models_check_carries_the_workers_api_key(
+        worker: tuple[WorkerRecord, Counter[str], list[str]]) -> None:
+    record, _, _ = worker
+    prober = HttpProber(2.0, True, api_key="worker-key")
+    assert (await prober.probe(record)).ok
+    prober.close()
+    prober = HttpProber(2.0, True, api_key="wrong-key")
+    result = await prober.probe(record)
+    assert not result.ok and result.reason == "/v1/models answered 401"
     prober.close()
