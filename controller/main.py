@@ -33,6 +33,8 @@ from prometheus_client import CollectorRegistry
 from agent.agent import run_agent
 from agent.gpus import open_gpus
 from controller.adapters import AdapterLoader, run_adapter_loader
+from controller.api_processes import ApiProcesses
+from controller.api_processes import command as api_process_command
 from controller.autoscaler import Autoscaler, run_autoscaler
 from controller.backend import InstanceBackend
 from controller.drain import Drainer
@@ -103,13 +105,20 @@ async def _instance_backend(config: Config, store: FleetStore, log_dir: Path,
                                kv_events=config.extproc.kv_events.enabled, worker_tls=worker_tls)
 
 
-async def _serve_api(registry: RegistryApi, host: str, port: int,
-                     tls: ServerTls | None = None) -> tuple[web.AppRunner, str]:
-    """The registry API listening (HTTPS with ``tls``); returns its runner and base URL (with the bound port)."""
+async def _serve_api(registry: RegistryApi, host: str, port: int, tls: ServerTls | None = None,
+                     shared: bool = False) -> tuple[web.AppRunner, str, str | None]:
+    """The registry API listening (HTTPS with ``tls``); returns its runner, its base URL (with the bound
+    port) and, when ``shared`` with API processes (``controller.api_processes``), the URL of the private
+    loopback listener that takes the operator calls they forward."""
     api = web.AppRunner(registry.app(), access_log=None)
     await api.setup()
-    await web.TCPSite(api, host, port, ssl_context=tls.context if tls is not None else None).start()
-    return api, f"{'https' if tls is not None else 'http'}://{host}:{api.addresses[0][1]}"
+    await web.TCPSite(api, host, port, ssl_context=tls.context if tls is not None else None,
+                      reuse_port=shared or None).start()
+    url = f"{'https' if tls is not None else 'http'}://{host}:{api.addresses[0][1]}"
+    if not shared:
+        return api, url, None
+    await web.TCPSite(api, "127.0.0.1", 0).start()
+    return api, url, f"http://127.0.0.1:{api.addresses[1][1]}"
 
 
 def _probe_session(config: Config, worker_tls: ssl.SSLContext | None) -> aiohttp.ClientSession:
@@ -151,7 +160,9 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
 
 
 async def run_controller(config: Config, redis_url: str, *, host: str, xds_port: int, http_port: int,
-                         token: str, log_dir: Path, start_workers: bool = True) -> None:
+                         token: str, log_dir: Path, start_workers: bool = True, config_path: str = "",
+                         log_format: str = "text") -> None:
+    """``config_path`` (the file ``config`` came from) and ``log_format`` are handed to API processes."""
     redis = connect(redis_url)
     store = FleetStore(redis, config.key_prefix)
     stop = asyncio.Event()
@@ -171,7 +182,8 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     lag = LoopLag()
     registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics,
                            lag)
-    api, api_url = await _serve_api(registry, host, http_port, api_tls)
+    api_processes = config.controller.api_processes
+    api, api_url, private_url = await _serve_api(registry, host, http_port, api_tls, shared=api_processes > 1)
     await lease.renew()
     # The config's workers run on the leader only (a standby starting them too would run each twice);
     # a standby starts them when it takes the lease over.
@@ -207,6 +219,10 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
         *_fleet_tasks(config, store, instances, probe_session, worker_tls.context if worker_tls else None, metrics,
                      lease.is_leader, stop),
     ]
+    if private_url is not None:
+        port = int(api_url.rsplit(":", 1)[1])
+        command = api_process_command(config_path, log_format, host, port, private_url)
+        tasks.append(asyncio.create_task(ApiProcesses(api_processes - 1, command, redis_url).run(stop)))
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     try:
         await stop.wait()
@@ -255,6 +271,7 @@ def main(args: argparse.Namespace) -> int:
         config, redis_url, host=args.host,
         xds_port=args.xds_port if args.xds_port is not None else config.ports.xds,
         http_port=args.http_port if args.http_port is not None else config.ports.controller_http,
-        token=token, log_dir=log_dir, start_workers=not args.no_workers,
+        token=token, log_dir=log_dir, start_workers=not args.no_workers, config_path=args.config,
+        log_format=getattr(args, "log_format", "text"),
     ))
     return 0

@@ -89,7 +89,8 @@ class HeartbeatBatch(BaseModel):
     workers: list[NodeHeartbeat] = Field(max_length=MAX_BATCH)
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
+def error_response(status: int, message: str, code: str) -> web.Response:
+    """An OpenAI-style error answer."""
     body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
                       "param": None, "code": code}}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
@@ -135,11 +136,13 @@ REGISTRATION_RETURNS_PER_S = 200
 class RegistryApi:
     """Routes for the registry over the fleet store; the token check is constant-time. ``scaling`` holds
     the pools operators may scale (``autoscale.pools``); with ``lag`` (the loop's), registrations wait while
-    the controller runs behind."""
+    the controller runs behind. With ``forward`` (an extra API process: ``controller.api_processes``) the
+    operator's calls (drain, scale, ``/metrics``) go to it instead."""
 
     def __init__(self, store: FleetStore, token: str, pools: Sequence[PoolSpec], settings: ControllerSettings,
                  scaling: Mapping[str, PoolScaling] | None = None, instances: InstanceController | None = None,
-                 metrics: CollectorRegistry | None = None, lag: LoopLag | None = None) -> None:
+                 metrics: CollectorRegistry | None = None, lag: LoopLag | None = None,
+                 forward: Handler | None = None) -> None:
         self._store = store
         self._token = token.encode()
         self._pools = {pool.name: pool for pool in pools}
@@ -155,18 +158,19 @@ class RegistryApi:
         self._instances = instances
         self._metrics = metrics
         self._networks = tuple(ipaddress.ip_network(n) for n in settings.allowed_networks)
+        self._forward = forward
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
         app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/metrics", self._metrics_page)
+        app.router.add_get("/metrics", self._forward or self._metrics_page)
         app.router.add_get("/v1/workers", self._list)
         app.router.add_post("/v1/workers", self._register)
         app.router.add_post("/v1/workers/{worker_id}/heartbeat", self._heartbeat)
         app.router.add_post("/v1/heartbeats", self._heartbeats)
         app.router.add_delete("/v1/workers/{worker_id}", self._deregister)
-        app.router.add_post("/v1/workers/{worker_id}/drain", self._drain)
-        app.router.add_post("/v1/pools/{pool}/scale", self._scale)
+        app.router.add_post("/v1/workers/{worker_id}/drain", self._forward or self._drain)
+        app.router.add_post("/v1/pools/{pool}/scale", self._forward or self._scale)
         return app
 
     @web.middleware
@@ -176,7 +180,7 @@ class RegistryApi:
         supplied = request.headers.get("Authorization", "")
         scheme, _, token = supplied.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
-            return _error(401, "missing or wrong controller token (Authorization: Bearer <token>)",
+            return error_response(401, "missing or wrong controller token (Authorization: Bearer <token>)",
                           "unauthorized")
         return await handler(request)
 
@@ -202,21 +206,21 @@ class RegistryApi:
         if lag_s > REGISTRATION_LAG_BOUND_S:
             self.registrations_deferred += 1
             retry_after = self._retry_after()
-            response = _error(503, f"registry busy (event loop {lag_s * 1000:.0f} ms behind); "
+            response = error_response(503, f"registry busy (event loop {lag_s * 1000:.0f} ms behind); "
                                    f"register again after {retry_after} s", "registry_busy")
             response.headers["Retry-After"] = str(retry_after)
             return response
         try:
             body = Registration.model_validate(await self._body(request))
         except (ValidationError, web.HTTPBadRequest) as exc:
-            return _error(400, str(exc), "invalid_registration")
+            return error_response(400, str(exc), "invalid_registration")
         pool = self._pools.get(body.pool)
         if pool is None:
-            return _error(400, f"unknown pool {body.pool!r}; known: {', '.join(self._pools)}", "unknown_pool")
+            return error_response(400, f"unknown pool {body.pool!r}; known: {', '.join(self._pools)}", "unknown_pool")
         refusal = address_refusal(body.host, self._networks)
         if refusal is not None:
             log.warning("refused registration of worker %s: %s", body.id, refusal)
-            return _error(403, refusal, "address_not_allowed")
+            return error_response(403, refusal, "address_not_allowed")
         record = WorkerRecord(
             id=body.id, pool=pool.name, model=body.model or pool.model, host=body.host, port=body.port,
             served_names=body.served_names, max_model_len=body.max_model_len or pool.max_model_len,
@@ -242,10 +246,10 @@ class RegistryApi:
         try:
             body = Heartbeat.model_validate(await self._body(request) if request.can_read_body else {})
         except (ValidationError, web.HTTPBadRequest) as exc:
-            return _error(400, str(exc), "invalid_heartbeat")
+            return error_response(400, str(exc), "invalid_heartbeat")
         alive = await self.heartbeats.beat(worker_id, body.model_dump(exclude_none=True))
         if not alive:
-            return _error(404, f"worker {worker_id!r} is not registered (expired?); register again",
+            return error_response(404, f"worker {worker_id!r} is not registered (expired?); register again",
                           "not_registered")
         return _json({"ok": True})
 
@@ -256,7 +260,7 @@ class RegistryApi:
         try:  # parsed and checked in one pass over the bytes: this is the API's busiest call
             body = HeartbeatBatch.model_validate_json(await request.read())
         except ValidationError as exc:
-            return _error(400, str(exc), "invalid_heartbeat")
+            return error_response(400, str(exc), "invalid_heartbeat")
         beats = {beat.id: beat.model_dump(exclude_none=True, exclude={"id"}) if len(beat.model_fields_set) > 1 else {}
                  for beat in body.workers}
         missing = await self.heartbeats.beat_many(beats)
@@ -268,50 +272,50 @@ class RegistryApi:
         log.info("deregistered worker %s", worker_id)
         return web.Response(status=204)
 
-    def _instances_or_error(self) -> InstanceController | web.Response:
+    def _instances_orerror_response(self) -> InstanceController | web.Response:
         if self._instances is None:
-            return _error(501, "this controller does not manage instances", "not_supported")
+            return error_response(501, "this controller does not manage instances", "not_supported")
         return self._instances
 
     async def _drain(self, request: web.Request) -> web.Response:
         """Start draining a worker; 202 at once (``?wait=1`` answers when the drain is over)."""
-        instances = self._instances_or_error()
+        instances = self._instances_orerror_response()
         if isinstance(instances, web.Response):
             return instances
         worker_id = request.match_info["worker_id"]
         try:
             started = await instances.drain(worker_id)
         except NotLeader as exc:
-            return _error(409, str(exc), "not_leader")
+            return error_response(409, str(exc), "not_leader")
         if not started:
-            return _error(404, f"worker {worker_id!r} is not registered", "not_registered")
+            return error_response(404, f"worker {worker_id!r} is not registered", "not_registered")
         if request.query.get("wait") in ("1", "true"):
             reason = await instances.drainer.wait(worker_id)
             return _json({"worker": worker_id, "state": "drained", "reason": reason})
         return _json({"worker": worker_id, "state": "Draining"}, status=202)
 
     async def _scale(self, request: web.Request) -> web.Response:
-        instances = self._instances_or_error()
+        instances = self._instances_orerror_response()
         if isinstance(instances, web.Response):
             return instances
         pool = request.match_info["pool"]
         scaling = self._scaling.get(pool)
         if scaling is None:
-            return _error(400, f"pool {pool!r} has no autoscale.pools entry (bounds and worker template)",
+            return error_response(400, f"pool {pool!r} has no autoscale.pools entry (bounds and worker template)",
                           "not_scalable")
         try:
             body = await self._body(request)
             target = int(body["workers"])
         except (web.HTTPBadRequest, KeyError, TypeError, ValueError):
-            return _error(400, 'expected {"workers": N}', "invalid_scale")
+            return error_response(400, 'expected {"workers": N}', "invalid_scale")
         if not scaling.min_workers <= target <= scaling.max_workers:
-            return _error(400, f"pool {pool}: {target} is outside min_workers {scaling.min_workers} .. "
+            return error_response(400, f"pool {pool}: {target} is outside min_workers {scaling.min_workers} .. "
                           f"max_workers {scaling.max_workers}", "out_of_bounds")
         try:
             result = await instances.scale(pool, target)
         except NotLeader as exc:
-            return _error(409, str(exc), "not_leader")
+            return error_response(409, str(exc), "not_leader")
         except PlacementRefused as exc:
-            return _error(409, str(exc), "placement_refused")
+            return error_response(409, str(exc), "placement_refused")
         return _json({"pool": pool, "before": result.before, "target": result.target,
                       "started": list(result.started), "draining": list(result.draining)})

@@ -1,0 +1,195 @@
+"""The registry API served by several processes on one port, for fleets whose heartbeats outgrow one core.
+
+With ``controller.api_processes`` N > 1 the controller listens on its API port with ``SO_REUSEPORT`` and
+starts N - 1 API processes listening on the same port; the kernel spreads the connections over all of them.
+An API process is a ``RegistryApi`` over its own Redis connections: registrations, heartbeats, listings and
+deregistrations need nothing but the store, so it answers them itself, putting registrations off by its own
+loop's lag. The operator's calls (drain, scale, ``/metrics``) need the controller's instance controller and
+metrics, so an API process forwards them to the controller's private loopback listener. The controller
+starts an API process again when it exits; an API process whose controller is gone exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import aiohttp
+import uvloop
+from aiohttp import web
+
+from controller.overload import LoopLag
+from controller.registry_api import RegistryApi, error_response
+from poolgate.kernel.config import ConfigError, load_process_config
+from poolgate.kernel.heap import freeze_startup_objects
+from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
+from poolgate.kernel.shutdown import on_stop_signal
+from poolgate.kernel.store import FleetStore, connect
+from poolgate.kernel.tls import ServerTls
+
+log = logging.getLogger("poolgate.controller.api_processes")
+
+RESTART_DELAY_S = 1.0
+"""An API process that exited is started again after this long (a crash loop costs one start a second)."""
+STOP_GRACE_S = 5.0
+"""API processes get this long to finish their calls on a stop before they are killed."""
+PARENT_CHECK_S = 1.0
+"""An API process looks this often whether its controller still runs."""
+REDIS_URL_ENV = "POOLGATE_API_PROCESS_REDIS_URL"
+"""Where an API process finds the controller's Redis URL."""
+FORWARDED_HEADERS = ("Authorization", "Content-Type")
+ANSWERED_HEADERS = ("Content-Type", "Retry-After")
+
+
+class Forwarder:
+    """Passes a request to the controller's own API and answers with what it answered."""
+
+    def __init__(self, base_url: str) -> None:
+        self._base_url = base_url
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, request: web.Request) -> web.Response:
+        if self._session is None:  # made on the loop that serves: a session belongs to one loop
+            # no total timeout: a drain with ?wait=1 answers once the drain is over
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        try:
+            async with self._session.request(request.method, self._base_url + request.path_qs,
+                                             data=await request.read(), headers=headers) as answer:
+                body = await answer.read()
+                kept = {name: answer.headers[name] for name in ANSWERED_HEADERS if name in answer.headers}
+                return web.Response(status=answer.status, body=body, headers=kept)
+        except aiohttp.ClientError as exc:
+            return error_response(503, f"the controller behind this API process does not answer ({exc})",
+                                  "controller_unreachable")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class ApiProcesses:
+    """The controller's extra API processes: started with ``command`` (each gets the same one), started
+    again when one exits, stopped with the controller."""
+
+    def __init__(self, count: int, command: Sequence[str], redis_url: str) -> None:
+        self._count = count
+        self._command = tuple(command)
+        self._env = {**os.environ, REDIS_URL_ENV: redis_url}
+        """The Redis URL goes in the environment, not the command line, which any local user can read."""
+        self.processes: list[asyncio.subprocess.Process] = []
+        """The processes running now (for tests and the benchmark)."""
+        self.restarts = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep ``count`` processes running until ``stop``; then stop them."""
+        try:
+            slots = [asyncio.create_task(self._keep_one(index, stop)) for index in range(self._count)]
+            await stop.wait()
+        finally:
+            for slot in slots:
+                slot.cancel()
+            await asyncio.gather(*slots, return_exceptions=True)
+            await self._stop_all()
+
+    async def _keep_one(self, index: int, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            process = await asyncio.create_subprocess_exec(*self._command, env=self._env)
+            self.processes.append(process)
+            code = await process.wait()
+            self.processes.remove(process)
+            if stop.is_set():
+                return
+            log.warning("API process %d (pid %d) exited with %s; starting it again", index, process.pid, code)
+            self.restarts += 1
+            await asyncio.sleep(RESTART_DELAY_S)
+
+    async def _stop_all(self) -> None:
+        running = [p for p in self.processes if p.returncode is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+        waits = [asyncio.ensure_future(p.wait()) for p in running]
+        if not waits:
+            return
+        _, late = await asyncio.wait(waits, timeout=STOP_GRACE_S)
+        for process in running:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+        await asyncio.gather(*late, return_exceptions=True)
+
+
+def command(config_path: str, log_format: str, host: str, port: int, forward_url: str) -> list[str]:
+    """How the controller starts one API process."""
+    return [sys.executable, "-m", "controller.api_processes", "--config", config_path, "--log-format", log_format,
+            "--host", host, "--port", str(port), "--forward", forward_url]
+
+
+async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
+    """Stop once the controller that started this process is gone (it was killed, so it could not stop us)."""
+    while not stop.is_set():
+        if os.getppid() != parent:
+            log.warning("the controller (pid %d) is gone; this API process stops", parent)
+            stop.set()
+            return
+        await asyncio.sleep(PARENT_CHECK_S)
+
+
+async def serve(args: argparse.Namespace, parent: int) -> None:
+    config, redis_url = load_process_config(args.config, os.environ.get(REDIS_URL_ENV), "controller API process")
+    token = config.controller.resolved_token()
+    if not token:
+        raise ConfigError(f"no token (set {config.controller.token_env} or controller.token)")
+    redis = connect(redis_url)
+    lag = LoopLag()
+    forward = Forwarder(args.forward)
+    registry = RegistryApi(FleetStore(redis, config.key_prefix), token, config.pools, config.controller,
+                           config.autoscale.pools, lag=lag, forward=forward)
+    api_tls = ServerTls(config.tls.registry_api, "tls.registry_api") if config.tls.registry_api else None
+    runner = web.AppRunner(registry.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port, ssl_context=api_tls.context if api_tls else None,
+                      reuse_port=True).start()
+    log.info("API process %d serving on %s:%d", os.getpid(), args.host, args.port)
+    freeze_startup_objects()
+    stop = asyncio.Event()
+    on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_GRACE_S)
+    tasks = [asyncio.create_task(lag.run()), asyncio.create_task(_watch_parent(parent, stop))]
+    if api_tls is not None:
+        tasks.append(asyncio.create_task(api_tls.watch(config.tls.reload_s, stop)))
+    try:
+        await stop.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await runner.cleanup()
+        await forward.close()
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one of the controller's registry API processes")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--forward", required=True, help="the controller's own API, for the operator's calls")
+    add_log_format_argument(parser)
+    args = parser.parse_args(argv)
+    configure_logging(logging.INFO, args.log_format)
+    try:
+        uvloop.run(serve(args, os.getppid()))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
