@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import random
 import re
 import shutil
@@ -43,9 +44,10 @@ from typing import Any
 
 import aiohttp
 import orjson
+import uvloop
 import yaml
 
-from bench.harness import ProcessGroup, cpu_seconds
+from bench.harness import ProcessGroup, cpu_seconds, cpu_times
 from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
 from poolgate.envoy_bootstrap import render_bootstrap
@@ -105,9 +107,9 @@ def fleet(n: int, pools: int, fail: int, alive_port: int, doomed_port: int) -> l
                    doomed_port if i < fail else alive_port) for i in range(n)]
 
 
-def write_config(run_dir: Path, pools: int, heartbeat_interval_s: float | None = None) -> Path:
+def write_config(run_dir: Path, pools: int, heartbeat_interval_s: float | None = None, api_processes: int = 1) -> Path:
     """The stack's config; ``heartbeat_interval_s`` (TTL three intervals) replaces the default timing."""
-    controller: dict[str, Any] = {"token": TOKEN}
+    controller: dict[str, Any] = {"token": TOKEN, "api_processes": api_processes}
     if heartbeat_interval_s is not None:
         controller.update(heartbeat_interval_s=heartbeat_interval_s, heartbeat_ttl_s=3 * heartbeat_interval_s)
     config = {"pools": [{"name": f"p{i}", "model": MODEL} for i in range(pools)],
@@ -378,10 +380,10 @@ def quantile(values: Sequence[float], share: float) -> float:
 
 async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, seconds: float) -> dict[str, Any]:
     """CPU share and RSS per process, Redis commands/s, heartbeat success and snapshot age over ``seconds``."""
-    import os
-
-    pids = {**stack.pids, "load": os.getpid()}
+    api = {f"controller_api{i}": pid for i, pid in enumerate(api_process_pids(stack.pids["controller"]))}
+    pids = {**stack.pids, **api, "load": os.getpid()}
     before_cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    host_before = cpu_times()
     before_ops = await redis_commands(stack.redis_port)
     counters_before = Counters(**{k: v for k, v in vars(fleet_.counters).items() if k != "latencies"})
     fleet_.counters.latencies.clear()
@@ -410,7 +412,16 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
         except OSError:
             row[f"cpu_{name}"] = float("nan")
         row[f"rss_mib_{name}"] = rss_mib(pid)
+    row["cpu_controller_api"] = sum(row[f"cpu_{name}"] for name in api)
+    host_after = cpu_times()
+    row["cpu_host"] = (host_after[0] - host_before[0]) / (host_after[1] - host_before[1]) * (os.cpu_count() or 1)
     return row
+
+
+def api_process_pids(controller: int) -> list[int]:
+    """The controller's API processes (``controller.api_processes`` above 1)."""
+    children = Path(f"/proc/{controller}/task/{controller}/children").read_text().split()
+    return [int(pid) for pid in children if b"controller.api_processes" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, pools: int, n: int,
@@ -444,12 +455,13 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
     row: dict[str, Any] = {"workers": n, "pools": pools, "node_batch": args.node_batch,
                            "heartbeat_interval_s": args.heartbeat_interval_s or 0.5}
     try:
-        config_path = write_config(run_dir, pools, args.heartbeat_interval_s)
+        config_path = write_config(run_dir, pools, args.heartbeat_interval_s, args.api_processes)
         interval_s = yaml.safe_load(config_path.read_text()).get("controller", {}).get("heartbeat_interval_s", 0.5)
-        for name, port in (("workers-alive", alive_port), ("workers-doomed", doomed_port)):
-            group.start(name, [sys.executable, "-m", "bench.scale", "serve-workers", str(port)],
-                        env={"PYTHONPATH": str(REPO_ROOT)})
+        fake_workers = {name: group.start(name, [sys.executable, "-m", "bench.scale", "serve-workers", str(port)],
+                                          env={"PYTHONPATH": str(REPO_ROOT)}).pid
+                        for name, port in (("fake_workers", alive_port), ("fake_workers_doomed", doomed_port))}
         stack = await start_stack(run_dir, config_path, group)
+        stack.pids.update(fake_workers)  # the harness's own CPU, reported beside the stack's
         # No cap on connections: every node (or worker) heartbeats over its own, as real ones do; a shared
         # pool would queue the fleet's heartbeats in this process and expire workers the API answered in time.
         connector = aiohttp.TCPConnector(limit=0)
@@ -469,7 +481,7 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
                 latencies = await one_changes(http, stack, fleet_, pools, n, args.changes, interval_s)
                 row["change_p50_s"] = quantile(latencies, 0.5)
                 row["change_p99_s"] = quantile(latencies, 0.99)
-                group.children["workers-doomed"].terminate()
+                group.children["fake_workers_doomed"].terminate()
                 row["ejection_s"] = await wait_counts(http, stack, pools, lambda c: c <= n - fail,
                                                       timeout_s=args.timeout_s, poll_s=0.05)
             beating.cancel()
@@ -485,9 +497,10 @@ COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
            Column("all_in_envoy_s", "all in Envoy s", "{:.2f}"), Column("change_p50_s", "change p50 s", "{:.3f}"),
            Column("change_p99_s", "change p99 s", "{:.3f}"), Column("ejection_s", "eject s", "{:.2f}"),
            Column("snapshot_age_p99_s", "snap age p99", "{:.3f}"), Column("redis_ops_s", "redis ops/s", "{:.0f}"),
-           Column("cpu_controller", "ctl cpu", "{:.2f}"), Column("cpu_redis", "redis cpu", "{:.2f}"),
+           Column("cpu_controller", "ctl cpu", "{:.2f}"), Column("cpu_controller_api", "api procs cpu", "{:.2f}"),
+           Column("cpu_redis", "redis cpu", "{:.2f}"),
            Column("cpu_extproc", "extproc cpu", "{:.2f}"), Column("cpu_envoy_a", "envoy cpu", "{:.2f}"),
-           Column("rss_mib_controller", "ctl MiB", "{:.0f}")]
+           Column("rss_mib_controller", "ctl MiB", "{:.0f}"), Column("cpu_host", "host busy", "{:.2f}")]
 
 
 def serve_workers(port: int) -> None:
@@ -513,7 +526,7 @@ def serve_workers(port: int) -> None:
     app.router.add_get("/health", ok)
     app.router.add_get("/v1/models", listing)
     app.router.add_get("/metrics", scrape)
-    web.run_app(app, host="0.0.0.0", port=port, print=None, access_log=None)
+    web.run_app(app, host="0.0.0.0", port=port, print=None, access_log=None, loop=uvloop.new_event_loop())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -531,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="heartbeat K workers per call (POST /v1/heartbeats); 0 = one call per worker")
     parser.add_argument("--heartbeat-interval-s", type=float, default=None,
                         help="heartbeat every this many seconds (TTL three times that); default: the config's 0.5 s")
+    parser.add_argument("--api-processes", type=int, default=1, help="controller.api_processes")
     parser.add_argument("--changes", type=int, default=20)
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="give up waiting for Envoy after this")
@@ -538,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Stopped from outside, stop the stack too: the exit cancels the run, whose cleanup stops every process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    rows = [asyncio.run(measure(n, p, args)) for p in args.pools for n in args.workers]
+    # uvloop, as the controller has: this process plays the whole fleet and must not be what runs out of CPU
+    rows = [uvloop.run(measure(n, p, args)) for p in args.pools for n in args.workers]
     save_rows(args.name, rows, COLUMNS, x_key="workers",
               panels=[Panel("time to Envoy", ("all_in_envoy_s", "change_p99_s", "ejection_s"), "s"),
                       Panel("CPU", ("cpu_controller", "cpu_redis", "cpu_extproc", "cpu_envoy_a"), "cores")],
