@@ -160,7 +160,7 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
 
 
 async def run_controller(config: Config, redis_url: str, *, host: str, xds_port: int, http_port: int,
-                         token: str, log_dir: Path, start_workers: bool = True, config_path: str = "",
+                         token: str, log_dir: Path, config_path: str, start_workers: bool = True,
                          log_format: str = "text") -> None:
     """``config_path`` (the file ``config`` came from) and ``log_format`` are handed to API processes."""
     redis = connect(redis_url)
