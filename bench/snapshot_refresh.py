@@ -93,7 +93,10 @@ def measure(pools: int, models: int, repeats: int) -> dict[str, float]:
     watcher = FleetWatcher(store, specs, settings, InflightTracker(), Metrics(),  # type: ignore[arg-type]
                            clock=lambda: clock[0])
     loop = asyncio.new_event_loop()
-    refresh = lambda: loop.run_until_complete(watcher.refresh())  # noqa: E731
+
+    def refresh() -> None:
+        loop.run_until_complete(watcher.refresh())
+
     refresh()  # the first, full read
     changed = iter(range(10**9))
 

@@ -126,6 +126,7 @@ def trusted(record: WorkerRecord, oldest: float) -> WorkerRecord:
 
 
 _gpu_memory_free = operator.attrgetter("gpu_memory_free_mib")
+_READY = WorkerState.READY  # bound once: an enum member costs a class lookup each time it is named
 
 
 def _names(record: WorkerRecord, pool_model: str) -> tuple[str, ...]:
@@ -322,7 +323,7 @@ class FleetIndex:
         if before is None:
             self._count += 1
         shard[worker_id] = after
-        ready = after.state is WorkerState.READY and not stale
+        ready = after.state is _READY and not stale
         restricted = after.pool in self._pool_task_classes
         for name in names_after:
             served = self._served.get(name)
