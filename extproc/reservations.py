@@ -23,7 +23,7 @@ at most the whole headroom between two refreshes, and each sees the others' plac
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from extproc.snapshot import FleetSnapshot
 
@@ -53,6 +53,10 @@ class ReservationBook:
         self._replicas = 1
         self._view_kv: dict[str, int] = {}
         self._view_prefill: dict[str, int] = {}
+        self._settled: tuple[FleetSnapshot, Mapping[str, int], int] | None = None
+        """The snapshot, the other replicas' reservations and the replica count the view was last settled on."""
+        self._own_moved: set[str] = set()
+        """Workers whose reservations here changed since the last ``settle``."""
         self.peers_moved = False
         """The other replicas' reservations changed since the last ``settle``: the pick must settle again
         even if the fleet snapshot did not change."""
@@ -102,21 +106,34 @@ class ReservationBook:
 
     def settle(self, snapshot: FleetSnapshot) -> None:
         """Shrink reservations to their decode room once the worker's facts are newer than placement + settle;
-        then rebuild the pick's view with the other replicas' reservations and their share of the room."""
+        then bring the pick's view up to date with the other replicas' reservations and their share of the
+        room. Only the workers whose record, reservations here or elsewhere changed since the last settle are
+        worked out again (all of them when the number of replicas changed): a settle costs what changed."""
         self._settle(snapshot)
         self.peers_moved = False
-        view_kv = dict(self._peer_kv)
-        if self._replicas > 1:
-            others = (self._replicas - 1) / self._replicas
-            usable = 1.0 - self.reserve_fraction
-            for worker in snapshot.workers:
-                if worker.kv_capacity_tokens <= 0:
-                    continue
-                taken = self._kv.get(worker.id, 0) + view_kv.get(worker.id, 0)
+        settled, self._settled = self._settled, (snapshot, self._peer_kv, self._replicas)
+        if settled is None or settled[2] != self._replicas:
+            self._view_kv = {}
+            moved: Iterable[str] = {*snapshot.by_id, *self._kv, *self._peer_kv}
+        else:
+            before, peers_before, _ = settled
+            moved = (snapshot.by_id.changed_since(before.by_id) | self._own_moved
+                     | {w for w in {*peers_before, *self._peer_kv} if peers_before.get(w) != self._peer_kv.get(w)})
+        self._own_moved = set()
+        others = (self._replicas - 1) / self._replicas
+        usable = 1.0 - self.reserve_fraction
+        by_id = snapshot.by_id
+        for worker_id in moved:
+            taken = self._kv.get(worker_id, 0) + self._peer_kv.get(worker_id, 0)
+            worker = by_id.get(worker_id)
+            if others and worker is not None and worker.kv_capacity_tokens > 0:
                 headroom = worker.kv_capacity_tokens * (usable - worker.kv_usage) - taken
                 if headroom > 0:
-                    view_kv[worker.id] = view_kv.get(worker.id, 0) + int(headroom * others)
-        self._view_kv = _merged(view_kv, self._kv)
+                    taken += int(headroom * others)
+            if taken:
+                self._view_kv[worker_id] = taken
+            else:
+                self._view_kv.pop(worker_id, None)
         self._view_prefill = _merged(self._peer_prefill, self._prefill)
 
     def _settle(self, snapshot: FleetSnapshot) -> None:
@@ -135,6 +152,7 @@ class ReservationBook:
             self._unsettled.discard(reservation)
 
     def _add(self, worker_id: str, kv_delta: int, prefill_delta: int) -> None:
+        self._own_moved.add(worker_id)
         _bump(self._kv, worker_id, kv_delta)
         _bump(self._prefill, worker_id, prefill_delta)
         _bump(self._view_kv, worker_id, kv_delta)

@@ -61,6 +61,16 @@ class ShardedById(Mapping[str, WorkerRecord]):
     def records(self) -> tuple[WorkerRecord, ...]:
         return tuple(itertools.chain.from_iterable(shard.values() for shard in self._shards))
 
+    def changed_since(self, before: ShardedById) -> set[str]:
+        """Ids added, removed or holding another record than in ``before``; the shards both share are
+        skipped (a change copies only its own shard, so this costs the changed shards)."""
+        changed: set[str] = set()
+        for now, then in zip(self._shards, before._shards, strict=True):
+            if now is not then:
+                changed.update(worker_id for worker_id in now.keys() | then.keys()
+                               if now.get(worker_id) is not then.get(worker_id))
+        return changed
+
 
 def _no_workers() -> ShardedById:
     return ShardedById(tuple({} for _ in range(BY_ID_SHARDS)), 0)
