@@ -39,6 +39,7 @@ def within(snapshot: FleetSnapshot, subset: frozenset[str]) -> FleetSnapshot:
     """The snapshot with only the workers whose address is in ``subset`` (same pools, time and freshness), so
     every filter, scorer and fallback of the scheduler sees the restricted fleet."""
     kept = tuple(w for w in snapshot.workers if w.address in subset)
-    if len(kept) == len(snapshot.workers):
+    if len(kept) == len(snapshot.by_id):
         return snapshot
-    return build_snapshot(kept, snapshot.pools.values(), snapshot.taken_at, snapshot.stale_after_s)
+    return build_snapshot(kept, snapshot.pools.values(), snapshot.taken_at, snapshot.stale_after_s,
+                          vouched=snapshot.vouched)

@@ -25,7 +25,7 @@ Nothing here runs on the pick: the watcher's flush loop writes, its refresh read
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Container, Hashable
 from typing import Any
 
 import orjson
@@ -138,11 +138,11 @@ class PeerExchange:
                   maxlen=AFFINITY_LOG_ENTRIES, approximate=True)
         return True
 
-    def queue_reads(self, pipe: Any, worker_ids: Iterable[str]) -> Callable[[list[Any]], None]:
+    def queue_reads(self, pipe: Any, known: Container[str]) -> Callable[[list[Any]], None]:
         """Queue the reads of the replicas, the workers' reservations, the new affinity records and the queue
         reports; the callback takes the pipeline's results for them (in order), hands the other replicas'
-        totals to the book, their affinity records to the map and their best classes waiting to the order."""
-        known = set(worker_ids)
+        totals on ``known`` workers to the book, their affinity records to the map and their best classes
+        waiting to the order."""
         pipe.hgetall(self._keys.replicas)
         pipe.hgetall(self._keys.reserved)
         if self._affinity is not None:

@@ -4,8 +4,9 @@ The agent refreshes a worker's record every ≤ 250 ms; between refreshes, back-
 the same free KV and pile onto one worker. So each placement reserves its footprint on its worker at once:
 
 - ``kv`` = prompt + expected output tokens, and ``prefill`` = the prompt tokens not known to be cached
-  there, until the agent read the worker's metrics ``settle_s`` after the placement (``metrics_at``;
-  ``updated_at`` for a worker without an agent): the engine has admitted the request and the usage numbers include it;
+  there, until the agent read the worker's metrics ``settle_s`` after the placement (``metrics_at``; when
+  it was last seen for a worker without an agent): the engine has admitted the request and the usage numbers
+  include it;
 - after that, the expected output stays reserved as decode room until the request's stream ends: a stream
   (in particular a long-lived SSE one) keeps growing its KV while the record shows only what it holds now.
 
@@ -14,15 +15,15 @@ folded in with ``apply_peers``), and so that replicas picking at the same moment
 free room, a replica may use only its share of the room nobody has reserved yet (``settle``):
 
     headroom(w) = capacity × (1 − kv_reserve_fraction − usage) − own(w) − others(w)
-    held back   = headroom(w) × (replicas − 1) / replicas       (fixed until the next snapshot)
+    held back   = headroom(w) × (replicas − 1) / replicas       (fixed until the next settle)
 
-so N replicas together place at most the whole headroom between two snapshots, and each sees the others'
-placements at its next one.
+settled again on a new snapshot and whenever the others' reservations changed, so N replicas together place
+at most the whole headroom between two refreshes, and each sees the others' placements at its next one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from extproc.snapshot import FleetSnapshot
 
@@ -52,6 +53,13 @@ class ReservationBook:
         self._replicas = 1
         self._view_kv: dict[str, int] = {}
         self._view_prefill: dict[str, int] = {}
+        self._settled: tuple[FleetSnapshot, Mapping[str, int], int] | None = None
+        """The snapshot, the other replicas' reservations and the replica count the view was last settled on."""
+        self._own_moved: set[str] = set()
+        """Workers whose reservations here changed since the last ``settle``."""
+        self.peers_moved = False
+        """The other replicas' reservations changed since the last ``settle``: the pick must settle again
+        even if the fleet snapshot did not change."""
 
     @property
     def kv_tokens(self) -> Mapping[str, int]:
@@ -75,8 +83,10 @@ class ReservationBook:
 
     def apply_peers(self, kv: Mapping[str, int], prefill: Mapping[str, int], replicas: int) -> None:
         """The other replicas' reservations and how many replicas share the fleet (this one included); the
-        pick sees them from the next ``settle``."""
-        self._peer_kv, self._peer_prefill, self._replicas = kv, prefill, max(1, replicas)
+        pick sees them from the next ``settle``, due at once when they changed (``peers_moved``)."""
+        if (kv, prefill, max(1, replicas)) != (self._peer_kv, self._peer_prefill, self._replicas):
+            self._peer_kv, self._peer_prefill, self._replicas = kv, prefill, max(1, replicas)
+            self.peers_moved = True
 
     def reserve(self, worker_id: str, prompt_tokens: int, output_tokens: int, placed_at: float,
                 prefill_tokens: int | None = None) -> Reservation:
@@ -96,20 +106,34 @@ class ReservationBook:
 
     def settle(self, snapshot: FleetSnapshot) -> None:
         """Shrink reservations to their decode room once the worker's facts are newer than placement + settle;
-        then rebuild the pick's view with the other replicas' reservations and their share of the room."""
+        then bring the pick's view up to date with the other replicas' reservations and their share of the
+        room. Only the workers whose record, reservations here or elsewhere changed since the last settle are
+        worked out again (all of them when the number of replicas changed): a settle costs what changed."""
         self._settle(snapshot)
-        view_kv = dict(self._peer_kv)
-        if self._replicas > 1:
-            others = (self._replicas - 1) / self._replicas
-            usable = 1.0 - self.reserve_fraction
-            for worker in snapshot.workers:
-                if worker.kv_capacity_tokens <= 0:
-                    continue
-                taken = self._kv.get(worker.id, 0) + view_kv.get(worker.id, 0)
+        self.peers_moved = False
+        settled, self._settled = self._settled, (snapshot, self._peer_kv, self._replicas)
+        if settled is None or settled[2] != self._replicas:
+            self._view_kv = {}
+            moved: Iterable[str] = {*snapshot.by_id, *self._kv, *self._peer_kv}
+        else:
+            before, peers_before, _ = settled
+            moved = (snapshot.by_id.changed_since(before.by_id) | self._own_moved
+                     | {w for w in {*peers_before, *self._peer_kv} if peers_before.get(w) != self._peer_kv.get(w)})
+        self._own_moved = set()
+        others = (self._replicas - 1) / self._replicas
+        usable = 1.0 - self.reserve_fraction
+        by_id = snapshot.by_id
+        for worker_id in moved:
+            taken = self._kv.get(worker_id, 0) + self._peer_kv.get(worker_id, 0)
+            worker = by_id.get(worker_id)
+            if others and worker is not None and worker.kv_capacity_tokens > 0:
                 headroom = worker.kv_capacity_tokens * (usable - worker.kv_usage) - taken
                 if headroom > 0:
-                    view_kv[worker.id] = view_kv.get(worker.id, 0) + int(headroom * others)
-        self._view_kv = _merged(view_kv, self._kv)
+                    taken += int(headroom * others)
+            if taken:
+                self._view_kv[worker_id] = taken
+            else:
+                self._view_kv.pop(worker_id, None)
         self._view_prefill = _merged(self._peer_prefill, self._prefill)
 
     def _settle(self, snapshot: FleetSnapshot) -> None:
@@ -119,7 +143,7 @@ class ReservationBook:
         settle_s = self.settle_s
         for reservation in list(self._unsettled):
             worker = by_id.get(reservation.worker_id)
-            if worker is None or (worker.metrics_at or worker.updated_at) < reservation.placed_at + settle_s:
+            if worker is None or (worker.metrics_at or snapshot.seen_at(worker)) < reservation.placed_at + settle_s:
                 continue
             self._add(reservation.worker_id, reservation.decode_tokens - reservation.kv_tokens,
                       -reservation.prefill_tokens)
@@ -128,6 +152,7 @@ class ReservationBook:
             self._unsettled.discard(reservation)
 
     def _add(self, worker_id: str, kv_delta: int, prefill_delta: int) -> None:
+        self._own_moved.add(worker_id)
         _bump(self._kv, worker_id, kv_delta)
         _bump(self._prefill, worker_id, prefill_delta)
         _bump(self._view_kv, worker_id, kv_delta)

@@ -2,8 +2,9 @@
 the quota store, extproc's only Redis user.
 
 Three loops under one TaskGroup: refresh (on a change notification or every ``snapshot_refresh_s``; it
-re-reads only the workers changed since the last refresh, through a ``FleetView``, and builds a new
-snapshot only when something changed or the freshness of a worker moved), listen (the store's change feed,
+re-reads only the workers changed since the last refresh, through a ``FleetView``, and hands them to a
+``FleetIndex``, which updates only the served names they touch and keeps the snapshot object when nothing
+in it changed), listen (the store's change feed,
 wakes refresh) and flush (writes in-flight deltas, batched, and the queue
 depth per pool for the autoscaler: this replica's count of requests it holds for each pool, rewritten when
 it changes and at least every ``QUEUED_REFRESH_S``; the store lets it expire, so the count of a replica
@@ -21,16 +22,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.peers import PeerExchange
 from extproc.queue_order import domain_pools
-from extproc.snapshot import FleetSnapshot, build_snapshot, empty_snapshot
+from extproc.snapshot import FleetIndex, FleetSnapshot
 from poolgate.kernel.config import ExtprocSettings, PoolSpec
-from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.fleet_view import FleetView
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog, ReturnGrace
 from poolgate.kernel.store import FleetStore
@@ -76,7 +75,8 @@ class FleetWatcher:
         self._metrics = metrics
         self._clock = clock
         self._on_refresh = on_refresh
-        """Called after each new snapshot (the service wakes requests held for capacity)."""
+        """Called after each successful refresh, whether or not the snapshot changed: the in-flight totals
+        it read may have freed capacity (the service wakes requests held for it)."""
         self.replica_id = replica_id or os.urandom(6).hex()
         """This extproc replica's field in the ``queued`` hashes."""
         self._held: Callable[[], Mapping[Hashable, int]] | None = None
@@ -91,14 +91,19 @@ class FleetWatcher:
                                 on_change=lambda up: metrics.redis_up.set(1 if up else 0))
         self._after_outage = ReturnGrace(settings.stale_after_s)
         self._view = FleetView(store, live=True)
-        self._alive: dict[str, WorkerRecord] = {}
-        """The view's records with ``updated_at`` moved on to the last time the registry vouched for them."""
-        self._built_at = float("-inf")
-        self.snapshot: FleetSnapshot = empty_snapshot(self._pools, settings.stale_after_s)
+        self._unapplied: set[str] = set()
+        """Workers the view re-read that the index has not been given yet (a refresh failed after the sync)."""
+        self._carrying = False
+        """Redis came back without workers it had: ``ReturnGrace`` carries them over for now."""
+        self._index = FleetIndex(self._pools, settings.stale_after_s, vouched=True)
+        self.snapshot: FleetSnapshot = self._index.snapshot
         """The current snapshot; replaced whole, never mutated, so a pick always sees one consistent view."""
+        self.synced_at = 0.0
+        """When the last successful refresh read the fleet: the snapshot is that old (a snapshot kept because
+        nothing changed still holds the fleet as of then)."""
         self.refreshed = asyncio.Event()
         """Set after the first successful refresh."""
-        metrics.snapshot_age_seconds.set_function(lambda: max(0.0, self._clock() - self.snapshot.taken_at))
+        metrics.snapshot_age_seconds.set_function(lambda: max(0.0, self._clock() - self.synced_at))
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -107,52 +112,52 @@ class FleetWatcher:
             group.create_task(self._flush_loop())
 
     async def refresh(self) -> bool:
-        """Take the fleet's changes and the in-flight totals once; False (snapshot kept) when Redis fails."""
+        """Take the fleet's changes and the in-flight totals once; False (snapshot kept) when Redis fails.
+
+        Costs the changed workers (and the tuples of the served names they answer to), never the fleet: a
+        worker in the view is alive (its record would have expired, and the view's sync, which first writes
+        expiries, would have dropped it, had its heartbeats stopped for a TTL), so the snapshot is built
+        ``vouched`` and no worker turns stale for want of a re-read heartbeat. A snapshot in which nothing
+        changed is kept, and re-dated (a copy, not a rebuild) once it is half the staleness bound old, so
+        what waits on a worker being seen (``FleetSnapshot.seen_at``) moves on without a change."""
         try:
             delta = await self._view.sync()
-            taken_at = self._clock()
-            records = self._vouched(taken_at, delta.full, delta.changed)
+            self._unapplied |= delta.changed
+            synced_at = self._clock()
             async with self._io_lock:
                 totals = await self._store.read_busy()
                 self._inflight.apply_remote(totals)
                 peers = self._peers
                 if peers is not None:
-                    await self._store.exchange(lambda pipe: peers.queue_reads(pipe, [r.id for r in records]))
+                    known = self._view.records
+                    await self._store.exchange(lambda pipe: peers.queue_reads(pipe, known))
         except REDIS_ERRORS as exc:
             self._redis_link.down(exc)
             return False
         if self._redis_link.up():
-            self._after_outage.redis_returned(taken_at)
-        records = self._after_outage.fill_in(records, taken_at)
-        snapshot = build_snapshot(records, self._pools, taken_at, self._settings.stale_after_s)
-        self.snapshot = snapshot
-        self._metrics.workers.set(len(snapshot.workers))
-        self._metrics.stale_workers.set(snapshot.stale_count())
+            # ReturnGrace carries over what it was last shown: show it the fleet as it was before the outage
+            self._after_outage.fill_in(self.snapshot.workers, self.synced_at)
+            self._after_outage.redis_returned(synced_at)
+            self._carrying = True
+        changes = {worker_id: self._view.records.get(worker_id) for worker_id in self._unapplied}
+        self._unapplied = set()
+        if self._carrying:
+            listed = self._view.records.values()
+            records = self._after_outage.fill_in(list(listed), synced_at)
+            self._carrying = len(records) > len(listed)
+            snapshot = self._index.replace(records, synced_at)
+        else:
+            renew = synced_at - self.snapshot.taken_at >= self._settings.stale_after_s / 2
+            snapshot = self._index.update(changes, synced_at, renew=renew)
+        self.synced_at = synced_at
+        if snapshot is not self.snapshot:
+            self.snapshot = snapshot
+            self._metrics.workers.set(len(snapshot.by_id))
+            self._metrics.stale_workers.set(snapshot.stale_workers)
         self.refreshed.set()
         if self._on_refresh is not None:
             self._on_refresh()
         return True
-
-    def _vouched(self, now: float, full: bool, changed: frozenset[str]) -> list[WorkerRecord]:
-        """The view's workers, each ``updated_at`` at least as recent as half the staleness bound ago.
-
-        A worker in the view is alive: its record would have expired (and the view's sync, which first writes
-        expiries, would have dropped it) had its heartbeats stopped for a TTL. Heartbeats are not re-read one
-        by one, so the time they prove is carried here; a record is copied at most once per half bound."""
-        records = self._view.records
-        if full:
-            self._alive = {}
-        for worker_id in changed:
-            self._alive.pop(worker_id, None)
-        for worker_id in set(self._alive) - set(records):
-            del self._alive[worker_id]
-        oldest = now - self._settings.stale_after_s / 2
-        for worker_id, record in records.items():
-            alive = self._alive.get(worker_id, record)
-            if alive.updated_at < oldest:
-                alive = replace(alive, updated_at=now)
-            self._alive[worker_id] = alive
-        return [self._alive[worker_id] for worker_id in sorted(self._alive)]
 
     def flush_soon(self) -> None:
         """Something to publish changed besides in-flight counts (the queue): flush within the batch window."""

@@ -65,9 +65,10 @@ class Place:
         return self.fleet.snapshot
 
     def context(self) -> PickContext:
-        """The current snapshot with this replica's accounting; settles reservations on a new snapshot."""
+        """The current snapshot with this replica's accounting; settles reservations on a new snapshot, or
+        when the other replicas' reservations changed."""
         snapshot = self.fleet.snapshot
-        if snapshot is not self._settled_for:
+        if snapshot is not self._settled_for or self.reservations.peers_moved:
             self.reservations.settle(snapshot)
             self._settled_for = snapshot
         reservations = self.reservations

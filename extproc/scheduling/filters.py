@@ -65,7 +65,7 @@ class TaskClassPools:
 
 
 class ReadyAndFresh:
-    """Keeps workers that are Ready and whose live state is recent (``taken_at - updated_at <= stale_after``).
+    """Keeps workers that are Ready and were seen recently (``taken_at - seen_at <= stale_after``).
     Envoy honours a pin even to a draining or unhealthy host, so only Ready workers may ever be pinned."""
 
     name = "ready_and_fresh"
@@ -79,8 +79,10 @@ class ReadyAndFresh:
         snapshot = context.snapshot
         if candidates is snapshot.workers_for(request.model):  # the whole model: use the snapshot's index
             return snapshot.ready_workers_for(request.model)
-        oldest = snapshot.taken_at - snapshot.stale_after_s
         ready = WorkerState.READY
+        if snapshot.vouched:  # every worker was seen at ``taken_at``
+            return [w for w in candidates if w.state is ready]
+        oldest = snapshot.taken_at - snapshot.stale_after_s
         return [w for w in candidates if w.state is ready and w.updated_at >= oldest]
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:

@@ -241,7 +241,7 @@ async def test_a_slow_read_leaves_no_worker_stale(redis_client: Any) -> None:
     for _ in range(2):
         assert await watcher.refresh()
         snapshot = watcher.snapshot
-        assert snapshot.stale_count() == 0 and [w.id for w in snapshot.ready_workers_for("llama")] == ["w1"]
+        assert snapshot.stale_workers == 0 and [w.id for w in snapshot.ready_workers_for("llama")] == ["w1"]
         assert metrics.registry.get_sample_value("poolgate_extproc_stale_workers") == 0
         assert (metrics.registry.get_sample_value("poolgate_extproc_snapshot_age_seconds") or 0) < 1
 

@@ -62,7 +62,7 @@ def test_never_pins_a_stale_worker() -> None:
     snap = snapshot(worker("old", age_s=3.5, port=1), worker("fresh", age_s=2.9, port=2))
     decision = pick(snap, {"fresh": 9})
     assert isinstance(decision, Decision) and decision.worker_id == "fresh" and decision.fallbacks == ()
-    assert snap.stale_count() == 1
+    assert snap.stale_workers == 1
 
 
 def test_least_inflight_wins_and_fallbacks_follow_in_order() -> None:

@@ -4,6 +4,8 @@ affinity records that make a session or prompt prefix follow one worker across r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import redis.asyncio as aioredis
 
 from extproc.affinity import AffinityMap
@@ -11,7 +13,7 @@ from extproc.peers import PRESENCE_REFRESH_S, PRESENCE_TTL_S, PeerExchange, Peer
 from extproc.request import RequestFacts
 from extproc.reservations import ReservationBook
 from extproc.scheduling.estimate import prefix_keys
-from extproc.snapshot import FleetSnapshot, build_snapshot
+from extproc.snapshot import FleetIndex, FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec
 from poolgate.kernel.fleet import WorkerRecord
 
@@ -40,6 +42,27 @@ def test_each_of_four_replicas_may_take_a_quarter_of_the_unreserved_room() -> No
     assert book.kv_tokens == {"w": 8_000} and book.own_kv_tokens == {"w": 1_500}
     book.settle(snapshot(usage=0.2, at=100.1))  # next snapshot: a quarter of what is left unclaimed
     assert book.kv_tokens == {"w": 1_500 + 2_000 + 3_375}
+
+
+def test_a_settle_on_a_changed_snapshot_gives_the_view_a_settle_from_scratch_gives() -> None:
+    index = FleetIndex(POOLS, stale_after_s=3.0)
+    records = {f"w{i}": WorkerRecord(id=f"w{i}", pool="chat", model="llama", host="h", port=i, updated_at=100.0,
+                                     kv_capacity_tokens=10_000, kv_usage=0.1 * i) for i in range(1, 4)}
+    book = ReservationBook(settle_s=0.5)
+    book.apply_peers({"w1": 1_000}, {}, replicas=2)
+    book.settle(index.replace(records.values(), 100.0))
+    book.reserve("w3", 500, 500, placed_at=100.0)
+    records["w2"] = replace(records["w2"], kv_usage=0.5)  # one worker's facts changed
+    book.apply_peers({"w1": 2_000}, {}, replicas=2)  # and another replica placed more on w1
+    changed = index.update({"w2": records["w2"]}, 100.1)
+    book.settle(changed)
+    fresh = ReservationBook(settle_s=0.5)
+    fresh.apply_peers({"w1": 2_000}, {}, replicas=2)
+    fresh.reserve("w3", 500, 500, placed_at=100.0)
+    fresh.settle(changed)
+    assert book.kv_tokens == fresh.kv_tokens == {
+        "w1": 2_000 + int((10_000 * 0.9 - 2_000) / 2), "w2": int(10_000 * 0.5 / 2),
+        "w3": 1_000 + int((10_000 * (1 - 0.1 * 3) - 1_000) / 2)}
 
 
 def test_four_replicas_picking_at_once_never_promise_more_than_the_free_room() -> None:

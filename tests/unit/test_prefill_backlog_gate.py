@@ -47,7 +47,7 @@ def context(*workers: WorkerRecord, pending: dict[str, int] | None = None,
 
 
 def kept(gate: PrefillBacklogGate, pick: PickRequest, ctx: PickContext) -> list[str]:
-    return [w.id for w in gate.filter(pick, list(ctx.snapshot.workers), ctx)]
+    return [w.id for w in gate.filter(pick, list(ctx.snapshot.workers_for("llama")), ctx)]
 
 
 def test_idle_workers_always_take_a_long_prompt() -> None:
