@@ -7,7 +7,9 @@ refresh half a staleness bound after the last new snapshot (the fleet is vouched
 snapshot now, a copy of every record before). The store answers from memory, so the figures are the
 refresh's own Python, without Redis round trips.
 
-    .venv/bin/python -m bench.snapshot_refresh [--repeats 30]
+    .venv/bin/poolgate bench snapshot_refresh [--repeats 30]
+
+Results print as a table and go to ``bench/reports/snapshot_refresh.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.report import Column, Panel, save_rows
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.snapshot import build_snapshot
@@ -124,12 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30, help="timed refreshes per figure")
     args = parser.parse_args(argv)
     print(f"{WORKERS:,} workers; medians in ms (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
-    print(f"{'shape':<22}{'full build':>12}{'1 changed':>12}{'unchanged':>12}{'half bound on':>15}")
-    for pools, models in ((1, 1), (200, 25)):
-        row = measure(pools, models, args.repeats)
-        print(f"{f'{pools} pools, {models} models':<22}{row['full_build_ms']:>12.2f}{row['one_change_ms']:>12.3f}"
-              f"{row['unchanged_ms']:>12.3f}{row['half_bound_ms']:>15.3f}")
+    rows = [{"pools": pools, "models": models, **measure(pools, models, args.repeats)}
+            for pools, models in ((1, 1), (200, 25))]
+    save_rows("snapshot_refresh", rows, COLUMNS, x_key="pools",
+              panels=[Panel("refresh at 10,000 workers", ("full_build_ms", "one_change_ms", "unchanged_ms",
+                                                           "half_bound_ms"), "ms", log_y=True)],
+              parameters={"workers": WORKERS, "repeats": args.repeats, "load_average": os.getloadavg()[0]})
     return 0
+
+
+COLUMNS = [Column("pools", "pools", "{}"), Column("models", "models", "{}"),
+           Column("full_build_ms", "full build ms", "{:.2f}"), Column("one_change_ms", "1 changed ms", "{:.3f}"),
+           Column("unchanged_ms", "unchanged ms", "{:.3f}"), Column("half_bound_ms", "half bound on ms", "{:.3f}")]
 
 
 if __name__ == "__main__":

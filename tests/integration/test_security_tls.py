@@ -106,7 +106,7 @@ async def test_registry_api_over_mutual_tls(tmp_path: Path, redis_client: aiored
     files, _ = make_tls_files(tmp_path)
     tls = ServerTls(server_files(files), "tls.registry_api")
     registry = RegistryApi(FleetStore(redis_client, "tls"), "tok", CONFIG.pools, CONFIG.controller)
-    runner, url = await _serve_api(registry, "127.0.0.1", 0, tls)
+    runner, url, _ = await _serve_api(registry, "127.0.0.1", 0, tls)
     watch = asyncio.create_task(tls.watch(0.05))
     try:
         assert url.startswith("https://")
