@@ -21,9 +21,10 @@ per tenant. Fleet keys (``{prefix}`` below is that braced tag):
   reader to look after that writes the expiry as a change.
 - ``{prefix}:fleet:floor``  the version below which the change logs were trimmed (older readers read all).
 - ``{prefix}:fleet:epoch``  set with the first version: a new epoch means Redis lost its data.
-- ``{prefix}:passive:{id}`` count of data-path failures (5xx, timeouts, resets before headers) seen on a
-  worker; the controller's health monitor reads its growth per probe interval. It expires a minute after
-  the last failure.
+- ``{prefix}:passive``      hash: worker id → count of data-path failures (5xx, timeouts, resets before
+  headers) seen on it; the controller's health monitor reads their growth each round, in one read as
+  large as the workers that failed. It expires a minute after the last failure; the monitor removes the
+  fields of workers that left.
 - ``{prefix}:queued:{pool}`` hash: requests each extproc replica holds in its queue for a pool (field =
   replica id, value = its current count, expiring a few seconds after the last write so a dead replica's
   count fades); the autoscaler reads the sum as queue pressure.
@@ -103,6 +104,7 @@ class RedisKeys:
         self.controller = f"{fleet}:controller"
         self.drains = f"{fleet}:drains"
         self.inflight = f"{fleet}:inflight"
+        self.passive = f"{fleet}:passive"
         self.fleet_version = f"{fleet}:fleet:version"
         self.fleet_epoch = f"{fleet}:fleet:epoch"
         self.peers = PeerKeys(prefix)
@@ -110,9 +112,6 @@ class RedisKeys:
 
     def worker(self, worker_id: str) -> str:
         return f"{self.fleet}:worker:{worker_id}"
-
-    def passive(self, worker_id: str) -> str:
-        return f"{self.fleet}:passive:{worker_id}"
 
     def queued(self, pool: str) -> str:
         return f"{self.fleet}:queued:{pool}"

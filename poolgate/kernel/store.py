@@ -335,17 +335,13 @@ class FleetStore:
         return {_text(w): n for w, v in (await self._redis.hgetall(self.keys.inflight)).items() if (n := int(v)) > 0}
 
     async def read_passive_failures(self, worker_ids: Sequence[str]) -> dict[str, int]:
-        """Cumulative data-path failure counts (0 when none or expired); readers compare with their last read."""
-        return await self._counts([self.keys.passive(w) for w in worker_ids], worker_ids)
-
-    async def _counts(self, keys: list[str], worker_ids: Sequence[str]) -> dict[str, int]:
-        if not keys:
-            return {}
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
-        values = await pipe.execute()
-        return {w: max(0, int(v or 0)) for w, v in zip(worker_ids, values, strict=True)}
+        """Cumulative data-path failure counts of ``worker_ids`` (0 when none or expired); readers compare
+        with their last read. The fields of workers not among ``worker_ids`` (gone) are removed."""
+        counts = {_text(w): int(v) for w, v in (await self._redis.hgetall(self.keys.passive)).items()}
+        gone = set(counts).difference(worker_ids)
+        if gone:
+            await self._redis.hdel(self.keys.passive, *gone)
+        return {w: max(0, counts.get(w, 0)) for w in worker_ids}
 
     async def read_queued(self, pool: str) -> int:
         """Requests extproc replicas hold for a pool (the sum of their fields; 0 when none report)."""
@@ -356,8 +352,8 @@ class FleetStore:
     async def record_passive_failure(self, worker_id: str, count: int = 1) -> None:
         """A data-path failure on a worker (5xx answered by it, upstream timeout, reset before headers)."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.incrby(self.keys.passive(worker_id), count)
-        pipe.pexpire(self.keys.passive(worker_id), _ttl_ms(PASSIVE_TTL_S))
+        pipe.hincrby(self.keys.passive, worker_id, count)
+        pipe.pexpire(self.keys.passive, _ttl_ms(PASSIVE_TTL_S))
         await pipe.execute()
 
     async def add_counts(self, inflight_deltas: Mapping[str, int], queued: Mapping[str, int],

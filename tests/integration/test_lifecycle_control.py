@@ -139,6 +139,14 @@ async def test_passive_failures_reported_through_redis_eject_at_once(redis_clien
     assert await state(redis_client) is WorkerState.FAILED
 
 
+async def test_one_read_of_passive_counts_removes_those_of_workers_that_left(redis_client: aioredis.Redis) -> None:
+    store = fleet(redis_client)
+    await store.record_passive_failure("w1")
+    await store.record_passive_failure("left", 2)
+    assert await store.read_passive_failures(["w1", "w2"]) == {"w1": 1, "w2": 0}
+    assert await redis_client.hkeys(store.keys.passive) in ([b"w1"], ["w1"])
+
+
 async def test_follower_does_nothing(redis_client: aioredis.Redis) -> None:
     await register(redis_client)
     prober = ScriptedProber()
