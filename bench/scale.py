@@ -109,7 +109,9 @@ def fleet(n: int, pools: int, fail: int, alive_port: int, doomed_port: int) -> l
 
 def write_config(run_dir: Path, pools: int, heartbeat_interval_s: float | None = None, api_processes: int = 1) -> Path:
     """The stack's config; ``heartbeat_interval_s`` (TTL three intervals) replaces the default timing."""
-    controller: dict[str, Any] = {"token": TOKEN, "api_processes": api_processes}
+    controller: dict[str, Any] = {"token": TOKEN}
+    if api_processes > 1:
+        controller["api_processes"] = api_processes
     if heartbeat_interval_s is not None:
         controller.update(heartbeat_interval_s=heartbeat_interval_s, heartbeat_ttl_s=3 * heartbeat_interval_s)
     config = {"pools": [{"name": f"p{i}", "model": MODEL} for i in range(pools)],
