@@ -82,14 +82,12 @@ class ApiProcesses:
         self._command = tuple(command)
         self._env = {**os.environ, REDIS_URL_ENV: redis_url}
         """The Redis URL goes in the environment, not the command line, which any local user can read."""
-        self.processes: list[asyncio.subprocess.Process] = []
-        """The processes running now (for tests and the benchmark)."""
-        self.restarts = 0
+        self._running: list[asyncio.subprocess.Process] = []
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep ``count`` processes running until ``stop``; then stop them."""
+        slots = [asyncio.create_task(self._keep_one(index, stop)) for index in range(self._count)]
         try:
-            slots = [asyncio.create_task(self._keep_one(index, stop)) for index in range(self._count)]
             await stop.wait()
         finally:
             for slot in slots:
@@ -99,18 +97,22 @@ class ApiProcesses:
 
     async def _keep_one(self, index: int, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            process = await asyncio.create_subprocess_exec(*self._command, env=self._env)
-            self.processes.append(process)
+            try:
+                process = await asyncio.create_subprocess_exec(*self._command, env=self._env)
+            except OSError as exc:
+                log.warning("cannot start API process %d (%s); trying again", index, exc)
+                await asyncio.sleep(RESTART_DELAY_S)
+                continue
+            self._running.append(process)
             code = await process.wait()
-            self.processes.remove(process)
+            self._running.remove(process)
             if stop.is_set():
                 return
             log.warning("API process %d (pid %d) exited with %s; starting it again", index, process.pid, code)
-            self.restarts += 1
             await asyncio.sleep(RESTART_DELAY_S)
 
     async def _stop_all(self) -> None:
-        running = [p for p in self.processes if p.returncode is None]
+        running = [p for p in self._running if p.returncode is None]
         for process in running:
             with contextlib.suppress(ProcessLookupError):
                 process.terminate()
