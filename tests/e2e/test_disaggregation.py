@@ -36,7 +36,22 @@ SHORT = "Hello there"
 @pytest.fixture(scope="module")
 def pd_stack(redis_server: object) -> Iterator[RunningStack]:
     with poolgate_up(PD_CONFIG, redis_server.url) as running:  # type: ignore[attr-defined]
+        took = wait_until_split(running, timeout_s=60)
+        print(f"the first long prompt was split {took:.2f} s after the stack was ready")
         yield running
+
+
+def wait_until_split(stack: RunningStack, timeout_s: float) -> float:
+    """Seconds until a long prompt is split. The stack is ready once one request per model was answered,
+    which a decode worker can do while the prefill worker still starts (a machine under load)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        raw = client(stack).chat.completions.with_raw_response.create(
+            model="chat-model", messages=[{"role": "user", "content": "Warm-up. " + LONG}], max_tokens=1)
+        if raw.headers.get("x-poolgate-pd"):
+            return time.monotonic() - started
+        time.sleep(0.2)
+    raise AssertionError(f"no long prompt was split within {timeout_s} s")
 
 
 def client(stack: RunningStack, **headers: str) -> openai.OpenAI:
