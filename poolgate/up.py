@@ -19,6 +19,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,8 +72,25 @@ class StackPorts:
     @classmethod
     def all_free(cls, extproc_processes: int) -> StackPorts:
         """Free ports for everything (benchmarks and tests that start their own stack)."""
-        return cls(envoy=free_port(), admin=free_port(), extproc=tuple(free_port() for _ in range(extproc_processes)),
-                   xds=free_port(), controller_http=free_port())
+        pick = port_picker(())
+        return cls(envoy=pick(), admin=pick(), extproc=tuple(pick() for _ in range(extproc_processes)),
+                   xds=pick(), controller_http=pick())
+
+
+def port_picker(taken: Iterable[int | None]) -> Callable[[], int]:
+    """``free_port``, but never a port already chosen for this stack. The OS may hand the same free port out
+    twice, and Envoy and gRPC both listen with ``SO_REUSEPORT``: two of the stack's servers would then share
+    one port without an error (seen: Envoy's listener on extproc's port, sending ext_proc calls to itself)."""
+    chosen = {port for port in taken if port}
+
+    def pick() -> int:
+        port = free_port()
+        while port in chosen:
+            port = free_port()
+        chosen.add(port)
+        return port
+
+    return pick
 
 
 class Stack:
@@ -326,14 +344,17 @@ async def demo_load(base_url: str, models: list[str], requests: int = 48, concur
 def _resolve_ports(config: Config, args: argparse.Namespace) -> StackPorts:
     ports = config.ports
     processes, metrics = config.extproc.process_count(), config.observability.extproc_metrics_port
+    pick = port_picker((args.port, args.admin_port, ports.envoy, ports.envoy_admin, ports.xds, ports.controller_http,
+                        metrics, config.disaggregation.sidecar_port,
+                        *(ports.extproc + i for i in range(processes) if ports.extproc)))
     return StackPorts(
-        envoy=args.port if args.port is not None else (ports.envoy or free_port()),
-        admin=args.admin_port if args.admin_port is not None else (ports.envoy_admin or free_port()),
-        extproc=tuple(ports.extproc + i if ports.extproc else free_port() for i in range(processes)),
-        extproc_metrics=(metrics, *(free_port() for _ in range(processes - 1))) if metrics else (),
-        xds=ports.xds or free_port(),
-        controller_http=ports.controller_http or free_port(),
-        pd_sidecar=(config.disaggregation.sidecar_port or free_port()) if config.disaggregated_models() else None,
+        envoy=args.port if args.port is not None else (ports.envoy or pick()),
+        admin=args.admin_port if args.admin_port is not None else (ports.envoy_admin or pick()),
+        extproc=tuple(ports.extproc + i if ports.extproc else pick() for i in range(processes)),
+        extproc_metrics=(metrics, *(pick() for _ in range(processes - 1))) if metrics else (),
+        xds=ports.xds or pick(),
+        controller_http=ports.controller_http or pick(),
+        pd_sidecar=(config.disaggregation.sidecar_port or pick()) if config.disaggregated_models() else None,
     )
 
 
