@@ -93,6 +93,14 @@ def _ask(port: int, *command: str) -> Any:
         client.close()
 
 
+PORT_ATTEMPTS = 5
+"""Free ports a test Redis is tried on before giving up (another process may take one first)."""
+
+
+class PortTaken(RuntimeError):
+    """The redis-server exited at once: its port was taken between picking it and binding it."""
+
+
 class RedisServer:
     """A redis-server of the tests' own; ``durable``: every write in an append-only file synced at once, so
     one that is killed and started again (``kill``, ``start``) comes back with its data."""
@@ -101,28 +109,42 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (make test installs it)")
-        self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="poolgate-redis-")
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if durable else ["--appendonly", "no"]
-        self.command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
-                        "--dir", self.dir]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.start()
+        for attempt in range(PORT_ATTEMPTS):
+            self.port = free_port()
+            self.command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
+                            "--dir", self.dir]
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+            try:
+                self.start()
+                return
+            except PortTaken:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
 
     def start(self) -> None:
-        """Start it (again, on the same port and directory) and wait until it answers."""
+        """Start it (again, on the same port and directory) and wait until it answers. The answer must come
+        from this process: when another server took the port first, ours exits, and the tests would otherwise
+        share that other server (another test run's, emptied by its own tests)."""
         self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except (redis.ConnectionError, redis.BusyLoadingError):
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise PortTaken(f"redis-server exited at once with {self.proc.returncode} (port {self.port})")
+                try:
+                    if client.info("server")["process_id"] == self.proc.pid:
+                        return
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    pass
                 if time.monotonic() > deadline:
-                    raise
+                    self.proc.kill()
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer within 10 s")
                 time.sleep(0.05)
-        client.close()
+        finally:
+            client.close()
 
     def kill(self) -> None:
         """SIGKILL: a crash, no shutdown."""

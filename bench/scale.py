@@ -13,8 +13,14 @@ Per size it reports:
 - time from the last registration until every Envoy lists all N endpoints healthy;
 - one-change latency: a worker reports Draining (then Ready) and every Envoy's healthy count follows;
   p50/p99 over ``--changes`` changes;
-- mass-failure ejection: ``--fail`` workers stop answering at once (their server is stopped, their
-  heartbeats go on, as with a hung engine); time until no Envoy lists them healthy;
+- passive ejection: ``--sick`` workers of a pool of their own (beside as many healthy ones) answer their
+  probes but fail every request with a 500; requests go through one Envoy until no Envoy lists them healthy
+  (the other Envoy sees no traffic: only the controller's verdict takes them out of it); time from the first
+  request, and requests that failed;
+- mass-failure ejection: ``--fail`` workers stop answering at once while their heartbeats go on; with
+  ``--fail-mode exit`` their server process exits (a crashed engine: connections close, new ones are
+  refused), with ``hang`` it is stopped (a hung engine: connections stay open and nothing answers, so every
+  probe waits for its timeout); time until no Envoy lists them healthy;
 - CPU (share of one core) and RSS per process, Redis commands/s, extproc's snapshot age (p50/p99) over a
   steady phase of ``--steady-s`` seconds.
 
@@ -59,6 +65,14 @@ from poolgate.procs import envoy_binary, free_port, wait_port
 
 TOKEN = "bench-scale-token"
 MODEL = "scale-model"
+SICK_MODEL = "scale-sick-model"
+SICK_POOL = "sick"
+SICK_BURST_PER_WORKER = 3
+"""The phase opens with this many requests per worker of the sick pool at once (each sick worker gets about
+``health.passive_failures_to_fail`` failures together, so the time measured is the path's, not the traffic's)."""
+SICK_RATE = 40.0
+"""Requests per second after the burst: little enough that the traffic does not take the CPU the fleet's
+heartbeats need on this one machine (closed loops of 4 did, and expired thousands of workers)."""
 ENVOYS = ("a", "b")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEARTBEAT_TIMEOUT_S = 30.0
@@ -99,6 +113,8 @@ class Stack:
     extproc_metrics: str
     redis_port: int
     pids: dict[str, int] = field(default_factory=dict)
+    listener: str = ""
+    """The first Envoy's listener (the other takes no requests)."""
 
 
 def fleet(n: int, pools: int, fail: int, alive_port: int, doomed_port: int) -> list[Worker]:
@@ -107,14 +123,22 @@ def fleet(n: int, pools: int, fail: int, alive_port: int, doomed_port: int) -> l
                    doomed_port if i < fail else alive_port) for i in range(n)]
 
 
-def write_config(run_dir: Path, pools: int, heartbeat_interval_s: float | None = None, api_processes: int = 1) -> Path:
+def sick_pool(sick: int, alive_port: int, sick_port: int) -> list[Worker]:
+    """The sick pool: ``sick`` workers that fail every request, then as many healthy ones."""
+    return [Worker(f"s{i:04d}", SICK_POOL, f"127.2.{i // 250}.{i % 250 + 1}", sick_port if i < sick else alive_port)
+            for i in range(2 * sick)]
+
+
+def write_config(run_dir: Path, pools: int, heartbeat_interval_s: float | None = None, api_processes: int = 1,
+                 sick: bool = False) -> Path:
     """The stack's config; ``heartbeat_interval_s`` (TTL three intervals) replaces the default timing."""
     controller: dict[str, Any] = {"token": TOKEN}
     if api_processes > 1:
         controller["api_processes"] = api_processes
     if heartbeat_interval_s is not None:
         controller.update(heartbeat_interval_s=heartbeat_interval_s, heartbeat_ttl_s=3 * heartbeat_interval_s)
-    config = {"pools": [{"name": f"p{i}", "model": MODEL} for i in range(pools)],
+    config = {"pools": [{"name": f"p{i}", "model": MODEL} for i in range(pools)]
+              + ([{"name": SICK_POOL, "model": SICK_MODEL}] if sick else []),
               "controller": controller, "health": {"check_models": True}}
     parse_config(config)  # fails here, with the field named, rather than in a child's log
     path = run_dir / "config.yaml"
@@ -156,24 +180,74 @@ async def start_stack(run_dir: Path, config_path: Path, group: ProcessGroup) -> 
         if not await wait_port("127.0.0.1", ports[f"admin_{envoy}"], 60):
             raise RuntimeError(f"envoy {envoy} did not start; logs in {run_dir}")
     return Stack(group, f"http://127.0.0.1:{ports['api']}", {e: ports[f"admin_{e}"] for e in ENVOYS},
-                 f"http://127.0.0.1:{ports['extproc_metrics']}/metrics", ports["redis"], pids)
+                 f"http://127.0.0.1:{ports['extproc_metrics']}/metrics", ports["redis"], pids,
+                 f"http://127.0.0.1:{ports[f'envoy_{ENVOYS[0]}']}")
 
 
 _MEMBERSHIP = re.compile(r"^cluster\.(.+)\.membership_healthy: (\d+)$", re.M)
 
 
-async def healthy_counts(http: aiohttp.ClientSession, stack: Stack, pools: int) -> dict[str, int]:
-    """Healthy endpoints over the pool clusters (not the fallback), per Envoy."""
-    wanted = {cluster_name(f"p{i}") for i in range(pools)}
-    counts = {}
-    for envoy, port in stack.admin_ports.items():
-        async with http.get(f"http://127.0.0.1:{port}/stats", params={"filter": "membership_healthy"}) as r:
-            text = await r.text()
-        counts[envoy] = sum(int(n) for name, n in _MEMBERSHIP.findall(text) if name in wanted)
-    return counts
+def pool_names(pools: int) -> list[str]:
+    """The measured pools (the sick pool is apart)."""
+    return [f"p{i}" for i in range(pools)]
 
 
-async def wait_counts(http: aiohttp.ClientSession, stack: Stack, pools: int, done: Any, timeout_s: float,
+async def envoy_healthy(http: aiohttp.ClientSession, admin: str, pools: Sequence[str]) -> int:
+    """Healthy endpoints over the clusters of ``pools`` (not the fallback) in the Envoy whose admin is at
+    ``admin``. Asked for gauges only, and for a few pools by name: Envoy walks every stat it has for each call
+    (~15 ms at 200 pools), which would blur what is measured and take CPU from what is."""
+    wanted = {cluster_name(pool) for pool in pools}
+    named = "|".join(re.escape(name) for name in sorted(wanted))
+    query = {"filter": rf"^cluster\.({named})\.membership_healthy$" if len(wanted) <= 8 else "membership_healthy",
+             "type": "Gauges"}
+    async with http.get(f"{admin}/stats", params=query) as r:
+        text = await r.text()
+    return sum(int(n) for name, n in _MEMBERSHIP.findall(text) if name in wanted)
+
+
+async def healthy_counts(http: aiohttp.ClientSession, stack: Stack, pools: Sequence[str]) -> dict[str, int]:
+    """``envoy_healthy`` per Envoy of the stack."""
+    return {envoy: await envoy_healthy(http, f"http://127.0.0.1:{port}", pools)
+            for envoy, port in stack.admin_ports.items()}
+
+
+async def sick_ejection(http: aiohttp.ClientSession, stack: Stack, sick: int, timeout_s: float) -> dict[str, Any]:
+    """Requests to the sick pool's model through the first Envoy (a burst, then ``SICK_RATE`` a second) until
+    every Envoy lists only its healthy half."""
+    statuses: list[int] = []
+
+    async def send() -> None:
+        # prompts of their own, as users send: one prompt again and again would follow prefix affinity
+        body = {"model": SICK_MODEL, "prompt": f"question {random.getrandbits(64):x}", "max_tokens": 1}
+        try:
+            async with http.post(f"{stack.listener}/v1/completions", json=body) as r:
+                await r.read()
+                statuses.append(r.status)
+        except aiohttp.ClientError:
+            statuses.append(0)
+
+    async def paced() -> None:
+        requests = {asyncio.create_task(send()) for _ in range(SICK_BURST_PER_WORKER * 2 * sick)}
+        try:
+            while True:
+                task = asyncio.create_task(send())
+                requests.add(task)
+                task.add_done_callback(requests.discard)
+                await asyncio.sleep(1 / SICK_RATE)
+        finally:
+            await asyncio.gather(*requests, return_exceptions=True)
+
+    sender = asyncio.create_task(paced())
+    try:
+        out = await wait_counts(http, stack, [SICK_POOL], lambda c: c <= sick, timeout_s, poll_s=0.01)
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+    return {"sick_out_s": out, "sick_requests": len(statuses),
+            "sick_failed_requests": sum(1 for status in statuses if status != 200)}
+
+
+async def wait_counts(http: aiohttp.ClientSession, stack: Stack, pools: Sequence[str], done: Any, timeout_s: float,
                       poll_s: float = 0.01) -> float | None:
     """Seconds until ``done(count)`` holds in every Envoy (each Envoy's own first time; the max), or None."""
     started = time.monotonic()
@@ -190,7 +264,7 @@ async def wait_counts(http: aiohttp.ClientSession, stack: Stack, pools: int, don
 
 def registration(worker: Worker) -> dict[str, Any]:
     return {"id": worker.id, "pool": worker.pool, "host": worker.host, "port": worker.port,
-            "node": f"bench-node-{int(worker.id[1:]) // 8}"}
+            "node": f"bench-node-{worker.id[0]}{int(worker.id[1:]) // 8}"}
 
 
 class Fleet:
@@ -426,8 +500,8 @@ def api_process_pids(controller: int) -> list[int]:
     return [int(pid) for pid in children if b"controller.api_processes" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
-async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, pools: int, n: int,
-                      changes: int, interval_s: float) -> list[float]:
+async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, changes: int,
+                      interval_s: float) -> list[float]:
     """A worker reports Draining (the healthy count drops by one), then Ready again (it comes back).
 
     The latency counts from the heartbeat that carries the state, sent at once: a worker reports a state
@@ -436,12 +510,13 @@ async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, 
     client = fleet_.own_client()
     for index in range(changes):
         worker = fleet_.workers[-1 - index % max(1, len(fleet_.workers) // 2)]
+        pool = [worker.pool]  # its pool's count alone moves
         for state, step in (("Draining", -1), ("Ready", 1)):
-            start = min((await healthy_counts(http, stack, pools)).values())
+            start = min((await healthy_counts(http, stack, pool)).values())
             fleet_.state[worker.id] = state
             sent = time.monotonic()
             await fleet_.heartbeat(worker, client)
-            reached = await wait_counts(http, stack, pools, lambda c, e=start + step: c == e, timeout_s=5,
+            reached = await wait_counts(http, stack, pool, lambda c, e=start + step: c == e, timeout_s=5,
                                         poll_s=0.005)
             latencies.append(time.monotonic() - sent if reached is not None else float("nan"))
         fleet_.state.pop(worker.id, None)
@@ -453,15 +528,19 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-scale-"))
     group = ProcessGroup(run_dir)
     fail = min(args.fail, n)
-    alive_port, doomed_port = free_port(), free_port()
+    alive_port, doomed_port, sick_port = free_port(), free_port(), free_port()
+    measured = pool_names(pools)
     row: dict[str, Any] = {"workers": n, "pools": pools, "node_batch": args.node_batch,
-                           "heartbeat_interval_s": args.heartbeat_interval_s or 0.5}
+                           "heartbeat_interval_s": args.heartbeat_interval_s or 0.5, "sick": args.sick,
+                           "fail_mode": args.fail_mode}
     try:
-        config_path = write_config(run_dir, pools, args.heartbeat_interval_s, args.api_processes)
+        config_path = write_config(run_dir, pools, args.heartbeat_interval_s, args.api_processes, args.sick > 0)
         interval_s = yaml.safe_load(config_path.read_text()).get("controller", {}).get("heartbeat_interval_s", 0.5)
-        fake_workers = {name: group.start(name, [sys.executable, "-m", "bench.scale", "serve-workers", str(port)],
+        fake_workers = {name: group.start(name, [sys.executable, "-m", "bench.scale", "serve-workers", str(port),
+                                                 *(["fail-requests"] if name == "fake_workers_sick" else [])],
                                           env={"PYTHONPATH": str(REPO_ROOT)}).pid
-                        for name, port in (("fake_workers", alive_port), ("fake_workers_doomed", doomed_port))}
+                        for name, port in (("fake_workers", alive_port), ("fake_workers_doomed", doomed_port),
+                                           ("fake_workers_sick", sick_port))}
         stack = await start_stack(run_dir, config_path, group)
         stack.pids.update(fake_workers)  # the harness's own CPU, reported beside the stack's
         # No cap on connections: every node (or worker) heartbeats over its own, as real ones do; a shared
@@ -469,22 +548,28 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, headers={"Authorization": f"Bearer {TOKEN}"},
                                          timeout=aiohttp.ClientTimeout(total=30)) as http:
-            fleet_ = Fleet(http, stack.api, fleet(n, pools, fail, alive_port, doomed_port), interval_s,
-                           args.node_batch)
+            # the sick pool first: the one-change phase takes its workers from the end
+            fleet_ = Fleet(http, stack.api, sick_pool(args.sick, alive_port, sick_port)
+                           + fleet(n, pools, fail, alive_port, doomed_port), interval_s, args.node_batch)
             beating = asyncio.create_task(fleet_.run())
             await asyncio.sleep(0)
             row["registrations_s"] = await fleet_.register_all(args.concurrency)
-            reached = await wait_counts(http, stack, pools, lambda c: c >= n, timeout_s=args.timeout_s, poll_s=0.05)
+            reached = await wait_counts(http, stack, measured, lambda c: c >= n, timeout_s=args.timeout_s,
+                                        poll_s=0.05)
             row["all_in_envoy_s"] = reached
             if reached is None:
-                row["healthy_seen"] = await healthy_counts(http, stack, pools)
+                row["healthy_seen"] = await healthy_counts(http, stack, measured)
             row.update(await steady(http, stack, fleet_, args.steady_s))
             if reached is not None:
-                latencies = await one_changes(http, stack, fleet_, pools, n, args.changes, interval_s)
+                latencies = await one_changes(http, stack, fleet_, args.changes, interval_s)
                 row["change_p50_s"] = quantile(latencies, 0.5)
                 row["change_p99_s"] = quantile(latencies, 0.99)
-                group.children["fake_workers_doomed"].terminate()
-                row["ejection_s"] = await wait_counts(http, stack, pools, lambda c: c <= n - fail,
+                if args.sick and await wait_counts(http, stack, [SICK_POOL], lambda c: c >= 2 * args.sick,
+                                                   args.timeout_s) is not None:
+                    row.update(await sick_ejection(http, stack, args.sick, args.timeout_s))
+                doomed = group.children["fake_workers_doomed"]
+                doomed.send_signal(signal.SIGSTOP if args.fail_mode == "hang" else signal.SIGTERM)
+                row["ejection_s"] = await wait_counts(http, stack, measured, lambda c: c <= n - fail,
                                                       timeout_s=args.timeout_s, poll_s=0.05)
             beating.cancel()
             await asyncio.gather(beating, return_exceptions=True)
@@ -498,6 +583,7 @@ COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
            Column("registrations_s", "reg/s", "{:.0f}"), Column("heartbeat_success", "hb ok", "{:.3f}"),
            Column("all_in_envoy_s", "all in Envoy s", "{:.2f}"), Column("change_p50_s", "change p50 s", "{:.3f}"),
            Column("change_p99_s", "change p99 s", "{:.3f}"), Column("ejection_s", "eject s", "{:.2f}"),
+           Column("sick_out_s", "sick out s", "{:.2f}"), Column("sick_failed_requests", "sick failed", "{}"),
            Column("snapshot_age_p99_s", "snap age p99", "{:.3f}"), Column("redis_ops_s", "redis ops/s", "{:.0f}"),
            Column("cpu_controller", "ctl cpu", "{:.2f}"), Column("cpu_controller_api", "api procs cpu", "{:.2f}"),
            Column("cpu_redis", "redis cpu", "{:.2f}"),
@@ -505,11 +591,15 @@ COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
            Column("rss_mib_controller", "ctl MiB", "{:.0f}"), Column("cpu_host", "host busy", "{:.2f}")]
 
 
-def serve_workers(port: int) -> None:
-    """Every fake worker on ``port`` (any loopback address): healthy, serving the bench model, idle."""
+def serve_workers(port: int, fail_requests: bool = False) -> None:
+    """Every fake worker on ``port`` (any loopback address): healthy, serving the bench models, idle; with
+    ``fail_requests`` every completion is a 500 (its probes still pass)."""
     from aiohttp import web
 
-    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+    models = json.dumps({"object": "list", "data": [{"id": name, "object": "model"}
+                                                    for name in (MODEL, SICK_MODEL)]}).encode()
+    completion = json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": "ok",
+                                                                        "finish_reason": "length"}]}).encode()
     metrics = (f'vllm:num_requests_running{{model_name="{MODEL}"}} 0\n'
                f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
                f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.0\n').encode()
@@ -523,30 +613,41 @@ def serve_workers(port: int) -> None:
     async def scrape(request: web.Request) -> web.Response:
         return web.Response(body=metrics, content_type="text/plain")
 
+    async def complete(request: web.Request) -> web.Response:
+        await request.read()
+        if fail_requests:
+            return web.json_response({"error": {"message": "engine failed", "type": "server_error"}}, status=500)
+        return web.Response(body=completion, content_type="application/json")
+
     freeze_startup_objects()
     app = web.Application()
     app.router.add_get("/health", ok)
     app.router.add_get("/v1/models", listing)
     app.router.add_get("/metrics", scrape)
+    app.router.add_post("/v1/completions", complete)
     web.run_app(app, host="0.0.0.0", port=port, print=None, access_log=None, loop=uvloop.new_event_loop())
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-workers"]:
-        serve_workers(int(argv[1]))
+        serve_workers(int(argv[1]), fail_requests=argv[2:3] == ["fail-requests"])
         return 0
     freeze_startup_objects()  # this process is the fleet's heartbeats: no collector pauses in them either
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1000])
     parser.add_argument("--pools", type=int, nargs="+", default=[1])
     parser.add_argument("--fail", type=int, default=1000, help="workers that stop answering at once")
+    parser.add_argument("--fail-mode", choices=("exit", "hang"), default="exit",
+                        help="their server exits (a crash) or is stopped (a hang)")
     parser.add_argument("--concurrency", type=int, default=64, help="registration clients at once")
     parser.add_argument("--node-batch", type=int, default=0,
                         help="heartbeat K workers per call (POST /v1/heartbeats); 0 = one call per worker")
     parser.add_argument("--heartbeat-interval-s", type=float, default=None,
                         help="heartbeat every this many seconds (TTL three times that); default: the config's 0.5 s")
     parser.add_argument("--api-processes", type=int, default=1, help="controller.api_processes")
+    parser.add_argument("--sick", type=int, default=10,
+                        help="workers that fail every request but pass their probes (0: no passive-ejection phase)")
     parser.add_argument("--changes", type=int, default=20)
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="give up waiting for Envoy after this")

@@ -1,8 +1,10 @@
 """The registry API served by several processes on one port, for fleets whose heartbeats outgrow one core.
 
-With ``controller.api_processes`` N > 1 the controller listens on its API port with ``SO_REUSEPORT`` and
-starts N - 1 API processes listening on the same port; the kernel spreads the connections over all of them.
-An API process is a ``RegistryApi`` over its own Redis connections: registrations, heartbeats, listings and
+With ``controller.api_processes`` N > 1 the controller holds its API port (bound with ``SO_REUSEPORT``, not
+listened on) and starts N API processes listening on it; the kernel spreads the connections over them. The
+controller itself then answers no worker: its loop is left to the health monitor and xDS, so a fleet's
+heartbeats never delay an endpoint change (at 10,000 workers they had put a second on its p99). An API
+process is a ``RegistryApi`` over its own Redis connections: registrations, heartbeats, listings and
 deregistrations need nothing but the store, so it answers them itself, putting registrations off by its own
 loop's lag. The operator's calls (drain, scale, ``/metrics``) need the controller's instance controller and
 metrics, so an API process forwards them to the controller's private loopback listener. The controller
@@ -74,8 +76,8 @@ class Forwarder:
 
 
 class ApiProcesses:
-    """The controller's extra API processes: started with ``command`` (each gets the same one), started
-    again when one exits, stopped with the controller."""
+    """The controller's API processes: started with ``command`` (each gets the same one), started again when
+    one exits, stopped with the controller."""
 
     def __init__(self, count: int, command: Sequence[str], redis_url: str) -> None:
         self._count = count

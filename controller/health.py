@@ -2,7 +2,9 @@
 
 Pure and synchronous (the monitor does the I/O). Hysteresis on both sides: ``failures_to_fail`` bad probes
 in a row eject a worker, ``successes_to_ready`` good ones bring it back, so one slow answer never flaps
-Envoy's endpoints. A burst of data-path failures ejects at once; probes alone decide the way back.
+Envoy's endpoints. A burst of data-path failures ejects at once and holds the worker out for
+``passive_hold_s``, doubled with each such ejection in a row (a worker that fails its requests but answers
+its probes would otherwise be back, and failing requests, within a second); then probes decide the way back.
 Draining is the drainer's state: health never leaves it, never enters it.
 """
 
@@ -41,6 +43,10 @@ class HealthMemory:
     failed_since: float | None = None
     leak_since: float | None = None
     remedy_sent: bool = False
+    passive_ejections: int = 0
+    """Ejections on data-path failures in a row (reset once the worker served as long as its last hold)."""
+    held_until: float | None = None
+    """After such an ejection the worker stays Failed until then, whatever its probes say."""
 
 
 @dataclass(frozen=True)
@@ -68,27 +74,40 @@ def _leaking(record: WorkerRecord, settings: HealthSettings, live_fresh: bool) -
             and record.running == 0 and record.waiting == 0)
 
 
-def judge(memory: HealthMemory, record: WorkerRecord, probe: ProbeResult, passive_failures: int,
+def passive_hold_s(settings: HealthSettings, ejections: int) -> float:
+    """How long the ``ejections``-th data-path ejection in a row holds a worker out: doubling, capped."""
+    return float(min(settings.passive_hold_s * 2 ** max(0, ejections - 1), settings.passive_hold_max_s))
+
+
+def judge(memory: HealthMemory, record: WorkerRecord, probe: ProbeResult | None, passive_failures: int,
           settings: HealthSettings, now: float, live_fresh: bool) -> Verdict:
     """The worker's next state and whether it needs a remedy.
 
+    ``probe`` is None for a judgement on the data path's failures alone (the probes' counts stand as they were);
     ``passive_failures`` is the number of data-path failures reported since the previous judgement;
     ``live_fresh`` says whether the record's KV/queue facts are recent enough to act on.
     """
     if record.state is WorkerState.DRAINING:
         return Verdict(replace(memory, state=WorkerState.DRAINING), WorkerState.DRAINING)
-    failures = 0 if probe.ok else memory.failures + 1
-    successes = memory.successes + 1 if probe.ok else 0
-    reason = "" if probe.ok else f"probe failed: {probe.reason}"
+    if probe is None:
+        failures, successes, reason = memory.failures, memory.successes, ""
+    else:
+        failures = 0 if probe.ok else memory.failures + 1
+        successes = memory.successes + 1 if probe.ok else 0
+        reason = "" if probe.ok else f"probe failed: {probe.reason}"
+    healthy_before = memory.state in HEALTHY
+    ejections, held_until = memory.passive_ejections, memory.held_until
     if passive_failures >= settings.passive_failures_to_fail:
         failures = max(failures, settings.failures_to_fail)
         successes = 0
         reason = f"{passive_failures} data-path failures reported"
-    healthy_before = memory.state in HEALTHY
+        if healthy_before:
+            ejections += 1
+            held_until = now + passive_hold_s(settings, ejections)
     if healthy_before:
         healthy = failures < settings.failures_to_fail
     else:
-        healthy = successes >= settings.successes_to_ready
+        healthy = successes >= settings.successes_to_ready and (held_until is None or now >= held_until)
     if not healthy and memory.state is WorkerState.STARTING:
         # Registered before it serves: it stays Starting (UNHEALTHY in Envoy) until enough good probes.
         return Verdict(replace(memory, failures=failures, successes=successes), WorkerState.STARTING)
@@ -101,7 +120,10 @@ def judge(memory: HealthMemory, record: WorkerRecord, probe: ProbeResult, passiv
             reason = f"failed for {now - failed_since:.1f} s ({reason or 'probes failing'})"
         elif healthy_before:
             reason = reason or "probes failing"
-        next_memory = HealthMemory(WorkerState.FAILED, failures, successes, failed_since, None, remedy_sent)
+        elif held_until is not None and now < held_until and successes >= settings.successes_to_ready:
+            reason = f"held out {held_until - now:.1f} s more after data-path failures"
+        next_memory = HealthMemory(WorkerState.FAILED, failures, successes, failed_since, None, remedy_sent,
+                                   ejections, held_until)
         return Verdict(next_memory, WorkerState.FAILED, remedy, reason)
     state = WorkerState.BUSY if _saturated(record, settings, live_fresh) else WorkerState.READY
     leak_since: float | None = None
@@ -116,5 +138,7 @@ def judge(memory: HealthMemory, record: WorkerRecord, probe: ProbeResult, passiv
                       "(KV leak)")
     if not healthy_before:
         reason = reason or f"{successes} good probes in a row"
-    next_memory = HealthMemory(state, failures, successes, None, leak_since, remedy_sent)
+    if ejections and held_until is not None and now - held_until >= passive_hold_s(settings, ejections):
+        ejections, held_until = 0, None  # it served as long as it was last held: the next ejection starts over
+    next_memory = HealthMemory(state, failures, successes, None, leak_since, remedy_sent, ejections, held_until)
     return Verdict(next_memory, state, remedy, reason)

@@ -1,6 +1,7 @@
-"""``poolgate controller``: wires the registry API, the Redis → xDS bridge, the xDS server, the workers'
-backend, the in-process agent, the health monitor, the drainer, the adapter loader, the autoscaler and the
-leader lease, each over the one ``FleetStore`` and the config section it reads.
+"""``poolgate controller``: wires the registry API, the Redis → xDS bridge, the xDS server (with the access log
+service Envoy reports failed upstream attempts to), the workers' backend, the in-process agent, the health
+monitor, the drainer, the adapter loader, the autoscaler and the leader lease, each over the one
+``FleetStore`` and the config section it reads.
 
 Every controller serves xDS (``controller.xds_bridge``), the same resources at the same versions (both
 are built from Redis), so an Envoy may hold its ADS stream to any of them; only the lease holder runs the
@@ -22,6 +23,7 @@ import ssl
 import sys
 import tempfile
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,17 +43,20 @@ from controller.drain import Drainer
 from controller.instances import InstanceController
 from controller.lease import LeaderLease
 from controller.local_backend import GpuFacts, LocalProcessBackend, worker_command
-from controller.monitor import PROBE_CONCURRENCY, HealthMonitor, run_monitor
+from controller.monitor import HealthMonitor, run_monitor
+from controller.monitor_metrics import MonitorMetrics
 from controller.overload import LoopLag
 from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
+from controller.upstream_failures import UpstreamFailureLog
 from controller.xds.server import XdsServer
 from controller.xds_bridge import bridge_fleet_to_xds
 from poolgate.kernel.config import Config, ConfigError, load_process_config
 from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
+from poolgate.kernel.net import wait_port
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.shutdown import on_stop_signal
 from poolgate.kernel.store import FleetStore, connect
@@ -64,6 +69,10 @@ log = logging.getLogger("poolgate.controller")
 
 STOP_DEADLINE_S = 20.0
 """Workers get 5 s to exit before they are killed; the rest (leases, xDS, Redis) takes well under a second."""
+ADAPTER_LOAD_CONNECTIONS = 256
+"""Connections the adapter loader may hold to workers at once (aiohttp's default, 100, queued a large fleet's)."""
+API_READY_TIMEOUT_S = 30.0
+"""How long the controller waits for its first API process to listen before it says it is ready."""
 
 
 def node_gpus(nvml: str) -> GpuFacts | None:
@@ -105,27 +114,57 @@ async def _instance_backend(config: Config, store: FleetStore, log_dir: Path,
                                kv_events=config.extproc.kv_events.enabled, worker_tls=worker_tls)
 
 
+@dataclass
+class _ApiListeners:
+    """Where the registry API listens: its runner, its base URL (with the bound port) and, with API processes
+    (``controller.api_processes`` above 1), the private loopback URL of the controller's own API that takes
+    the operator calls they forward, and the socket that holds the public port for them."""
+
+    runner: web.AppRunner
+    url: str
+    port: int
+    private_url: str | None = None
+    reservation: socket.socket | None = None
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        if self.reservation is not None:
+            self.reservation.close()
+
+
 async def _serve_api(registry: RegistryApi, host: str, port: int, tls: ServerTls | None = None,
-                     shared: bool = False) -> tuple[web.AppRunner, str, str | None]:
-    """The registry API listening (HTTPS with ``tls``); returns its runner, its base URL (with the bound
-    port) and, when ``shared`` with API processes (``controller.api_processes``), the URL of the private
-    loopback listener that takes the operator calls they forward."""
+                     shared: bool = False) -> _ApiListeners:
+    """The registry API listening (HTTPS with ``tls``). ``shared``: the API processes answer the public port
+    and the controller listens on loopback only, so a heartbeat never waits behind the health monitor or
+    an xDS build. The public port is bound here with ``SO_REUSEPORT`` but not listened on: the kernel hands
+    connections only to listening sockets, and the port stays the fleet's while an API process restarts."""
     api = web.AppRunner(registry.app(), access_log=None)
     await api.setup()
-    await web.TCPSite(api, host, port, ssl_context=tls.context if tls is not None else None,
-                      reuse_port=shared or None).start()
-    url = f"{'https' if tls is not None else 'http'}://{host}:{api.addresses[0][1]}"
+    scheme = "https" if tls is not None else "http"
     if not shared:
-        return api, url, None
+        await web.TCPSite(api, host, port, ssl_context=tls.context if tls is not None else None).start()
+        bound = api.addresses[0][1]
+        return _ApiListeners(api, f"{scheme}://{host}:{bound}", bound)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    reservation = socket.socket(family, kind, proto)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    reservation.bind(address)
     await web.TCPSite(api, "127.0.0.1", 0).start()
-    return api, url, f"http://127.0.0.1:{api.addresses[1][1]}"
+    bound = reservation.getsockname()[1]
+    return _ApiListeners(api, f"{scheme}://{host}:{bound}", bound, f"http://127.0.0.1:{api.addresses[0][1]}",
+                         reservation)
+
+
+def _local_address(host: str) -> str:
+    """Where this machine reaches a listener bound to ``host`` (a wildcard is reached on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
 
 
 def _probe_session(config: Config, worker_tls: ssl.SSLContext | None) -> aiohttp.ClientSession:
-    """Adapter loads sit under /v1, which a worker started with --api-key guards. As many connections as the
-    monitor has probes in flight (aiohttp's default, 100, would queue its probes)."""
+    """Adapter loads sit under /v1, which a worker started with --api-key guards."""
     worker_key = config.worker_api_key()
-    connector = aiohttp.TCPConnector(limit=PROBE_CONCURRENCY, ssl=worker_tls or True)
+    connector = aiohttp.TCPConnector(limit=ADAPTER_LOAD_CONNECTIONS, ssl=worker_tls or True)
     return aiohttp.ClientSession(headers={"Authorization": f"Bearer {worker_key}"} if worker_key else None,
                                  connector=connector)
 
@@ -140,6 +179,7 @@ def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceControlle
     prober = HttpProber(health.probe_timeout_s, health.check_models, scheme=scheme, tls=worker_tls,
                         api_key=config.worker_api_key())
     monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
+    MonitorMetrics(monitor.stats, metrics)
     adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader, scheme=scheme)
     loops: list[Coroutine[object, object, object]] = [
         # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us):
@@ -169,7 +209,8 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     lease = LeaderLease(store, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                         config.autoscale.lease_ttl_s)
     xds = XdsServer(config.pools, config.tls)
-    bound_xds = await xds.start(host, xds_port, config.tls.xds)
+    upstream_failures = UpstreamFailureLog(store, xds.worker_at)
+    bound_xds = await xds.start(host, xds_port, config.tls.xds, services=[upstream_failures])
     api_tls = ServerTls(config.tls.registry_api, "tls.registry_api") if config.tls.registry_api else None
     # One client context for every call to workers (registration checks, probes, adapter loads), re-read
     # when its files rotate; the agent keeps its own.
@@ -183,7 +224,15 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics,
                            lag)
     api_processes = config.controller.api_processes
-    api, api_url, private_url = await _serve_api(registry, host, http_port, api_tls, shared=api_processes > 1)
+    api = await _serve_api(registry, host, http_port, api_tls, shared=api_processes > 1)
+    api_url = api.url
+    serving_api: list[asyncio.Task[object]] = []
+    if api.private_url is not None:
+        command = api_process_command(config_path, log_format, host, api.port, api.private_url)
+        serving_api.append(asyncio.create_task(ApiProcesses(api_processes, command, redis_url).run(stop)))
+        if not await wait_port(_local_address(host), api.port, API_READY_TIMEOUT_S):
+            log.warning("no API process listens on port %d after %.0f s; starting anyway", api.port,
+                        API_READY_TIMEOUT_S)
     await lease.renew()
     # The config's workers run on the leader only (a standby starting them too would run each twice);
     # a standby starts them when it takes the lease over.
@@ -218,11 +267,8 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
         *[asyncio.create_task(tls.watch(config.tls.reload_s, stop)) for tls in (api_tls, worker_tls) if tls],
         *_fleet_tasks(config, store, instances, probe_session, worker_tls.context if worker_tls else None, metrics,
                      lease.is_leader, stop),
+        *serving_api,
     ]
-    if private_url is not None:
-        port = int(api_url.rsplit(":", 1)[1])
-        command = api_process_command(config_path, log_format, host, port, private_url)
-        tasks.append(asyncio.create_task(ApiProcesses(api_processes - 1, command, redis_url).run(stop)))
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     try:
         await stop.wait()
@@ -238,7 +284,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
         await probe_session.close()
         with contextlib.suppress(Exception):
             await lease.release()
-        await api.cleanup()
+        await api.close()
         await xds.stop()
         await redis.aclose()
 

@@ -1,27 +1,35 @@
 """The health monitor: probes every registered worker each interval and writes the verdicts to Redis.
 
-Keeps its own copy of the fleet (``FleetView``: only changed records are re-read), reads the data path's
-failure counters, probes the workers spread over the first half of the interval with at most
-``PROBE_CONCURRENCY`` in flight (a large fleet is not probed in one burst; one hung worker holds one slot
-for at most the probe timeout; a serving worker's failed probe is repeated at once to confirm it, so a dead
-worker leaves within the round that finds it), judges each (``controller.health``), writes the states that differ from
-what Redis holds in one batch with one announcement (so a mass failure costs readers one read, not one per
-worker), and hands remedies to the instance controller. Only the leader acts; a follower keeps quiet.
+Keeps its own copy of the fleet (``FleetView``: only changed records are re-read), reads the data path's failure
+counters, probes the workers spread over the first half of the interval with at most ``PROBE_CONCURRENCY`` in
+flight (a large fleet is not probed in one burst; a hung worker's probe gives its slot back once it is slow, while
+the controller keeps time; a serving worker's failed probe is repeated at once to confirm it, so a dead worker
+leaves within the round that finds it), judges each as its probes end (``controller.health``), writes the states
+that differ from what Redis holds in batches, every ``WRITE_EVERY_S`` while the round runs, each with one
+announcement (so a mass failure costs readers a read per batch, not one per worker, and a worker found dead early
+in a long round leaves then), and hands remedies to the instance controller. Between and during rounds it looks at
+the data path's failure counts every ``PASSIVE_WATCH_S`` (every Envoy reports its failed upstream attempts,
+``controller.upstream_failures``) and fails at once a serving worker that crossed ``passive_failures_to_fail`` (no
+probe to wait for: those failures decide): a worker that fails requests leaves within a fraction of a second even
+when a round over a large fleet takes seconds. At the same pace it probes, out of turn, a serving worker that
+closed its kept-alive probe connection (a process that exited closes it at once; so does a keep-alive timeout,
+which the probe then passes). Only the leader acts; a follower keeps quiet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from controller.health import HEALTHY, HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
 from controller.periodic import every
 from poolgate.kernel.config import HealthSettings
-from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.fleet_view import FleetView
 from poolgate.kernel.outage import OutageLog
 from poolgate.kernel.store import FleetStore
@@ -29,23 +37,43 @@ from poolgate.kernel.store import FleetStore
 log = logging.getLogger("poolgate.controller.health")
 
 PROBE_CONCURRENCY = 256
-"""Probes in flight at once; more wait for a slot."""
+"""A round's probes in flight at once; more wait for a slot, and the wait is not counted in a probe's timeout.
+So on a busy controller they queue here instead of timing out: at 2,048, 2,387 of 10,000 healthy workers
+failed their probes ("no answer within 1 s") while the fleet registered. A slow probe gives its slot back
+after ``SLOT_HOLD_S`` while the loop keeps time. Probes out of turn have slots of their own and never queue
+behind a round."""
+SLOT_HOLD_S = 0.1
+"""A probe still unanswered this long gives its slot back (it goes on waiting until its timeout) when the
+controller's loop keeps time: the wait is then the worker's, and a hung worker must not hold a round's slot
+for its whole timeout (1,000 hung workers held 256 slots for 3 s each, and took 15 s to leave). On a late
+loop it keeps its slot: the wait may be the controller's own, and more probes would only lengthen it."""
+LOOP_LATE_S = 0.05
+"""The loop keeps time when the slot's give-back timer fires at most this late."""
+LINGER_LIMIT = 2048
+"""Probes waiting without a slot at most (each costs a socket and a timer, no CPU)."""
 PROBE_SPREAD = 0.5
 """Share of the probe interval over which a round's probes start (the rest is room for slow answers)."""
 CONFIRM_SHARE = 0.5
-"""A failed probe of a serving worker is repeated after this share of the probe interval, until it passes or
-the failures in a row reach ``failures_to_fail`` (each repeat must fail too: one slow answer still never
-ejects a worker)."""
-PROBES_PER_S = 2000.0
-"""A round starts at most this many probes per second: past ``PROBES_PER_S × PROBE_SPREAD × interval``
-workers a round takes longer than the interval, so a large fleet costs the controller a bounded probe
-rate (at 10,000 workers and 0.5 s: a round every 5 s, a dead worker confirmed Failed within the round that
-finds it, ``CONFIRM_SHARE``). Measured at 5,000 workers: 4,000 a second ejected 1,000 dead workers in 3.8 s
-but took the controller from 0.68 to 0.89 of a core and slowed its heartbeats."""
+"""A failed probe of a serving worker is repeated this share of the probe interval after it started (at once
+after a timeout, which waited longer), until it passes or the failures in a row reach ``failures_to_fail``
+(each repeat must fail too: one slow answer still never ejects a worker)."""
+WRITE_EVERY_S = 0.25
+"""While a round runs, the state changes it found are written this often (each write one batch, one
+announcement)."""
+PASSIVE_WATCH_S = 0.25
+"""How often the data path's failure counts are read (one hash read, as large as the workers that failed) and
+the probe connections looked at."""
+PACE_AHEAD_S = 0.005
+"""The round's pacer sleeps only once it is this far ahead of its schedule: probes start in small bursts, with
+no timer of their own for the wait."""
 
 
 class Prober(Protocol):
     async def probe(self, record: WorkerRecord) -> ProbeResult: ...
+
+    def hung_up(self) -> list[str]:
+        """Workers that closed their probe connection since the last call."""
+        ...
 
 
 class Remediator(Protocol):
@@ -63,7 +91,15 @@ class MonitorStats:
     """``"Ready->Failed"`` → count."""
     batches: int = 0
     """State writes (each carries every change of one round)."""
+    out_of_turn: int = 0
+    """Workers judged at once, out of turn, because the data path reported them failing."""
+    hung_up: int = 0
+    """Workers probed at once, out of turn, because they closed their probe connection."""
+    slots_given_back: int = 0
+    """Probes that gave their slot back to wait on without one (``SLOT_HOLD_S``)."""
     remedies: dict[str, int] = field(default_factory=dict)
+    last_round_s: float = 0.0
+    """How long the last round took: a hung worker is found within about this long."""
 
 
 @dataclass
@@ -80,7 +116,8 @@ class HealthMonitor:
     def __init__(self, store: FleetStore, settings: HealthSettings, stale_after_s: float, prober: Prober,
                  remediator: Remediator | None = None, *, is_leader: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
-                 spread_s: float | None = None) -> None:
+                 spread_s: float | None = None, write_every_s: float = WRITE_EVERY_S,
+                 probe_concurrency: int = PROBE_CONCURRENCY) -> None:
         self._settings = settings
         self._stale_after_s = stale_after_s
         self._store = store
@@ -92,7 +129,20 @@ class HealthMonitor:
         self._seen: dict[str, _Seen] = {}
         self._view = FleetView(store, live=True)
         self._spread_s = settings.probe_interval_s * PROBE_SPREAD if spread_s is None else spread_s
-        self._slots = asyncio.Semaphore(PROBE_CONCURRENCY)
+        self._slots = asyncio.Semaphore(probe_concurrency)
+        self._out_of_turn_slots = asyncio.Semaphore(probe_concurrency)
+        self._write_every_s = write_every_s
+        self._pending: dict[str, tuple[WorkerRecord, Verdict]] = {}
+        """State changes judged and not written yet."""
+        self._passive: dict[str, int] = {}
+        """The data path's failure counts as last read (cumulative per worker)."""
+        self._checking: set[str] = set()
+        """Workers whose probe is under way: the watcher leaves them to that probe's verdict."""
+        self._probing_now: set[asyncio.Task[None]] = set()
+        self._lingering = 0
+        """Probes waiting without a slot."""
+        self._written: dict[str, WorkerState] = {}
+        """States this monitor wrote since its view last synced (the view's records do not show them yet)."""
         self.stats = MonitorStats()
 
     def memory(self, worker_id: str) -> HealthMemory | None:
@@ -105,66 +155,190 @@ class HealthMonitor:
             self._seen.clear()  # a new leader starts from what Redis says
             self._view.mark_stale()
             return
+        started = self._clock()
         await self._view.sync()
+        self._written.clear()
         records = self._view.workers()
-        passive = await self._store.read_passive_failures([r.id for r in records])
-        step = max(self._spread_s / len(records), 1 / PROBES_PER_S) if records else 0.0
-        probes = await asyncio.gather(*(self._probe(record, i * step) for i, record in enumerate(records)))
+        self._passive = await self._store.read_passive_failures(prune_to=self._view.records)
+        step = max(self._spread_s / len(records), 1 / self._settings.max_probes_per_s) if records else 0.0
+        done = asyncio.Event()
+        writer = asyncio.create_task(self._write_until(done))
+        try:
+            verdicts = await asyncio.gather(*await self._start_checks(records, step))
+        finally:
+            done.set()
+            await writer  # its last write takes what the round found since the one before
         self.stats.rounds += 1
-        now = self._clock()
-        wall = self._wall_clock()
-        verdicts = []
-        for record, results in zip(records, probes, strict=True):
-            registration = (record.address, record.registered_at)
-            seen = self._seen.get(record.id)
-            total = passive.get(record.id, 0)
-            if seen is None or seen.registration != registration:
-                seen = _Seen(registration, initial_memory(record), total)
-                self._seen[record.id] = seen
-            new_failures = max(0, total - seen.passive_total)
-            seen.passive_total = total
-            fresh = record.metrics_at > 0 and wall - record.metrics_at <= self._stale_after_s
-            for probe in results:
-                self.stats.probes += 1
-                self.stats.probe_failures += 0 if probe.ok else 1
-                verdict = judge(seen.memory, record, probe, new_failures, self._settings, now, fresh)
-                seen.memory, new_failures = verdict.memory, 0
-            verdicts.append((record, verdict))
-        for gone in set(self._seen) - {r.id for r in records}:
+        self.stats.last_round_s = self._clock() - started
+        listed = {r.id for r in records}
+        for gone in [worker_id for worker_id in self._seen if worker_id not in listed]:
             del self._seen[gone]
-        await self._write_states(verdicts)
-        for record, verdict in verdicts:
+        for record, verdict in zip(records, verdicts, strict=True):
             await self._remedy(record, verdict)
 
-    async def _probe(self, record: WorkerRecord, delay_s: float) -> list[ProbeResult]:
+    async def watch(self) -> None:
+        """Between and during rounds: probe at once the serving workers that closed their probe connection,
+        and judge at once those the data path reports failing."""
+        if not self._is_leader():
+            return
+        for worker_id in self._prober.hung_up():
+            self._probe_now(worker_id)
+        await self._watch_passive()
+        await self._write_states()  # what this and the checks out of turn found since the last watch
+
+    def _serving(self, worker_id: str) -> tuple[WorkerRecord, _Seen] | None:
+        """A worker that may be judged out of turn: known, serving, and with no probe of its own under way."""
+        record, seen = self._view.records.get(worker_id), self._seen.get(worker_id)
+        if record is None or seen is None or seen.memory.state not in HEALTHY or worker_id in self._checking:
+            return None
+        return record, seen
+
+    def _probe_now(self, worker_id: str) -> None:
+        if (serving := self._serving(worker_id)) is None:
+            return
+        record, _ = serving
+        self.stats.hung_up += 1
+        task = asyncio.create_task(self._check_out_of_turn(record))
+        self._probing_now.add(task)
+        task.add_done_callback(self._probing_now.discard)
+
+    async def _check_out_of_turn(self, record: WorkerRecord) -> None:
+        """Its verdict is written with the next watch's batch (1,000 workers that exit together: one write)."""
+        await self._remedy(record, await self._check(record, self._out_of_turn_slots))
+
+    async def _watch_passive(self) -> None:
+        """Read the data path's failure counts and judge, out of turn, every serving worker whose failures since
+        its last judgement reached ``passive_failures_to_fail`` (``watch`` writes the verdicts)."""
+        self._passive = await self._store.read_passive_failures()
+        threshold = self._settings.passive_failures_to_fail
+        suspects = [serving[0] for worker_id, total in self._passive.items()
+                    if (serving := self._serving(worker_id)) is not None
+                    and total - serving[1].passive_total >= threshold]
+        if not suspects:
+            return
+        self.stats.out_of_turn += len(suspects)
+        verdicts = [self._judge(record, [None]) for record in suspects]  # the failures decide: no probe to wait for
+        for record, verdict in zip(suspects, verdicts, strict=True):
+            await self._remedy(record, verdict)
+
+    async def _start_checks(self, records: Sequence[WorkerRecord], step: float) -> list[asyncio.Task[Verdict]]:
+        """Each worker's check, started ``step`` after the one before and once one of the round's slots is free
+        (taken here, for the check's first probe): one waiter for the slots, and no timer per probe."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        checks: list[asyncio.Task[Verdict]] = []
+        try:
+            for i, record in enumerate(records):
+                if (ahead := started + i * step - loop.time()) > PACE_AHEAD_S:
+                    await asyncio.sleep(ahead)
+                await self._slots.acquire()
+                checks.append(asyncio.create_task(self._check(record, self._slots, slot_taken=True)))
+        except BaseException:  # the round cancelled (a shutdown): so are the checks it started
+            for check in checks:
+                check.cancel()
+            raise
+        return checks
+
+    async def _check(self, record: WorkerRecord, slots: asyncio.Semaphore, slot_taken: bool = False) -> Verdict:
+        """Probe one worker in one of ``slots`` (its first probe's already taken: ``slot_taken``) and judge it; a
+        state change joins the next batch write."""
+        self._checking.add(record.id)
+        try:
+            return self._judge(record, await self._probe(record, slots, slot_taken))
+        finally:
+            self._checking.discard(record.id)
+
+    def _judge(self, record: WorkerRecord, probes: Sequence[ProbeResult | None]) -> Verdict:
+        """The verdict after ``probes`` (None: judged on the data path's failures alone)."""
+        passive_total = self._passive.get(record.id, 0)
+        registration = (record.address, record.registered_at)
+        seen = self._seen.get(record.id)
+        if seen is None or seen.registration != registration:
+            seen = _Seen(registration, initial_memory(record), passive_total)
+            self._seen[record.id] = seen
+        new_failures = max(0, passive_total - seen.passive_total)
+        seen.passive_total = passive_total
+        fresh = record.metrics_at > 0 and self._wall_clock() - record.metrics_at <= self._stale_after_s
+        now = self._clock()
+        verdict = None
+        for probe in probes:
+            if probe is not None:
+                self.stats.probes += 1
+                self.stats.probe_failures += 0 if probe.ok else 1
+            verdict = judge(seen.memory, record, probe, new_failures, self._settings, now, fresh)
+            seen.memory, new_failures = verdict.memory, 0
+        assert verdict is not None  # one probe at least
+        if verdict.state != self._written.get(record.id, record.state):
+            self._pending[record.id] = (record, verdict)
+        return verdict
+
+    async def _probe(self, record: WorkerRecord, slots: asyncio.Semaphore, slot_taken: bool) -> list[ProbeResult]:
         """The worker's probe, and when a serving worker fails it, the probes that confirm the failure, spaced by
         ``CONFIRM_SHARE`` of the interval: a dead worker is ejected within the round that first finds it, not
-        ``failures_to_fail`` rounds later (at 5,000 workers a round takes 5 s)."""
-        if delay_s > 0:
-            await asyncio.sleep(delay_s)
-        async with self._slots:
-            results = [await self._prober.probe(record)]
+        ``failures_to_fail`` rounds later (at 10,000 workers a round takes 2.5 s). No confirmation where the
+        data path's failures already decide."""
+        results = [await self._probe_once(record, slots, slot_taken)]
         seen = self._seen.get(record.id)
         if seen is None or seen.memory.state not in HEALTHY or seen.registration[1] != record.registered_at:
             return results
+        passive_new = self._passive.get(record.id, 0) - seen.passive_total
+        if passive_new >= self._settings.passive_failures_to_fail:
+            return results
         while not results[-1].ok and seen.memory.failures + len(results) < self._settings.failures_to_fail:
-            await asyncio.sleep(self._settings.probe_interval_s * CONFIRM_SHARE)
-            async with self._slots:
-                results.append(await self._prober.probe(record))
+            await asyncio.sleep(max(0.0, self._settings.probe_interval_s * CONFIRM_SHARE - results[-1].latency_s))
+            results.append(await self._probe_once(record, slots))
         return results
 
-    async def _write_states(self, verdicts: list[tuple[WorkerRecord, Verdict]]) -> None:
-        """The round's state changes in one batch (one announcement for all of them)."""
-        changes = {record.id: (record, verdict) for record, verdict in verdicts if verdict.state != record.state}
+    async def _probe_once(self, record: WorkerRecord, slots: asyncio.Semaphore,
+                          slot_taken: bool = False) -> ProbeResult:
+        """One probe in one of ``slots`` (taken already: ``slot_taken``), given back after ``SLOT_HOLD_S`` while
+        the loop keeps time."""
+        if not slot_taken:
+            await slots.acquire()
+        loop = asyncio.get_running_loop()
+        holding = True
+
+        def give_back(due: float) -> None:
+            nonlocal holding
+            if self._lingering < LINGER_LIMIT and loop.time() - due <= LOOP_LATE_S:
+                holding = False
+                self._lingering += 1
+                self.stats.slots_given_back += 1
+                slots.release()
+
+        due = loop.time() + SLOT_HOLD_S
+        timer = loop.call_at(due, give_back, due)
+        try:
+            return await self._prober.probe(record)
+        finally:
+            timer.cancel()
+            if holding:
+                slots.release()
+            else:
+                self._lingering -= 1
+
+    async def _write_until(self, done: asyncio.Event) -> None:
+        """The state changes found so far, every ``write_every_s`` while a round runs and once more when it is
+        ``done``: a worker found dead early in a long round leaves Envoy then, not when the round ends."""
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), self._write_every_s)
+            await self._write_states()
+
+    async def _write_states(self) -> None:
+        """The state changes found since the last write, in one batch (one announcement for all of them)."""
+        changes, self._pending = self._pending, {}
         if not changes:
             return
         written = await self._store.set_states({worker_id: v.state for worker_id, (_, v) in changes.items()})
         self.stats.batches += 1
         for worker_id in written:
             record, verdict = changes[worker_id]
-            key = f"{record.state.value}->{verdict.state.value}"
+            before = self._written.get(worker_id, record.state)
+            self._written[worker_id] = verdict.state
+            key = f"{before.value}->{verdict.state.value}"
             self.stats.transitions[key] = self.stats.transitions.get(key, 0) + 1
-            log.info("worker %s: %s -> %s (%s)", record.id, record.state.value, verdict.state.value,
+            log.info("worker %s: %s -> %s (%s)", record.id, before.value, verdict.state.value,
                      verdict.reason or "probe ok")
 
     async def _remedy(self, record: WorkerRecord, verdict: Verdict) -> None:
@@ -175,8 +349,11 @@ class HealthMonitor:
                 await self._remediator.remedy(record.id, verdict.remedy, verdict.reason)
 
 
-async def run_monitor(monitor: HealthMonitor, interval_s: float, stop: asyncio.Event | None = None) -> None:
-    """Rounds every ``interval_s`` (a round that overruns is followed at once by the next)."""
+async def run_monitor(monitor: HealthMonitor, interval_s: float, stop: asyncio.Event | None = None,
+                      passive_watch_s: float = PASSIVE_WATCH_S) -> None:
+    """Rounds every ``interval_s`` (a round that overruns is followed at once by the next), and beside them a
+    look at the data path's failure counts every ``passive_watch_s``."""
+    stop = stop or asyncio.Event()
     redis = OutageLog(log, "redis unreachable (%s); worker states are not updated",
                       "redis reachable again; health monitor resumed")
 
@@ -184,4 +361,6 @@ async def run_monitor(monitor: HealthMonitor, interval_s: float, stop: asyncio.E
         await monitor.round()
         redis.up()
 
-    await every(interval_s, stop or asyncio.Event(), step, redis.down, count_step=True)
+    async with asyncio.TaskGroup() as loops:
+        loops.create_task(every(interval_s, stop, step, redis.down, count_step=True))
+        loops.create_task(every(passive_watch_s, stop, monitor.watch, redis.down))

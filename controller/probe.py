@@ -44,12 +44,23 @@ class HttpProber:
         self._models_recheck_s = models_recheck_s
         self._models_seen: dict[str, tuple[float, float]] = {}
         """Worker id → (its ``registered_at``, when its ``/v1/models`` last listed its model)."""
+        self._probed: dict[tuple[str, int], str] = {}
+        """Address → the worker last probed there (``hung_up`` names workers)."""
         self.models_checks = 0
 
     def close(self) -> None:
         self._http.close()
 
+    def hung_up(self) -> list[str]:
+        """Workers whose kept-alive probe connection they closed since the last call: a process that exited
+        (or a keep-alive timeout: worth a probe, not a verdict)."""
+        return [worker_id for host, port, _ in self._http.closed_idle()
+                if (worker_id := self._probed.get((host, port))) is not None]
+
     async def probe(self, record: WorkerRecord) -> ProbeResult:
+        if len(self._probed) >= MAX_REMEMBERED:
+            self._probed.clear()
+        self._probed[(record.host, record.port)] = record.id
         started = self._clock()
         try:
             async with asyncio.timeout(self._timeout):

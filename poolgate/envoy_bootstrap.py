@@ -39,6 +39,7 @@ from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.access_loggers.file.v3 import file_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
@@ -76,6 +77,14 @@ EXTPROC_HEALTH_INTERVAL_S = 0.5
 EXTPROC_MAX_MESSAGE_TIMEOUT_S = 300
 """Upper bound for ``override_message_timeout``: the longest extproc may hold a request in its queue (a wait for
 capacity is at most ``MAX_WAIT_LIMIT_S``, a cold start of a pool scaled to zero ``MAX_COLD_START_WAIT_S``)."""
+UPSTREAM_FAILURE_LOG = "poolgate-upstream-failures"
+"""The log name of the failed upstream attempts Envoy streams to the controllers (``controller.upstream_failures``)."""
+UPSTREAM_LOG_FLUSH_S = 0.1
+"""Envoy sends its buffered failure entries this often (its default, 1 s, would delay a passive ejection)."""
+UPSTREAM_FAILURE_FLAGS = {"UF": "upstream_connection_failure", "UC": "upstream_connection_termination",
+                          "UR": "upstream_remote_reset", "UT": "upstream_request_timeout"}
+"""Envoy's response flags that blame the worker whatever the status code, each with its field in an access log
+entry's ``response_flags`` (the controller reads the entries, ``controller.upstream_failures``)."""
 STREAM_IDLE_TIMEOUT_S = 600
 """A stream with no bytes for this long is reset; a slow model's gap between SSE tokens stays far below."""
 BUFFER_HEADROOM_BYTES = 64 * 1024
@@ -349,6 +358,30 @@ def _access_log(path: str | None) -> accesslog_pb2.AccessLog:
         path=path, log_format=text)))
 
 
+def _upstream_failure_log() -> accesslog_pb2.AccessLog:
+    """Each upstream attempt that failed (5xx from the worker, or a flag that blames it), streamed over the xDS
+    cluster to the controllers' access log service: the health monitor's passive signal from every Envoy."""
+    server_error = accesslog_pb2.AccessLogFilter(status_code_filter=accesslog_pb2.StatusCodeFilter(
+        comparison=accesslog_pb2.ComparisonFilter(
+            op=accesslog_pb2.ComparisonFilter.GE,
+            value=base_pb2.RuntimeUInt32(default_value=500, runtime_key="poolgate.upstream_failure_min_status"),
+        )
+    ))
+    blamed = accesslog_pb2.AccessLogFilter(response_flag_filter=accesslog_pb2.ResponseFlagFilter(
+        flags=list(UPSTREAM_FAILURE_FLAGS)))
+    grpc_log = als_pb2.HttpGrpcAccessLogConfig(common_config=als_pb2.CommonGrpcAccessLogConfig(
+        log_name=UPSTREAM_FAILURE_LOG,
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=XDS_CLUSTER)),
+        transport_api_version=config_source_pb2.V3,
+        buffer_flush_interval=_duration(UPSTREAM_LOG_FLUSH_S),
+    ))
+    return accesslog_pb2.AccessLog(
+        filter=accesslog_pb2.AccessLogFilter(or_filter=accesslog_pb2.OrFilter(filters=[server_error, blamed])),
+        **_typed("envoy.access_loggers.http_grpc", grpc_log),
+    )
+
+
 def _listener(
     config: Config, host: str, port: int, access_log: accesslog_pb2.AccessLog | None
 ) -> listener_pb2.Listener:
@@ -358,7 +391,8 @@ def _listener(
         route_config=_routes(config.worker_api_key_env),
         http_filters=[
             _ext_proc(config),
-            hcm_pb2.HttpFilter(**_typed("envoy.filters.http.router", router_pb2.Router())),
+            hcm_pb2.HttpFilter(**_typed("envoy.filters.http.router", router_pb2.Router(
+                upstream_log=[_upstream_failure_log()]))),
         ],
         early_header_mutation_extensions=[_early_strip_routing_headers()],
         stream_idle_timeout=_duration(STREAM_IDLE_TIMEOUT_S),

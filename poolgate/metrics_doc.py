@@ -39,12 +39,15 @@ def _extproc() -> CollectorRegistry:
 
 def _controller() -> CollectorRegistry:
     from controller.autoscaler import Autoscaler
+    from controller.monitor import MonitorStats
+    from controller.monitor_metrics import MonitorMetrics
     from poolgate.kernel.config import parse_config
 
     registry = CollectorRegistry()
     config = parse_config({"pools": [{"name": "p", "model": "m"}]})
     # The constructor only registers its counter; the I/O parts it keeps are never touched here.
     Autoscaler(cast(Any, None), config.autoscale, cast(Any, None), registry)
+    MonitorMetrics(MonitorStats(), registry)
     return registry
 
 

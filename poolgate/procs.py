@@ -1,9 +1,8 @@
-"""Small process and port helpers shared by ``poolgate up`` and the tests (``free_port`` is the kernel's,
-``poolgate.kernel.net``, re-exported here for them)."""
+"""Small process and port helpers shared by ``poolgate up`` and the tests (``free_port`` and ``wait_port`` are
+the kernel's, ``poolgate.kernel.net``, re-exported here for them)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import select
 import socket
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from poolgate.kernel.net import free_port as free_port
+from poolgate.kernel.net import wait_port as wait_port
 
 
 def stop_process(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
@@ -70,18 +70,6 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
             return True
     except OSError:
         return False
-
-
-async def wait_port(host: str, port: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            _, writer = await asyncio.open_connection(host, port)
-            writer.close()
-            return True
-        except OSError:
-            await asyncio.sleep(0.05)
-    return False
 
 
 def envoy_binary() -> Path:

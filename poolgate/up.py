@@ -72,15 +72,14 @@ class StackPorts:
     @classmethod
     def all_free(cls, extproc_processes: int) -> StackPorts:
         """Free ports for everything (benchmarks and tests that start their own stack)."""
-        pick = port_picker(())
-        return cls(envoy=pick(), admin=pick(), extproc=tuple(pick() for _ in range(extproc_processes)),
-                   xds=pick(), controller_http=pick())
+        return cls(envoy=free_port(), admin=free_port(), extproc=tuple(free_port() for _ in range(extproc_processes)),
+                   xds=free_port(), controller_http=free_port())
 
 
 def port_picker(taken: Iterable[int | None]) -> Callable[[], int]:
-    """``free_port``, but never a port already chosen for this stack. The OS may hand the same free port out
-    twice, and Envoy and gRPC both listen with ``SO_REUSEPORT``: two of the stack's servers would then share
-    one port without an error (seen: Envoy's listener on extproc's port, sending ext_proc calls to itself)."""
+    """``free_port``, but never a port the configuration already names for this stack. Envoy and gRPC both
+    listen with ``SO_REUSEPORT``: two of the stack's servers would then share one port without an error (seen:
+    Envoy's listener on extproc's port, sending ext_proc calls to itself)."""
     chosen = {port for port in taken if port}
 
     def pick() -> int:

@@ -8,28 +8,23 @@ worker of every pool for the fail-open route used while extproc is away.
 
 from __future__ import annotations
 
-import functools
-import ipaddress
-import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import address_pb2, config_source_pb2, health_check_pb2
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.core.v3 import config_source_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import duration_pb2
-from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
+from controller.xds.endpoint_table import EndpointTable
 from controller.xds.envoy_tls import client_sides, upstream_tls
 from poolgate.kernel.config import PoolSpec, TlsSettings
-from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
-
-log = logging.getLogger(__name__)
 
 CLUSTER_TYPE_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -49,16 +44,6 @@ CONNECT_TIMEOUT_S = 2
 CIRCUIT_LIMIT = 100_000
 """Envoy's defaults (1024 requests/connections, 3 concurrent retries per cluster) cut long SSE streams and
 held requests short; poolgate admits and queues in extproc, so Envoy's breakers only guard against runaway."""
-
-HEALTH_BY_STATE: dict[WorkerState, int] = {
-    WorkerState.READY: health_check_pb2.HEALTHY,
-    WorkerState.BUSY: health_check_pb2.HEALTHY,
-    WorkerState.DRAINING: health_check_pb2.DRAINING,
-    WorkerState.FAILED: health_check_pb2.UNHEALTHY,
-    WorkerState.STARTING: health_check_pb2.UNHEALTHY,
-}
-"""Busy still serves (it only scores lower in extproc); Draining finishes in-flight work but takes no new."""
-
 
 OUTLIER_LOCAL_ORIGIN_FAILURES = 2
 """Connect failures, timeouts and resets in a row (Envoy's own view) that eject a host: a killed worker
@@ -154,86 +139,15 @@ def build_clusters(pools: Sequence[PoolSpec], tls: TlsSettings | None = None) ->
     return clusters
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _is_ip(host: str) -> bool:
-    """(cached: ``ipaddress`` parsing was half of a 10,000-worker rebuild, and hosts repeat every rebuild)"""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _assignment(name: str, workers: Iterable[WorkerRecord]) -> endpoint_pb2.ClusterLoadAssignment:
-    assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
-    locality = assignment.endpoints.add()
-    seen: set[tuple[str, int]] = set()
-    for worker in workers:
-        if (worker.host, worker.port) in seen:  # two records for one address: keep the first, one host
-            continue
-        seen.add((worker.host, worker.port))
-        lb_endpoint = endpoint_components_pb2.LbEndpoint(health_status=HEALTH_BY_STATE[worker.state])
-        lb_endpoint.endpoint.hostname = worker.id
-        lb_endpoint.endpoint.address.CopyFrom(address_pb2.Address(
-            socket_address=address_pb2.SocketAddress(address=worker.host, port_value=worker.port)
-        ))
-        locality.lb_endpoints.append(lb_endpoint)
-    return assignment
-
-
 def build_endpoints(
     pools: Sequence[PoolSpec], workers: Sequence[WorkerRecord]
 ) -> list[endpoint_pb2.ClusterLoadAssignment]:
-    """One load assignment per pool (empty when it has no workers) and one for the fallback cluster.
+    """One load assignment per pool (empty when it has no workers) and one for the fallback cluster, built
+    at once (the xDS server keeps an ``EndpointTable`` and rebuilds only what changed).
 
     Output order does not depend on input order, so equal fleets give byte-equal resources. Workers of
-    unknown pools, bad ports, and hosts that are not IP literals (EDS rejects names, and the pin compares
-    ``ip:port``) are left out with a warning: Envoy would reject the whole update (NACK) for one of them.
+    unknown pools, bad ports, and hosts that are not IP literals are left out (``EndpointTable``).
     """
-    usable = usable_workers(pools, workers)
-    assignments = [pool_assignment(pool.name, (w for w in usable if w.pool == pool.name)) for pool in pools]
-    assignments.append(fallback_assignment(usable))
-    return assignments
-
-
-def pool_assignment(pool: str, workers: Iterable[WorkerRecord]) -> endpoint_pb2.ClusterLoadAssignment:
-    """One pool's load assignment, from its usable workers in (pool, id) order."""
-    return _assignment(cluster_name(pool), workers)
-
-
-def fallback_assignment(usable: Sequence[WorkerRecord]) -> endpoint_pb2.ClusterLoadAssignment:
-    """The fail-open route's assignment: every usable worker of every pool."""
-    return _assignment(FALLBACK_CLUSTER, usable)
-
-
-def merged_fallback(assignments: Sequence[Message]) -> endpoint_pb2.ClusterLoadAssignment:
-    """The fallback's assignment as the pools' endpoints joined, in the order given: the endpoints are copied
-    by protobuf, not built again one by one (at 10,000 workers that was most of one change's rebuild). Equal
-    to ``fallback_assignment`` when no address is in two pools (``fallback_assignment`` keeps one of them)."""
-    merged = endpoint_pb2.ClusterLoadAssignment(cluster_name=FALLBACK_CLUSTER)
-    locality = merged.endpoints.add()
-    for assignment in assignments:
-        for pool_locality in assignment.endpoints:  # type: ignore[attr-defined]  # load assignments
-            locality.lb_endpoints.extend(pool_locality.lb_endpoints)
-    return merged
-
-
-def endpoint_key(worker: WorkerRecord) -> tuple[str, str, int, str]:
-    """What of a worker Envoy sees: a change here (and only here) changes its pool's load assignment."""
-    return worker.id, worker.host, worker.port, worker.state.value
-
-
-def usable_workers(pools: Sequence[PoolSpec], workers: Sequence[WorkerRecord]) -> list[WorkerRecord]:
-    """The workers Envoy may take, sorted by (pool, id); the others are logged and left out."""
-    known = {pool.name for pool in pools}
-    usable: list[WorkerRecord] = []
-    for worker in sorted(workers, key=lambda w: (w.pool, w.id)):
-        if worker.pool not in known:
-            log.warning("worker %s names unknown pool %r; not sent to Envoy", worker.id, worker.pool)
-        elif not 0 < worker.port < 65536:
-            log.warning("worker %s port %d is out of range; not sent to Envoy", worker.id, worker.port)
-        elif not _is_ip(worker.host):
-            log.warning("worker %s host %r is not an IP address; not sent to Envoy", worker.id, worker.host)
-        else:
-            usable.append(worker)
-    return usable
+    table = EndpointTable(pools)
+    table.apply({worker.id: worker for worker in workers})
+    return [*(table.assignment(pool.name) for pool in pools), table.fallback()]

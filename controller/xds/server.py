@@ -18,40 +18,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2
 
-from controller.xds.build import (
-    CLUSTER_TYPE_URL,
-    ENDPOINT_TYPE_URL,
-    SERVED_TYPES,
-    build_clusters,
-    endpoint_key,
-    fallback_assignment,
-    merged_fallback,
-    pool_assignment,
-    short_type,
-    usable_workers,
-)
+from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, SERVED_TYPES, build_clusters, short_type
 from controller.xds.cache import Snapshot, SnapshotCache
 from controller.xds.delta import DeltaAdsStream
+from controller.xds.endpoint_table import EndpointTable
 from controller.xds.stream import StreamState
 from poolgate.kernel.config import PoolSpec, TlsServerFiles, TlsSettings
 from poolgate.kernel.fleet import WorkerRecord
-from poolgate.kernel.routing import cluster_name
 from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
 
 FALLBACK_PERIOD_S = 1.0
-"""The fail-open route's assignment (every usable worker of every pool) is rebuilt at most this often. Rebuilt
-with each change, one worker's change would send the whole fleet to every Envoy (10,000 endpoints for one);
-it serves only while extproc is away, so it may trail the pools' assignments by up to this long."""
+"""The fail-open route's assignment (every usable worker of every pool) is rebuilt at most this often, in an
+update of its own, never in the one that carries a pool's change: with it, one worker's change would send the
+whole fleet to every Envoy (10,000 endpoints for one) and wait for Envoy to take them. It serves only while
+extproc is away, so it may trail the pools' assignments by up to this long."""
+FALLBACK_APART_S = 0.05
+"""A fallback due at once still follows the pools' change by this long."""
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """A large fleet's EDS answer can pass grpc's 4 MiB default."""
 
@@ -152,6 +144,8 @@ _Request: TypeAlias = discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscov
 _Event: TypeAlias = _Request | tuple[str, ...] | None
 """What a stream's inbox carries: a request from Envoy, changed type URLs, or None for end of stream."""
 _Stream: TypeAlias = AdsStream | DeltaAdsStream
+Fleet: TypeAlias = Sequence[WorkerRecord] | Mapping[str, WorkerRecord]
+"""The whole fleet as read: a list, or by id (a ``FleetView``'s records, not copied)."""
 
 
 class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -220,6 +214,12 @@ class StreamStatus:
     errors: dict[str, str]
 
 
+class GrpcService(Protocol):
+    """Another gRPC service on the xDS port (Envoy's access log service)."""
+
+    def add_to(self, server: grpc.aio.Server) -> None: ...
+
+
 class XdsServer:
     """ADS for the pools of one config. ``update`` may be called as often as the fleet changes."""
 
@@ -229,8 +229,8 @@ class XdsServer:
         self._cache = SnapshotCache()
         self._streams: dict[_Stream, asyncio.Queue[_Event]] = {}
         self._server: grpc.aio.Server | None = None
-        self._keys: dict[str, tuple[tuple[str, str, int, str], ...]] | None = None
-        """Per pool, what Envoy saw of its workers at the last build."""
+        self._table = EndpointTable(self._pools)
+        """Per pool, what Envoy was sent of its workers, serialized."""
         self.pools_built = 0
         """Pool load assignments built so far (a one-worker change builds one)."""
         self._clock = clock
@@ -238,14 +238,19 @@ class XdsServer:
         self._fallback_at = float("-inf")
         self._fallback_stale = False
         """The fallback's assignment trails a change the pools' assignments already carry."""
+        self._fallback_timer: asyncio.TimerHandle | None = None
+        self._building = False
+        """An update's build runs in a worker thread (the table is its own meanwhile)."""
         self._clusters = Snapshot.of(CLUSTER_TYPE_URL, build_clusters(self._pools, tls))
         """The pools' clusters: fixed by the config, built once (re-offered by each update)."""
         # Nothing is cached, so nothing is served, before the first ``update``: a controller binds its port
         # before it has read the fleet, and an Envoy that reconnects meanwhile kept its endpoints. An empty
         # first snapshot would make it drop them all until the read came; unanswered, it keeps them.
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0, tls: TlsServerFiles | None = None) -> int:
-        """Bind and serve (over TLS from ``tls``'s files, rotating, when given); returns the bound port."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, tls: TlsServerFiles | None = None,
+                    services: Sequence[GrpcService] = ()) -> int:
+        """Bind and serve (over TLS from ``tls``'s files, rotating, when given), with ``services`` beside ADS on
+        the same port (Envoy reaches them over its xDS cluster); returns the bound port."""
         server = grpc.aio.server(options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -253,6 +258,8 @@ class XdsServer:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
             _AdsServicer(self._cache, self._streams), server
         )
+        for service in services:
+            service.add_to(server)
         bound = bind_grpc(server, f"{host}:{port}", tls, "tls.xds")
         if bound == 0:
             raise OSError(f"xds: cannot bind {host}:{port}")
@@ -261,61 +268,81 @@ class XdsServer:
         log.info("xds: serving ADS on %s:%d%s", host, bound, " (TLS)" if tls is not None else "")
         return bound
 
-    def update(self, workers: Sequence[WorkerRecord]) -> str:
+    def update(self, workers: Fleet, changed: Collection[str] | None = None) -> str:
         """Rebuild the pools whose endpoints changed, cache them, push changes; returns the snapshot version.
-        ``workers`` is the whole fleet as read (the first call opens the service to every waiting stream).
-        While ``fallback_due``, call it again (with the same fleet) to bring the fallback up to date.
+        ``workers`` is the whole fleet as read (the first call opens the service to every waiting stream);
+        ``changed`` names the only workers that may differ from the last call (the bridge's delta: no other
+        is looked at), None that any may. A fallback left stale is sent on its own once due; without a
+        running event loop, call ``update`` again (nothing changed) while ``fallback_due``.
 
         Call it from the event loop the server runs on (it wakes streams without awaiting).
         """
-        endpoints, keys = self._build(workers)
-        return self._apply(endpoints, keys)
+        return self._apply(self._build(workers, changed))
 
-    async def update_off_loop(self, workers: Sequence[WorkerRecord]) -> str:
-        """``update`` with the build in a worker thread (only one update may run at a time)."""
-        endpoints, keys = await asyncio.to_thread(self._build, workers)
-        return self._apply(endpoints, keys)
+    def worker_at(self, host: str, port: int) -> str | None:
+        """The worker Envoy was sent at ``host:port`` (any thread: a dict read)."""
+        return self._table.worker_at(host, port)
 
-    def _build(self, workers: Sequence[WorkerRecord]) -> tuple[Snapshot | None, dict[str, tuple[Any, ...]]]:
-        """The endpoint snapshot with the changed pools rebuilt (None: nothing changed), and the new keys."""
-        usable = usable_workers(self._pools, workers)
-        by_pool: dict[str, list[WorkerRecord]] = {pool.name: [] for pool in self._pools}
-        for worker in usable:
-            by_pool[worker.pool].append(worker)
-        keys = {pool: tuple(endpoint_key(w) for w in members) for pool, members in by_pool.items()}
+    async def update_off_loop(self, workers: Fleet, changed: Collection[str] | None = None) -> str:
+        """``update`` with the build in a worker thread (only one update may run at a time, and ``workers``
+        must not change until it returns)."""
+        self._building = True
+        try:
+            endpoints = await asyncio.to_thread(self._build, workers, changed)
+        finally:
+            self._building = False
+        return self._apply(endpoints)
+
+    def _build(self, workers: Fleet, changed: Collection[str] | None) -> Snapshot | None:
+        """The endpoint snapshot with the changed pools rebuilt (None: nothing changed)."""
+        fleet = workers if isinstance(workers, Mapping) else {worker.id: worker for worker in workers}
+        touched = self._table.apply(fleet, changed)
         previous = self._cache.get(ENDPOINT_TYPE_URL)
-        changed = [pool for pool in by_pool if self._keys is None or keys[pool] != self._keys.get(pool)]
-        if previous is not None and not changed and not self.fallback_due:
-            return None, keys
-        rebuilt = {pool: pool_assignment(pool, by_pool[pool]) for pool in changed}
-        self.pools_built += len(changed)
-        assignments = list(rebuilt.values())
+        if previous is None:
+            touched = set(self._table.pools)
+        elif not touched and not self.fallback_due:
+            return None
+        assignments = [self._table.assignment(pool) for pool in sorted(touched)]
+        self.pools_built += len(touched)
         now = self._clock()
-        if previous is None or now - self._fallback_at >= self._fallback_period_s:
-            addresses = {(host, port) for pool_keys in keys.values() for _, host, port, _ in pool_keys}
-            if len(addresses) == sum(map(len, keys.values())):  # no address twice: join the pools' assignments
-                built = dict(previous.resources) if previous is not None else {}
-                built.update((cluster_name(pool), assignment) for pool, assignment in rebuilt.items())
-                assignments.append(merged_fallback([built[cluster_name(pool)] for pool in sorted(by_pool)]))
-            else:
-                assignments.append(fallback_assignment(usable))
+        if previous is None or (not touched and now - self._fallback_at >= self._fallback_period_s):
+            assignments.append(self._table.fallback())
             self._fallback_at, self._fallback_stale = now, False
         else:
-            self._fallback_stale = True  # the next update after the period brings it up to date
-        if not assignments:
-            return None, keys
+            self._fallback_stale = True  # sent on its own once due (``_schedule_fallback``)
         if previous is None:
-            return Snapshot.of(ENDPOINT_TYPE_URL, assignments), keys
-        return previous.replaced(assignments), keys
+            return Snapshot.of(ENDPOINT_TYPE_URL, assignments)
+        return previous.replaced(assignments)
 
     @property
     def fallback_due(self) -> bool:
         """The fallback's assignment trails a change and may be rebuilt now: call ``update`` again."""
         return self._fallback_stale and self._clock() - self._fallback_at >= self._fallback_period_s
 
-    def _apply(self, endpoints: Snapshot | None, keys: dict[str, tuple[Any, ...]]) -> str:
-        self._keys = keys
-        return self._publish([self._clusters, *([endpoints] if endpoints is not None else [])])
+    def _apply(self, endpoints: Snapshot | None) -> str:
+        version = self._publish([self._clusters, *([endpoints] if endpoints is not None else [])])
+        self._schedule_fallback()
+        return version
+
+    def _schedule_fallback(self) -> None:
+        """Send a stale fallback once due, in an update of its own (a caller without an event loop calls
+        ``update`` again while ``fallback_due`` instead)."""
+        if not self._fallback_stale or self._fallback_timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        due_in = self._fallback_period_s - (self._clock() - self._fallback_at)
+        self._fallback_timer = loop.call_later(max(FALLBACK_APART_S, due_in), self._send_fallback)
+
+    def _send_fallback(self) -> None:
+        self._fallback_timer = None
+        previous = self._cache.get(ENDPOINT_TYPE_URL)
+        if not self._fallback_stale or self._building or previous is None:
+            return  # an update in a worker thread owns the table now; its end schedules this again
+        self._fallback_at, self._fallback_stale = self._clock(), False
+        self._publish([self._clusters, previous.replaced([self._table.fallback()])])
 
     def _publish(self, snapshots: Sequence[Snapshot]) -> str:
         changed = self._cache.set(snapshots)
@@ -345,6 +372,9 @@ class XdsServer:
         ]
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self._fallback_timer is not None:
+            self._fallback_timer.cancel()
+            self._fallback_timer = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

@@ -5,7 +5,9 @@ Used where one process talks to a whole fleet many times a second: the health mo
 every round, and the scale benchmark plays every node agent's heartbeats. A general HTTP client's
 per-request machinery cost ~5 times what the request itself does, which bounded how fast a large fleet
 could be probed (and how many heartbeats one process could send). A connection the peer closed while idle
-is opened again once; the answer must fit in ``max_body`` bytes.
+is opened again once; the answer must fit in ``max_body`` bytes. ``closed_idle`` names the addresses whose
+idle connection the peer closed since (a worker process that exited closes them at once; so does a server's
+keep-alive timeout).
 """
 
 from __future__ import annotations
@@ -91,6 +93,15 @@ class LeanHttpClient:
         else:
             self._idle[address] = (reader, writer)
         return status, answer
+
+    def closed_idle(self) -> list[Address]:
+        """The addresses whose idle connection the peer closed since the last call (those connections dropped).
+        One look at each idle connection's state, no I/O: ~0.1 µs a connection."""
+        closed = [address for address, (reader, writer) in self._idle.items()
+                  if reader.at_eof() or writer.is_closing()]
+        for address in closed:
+            self._idle.pop(address)[1].close()
+        return closed
 
     def close(self) -> None:
         for _, writer in self._idle.values():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -334,14 +334,17 @@ class FleetStore:
         """Requests in flight on every worker that has any (one read, as large as the busy part of the fleet)."""
         return {_text(w): n for w, v in (await self._redis.hgetall(self.keys.inflight)).items() if (n := int(v)) > 0}
 
-    async def read_passive_failures(self, worker_ids: Sequence[str]) -> dict[str, int]:
-        """Cumulative data-path failure counts of ``worker_ids`` (0 when none or expired); readers compare
-        with their last read. The fields of workers not among ``worker_ids`` (gone) are removed."""
-        counts = {_text(w): int(v) for w, v in (await self._redis.hgetall(self.keys.passive)).items()}
-        gone = set(counts).difference(worker_ids)
-        if gone:
-            await self._redis.hdel(self.keys.passive, *gone)
-        return {w: max(0, counts.get(w, 0)) for w in worker_ids}
+    async def read_passive_failures(self, prune_to: Collection[str] | None = None) -> dict[str, int]:
+        """Cumulative data-path failure counts of the workers that have any (readers compare with their last
+        read). With ``prune_to`` (the workers the reader knows), the fields of every other worker are removed."""
+        counts = {_text(w): max(0, int(v)) for w, v in (await self._redis.hgetall(self.keys.passive)).items()}
+        if prune_to is not None:
+            gone = [worker_id for worker_id in counts if worker_id not in prune_to]
+            if gone:
+                await self._redis.hdel(self.keys.passive, *gone)
+                for worker_id in gone:
+                    del counts[worker_id]
+        return counts
 
     async def read_queued(self, pool: str) -> int:
         """Requests extproc replicas hold for a pool (the sum of their fields; 0 when none report)."""
@@ -349,10 +352,13 @@ class FleetStore:
 
     # The data path's counters (extproc and any other data-path process).
 
-    async def record_passive_failure(self, worker_id: str, count: int = 1) -> None:
-        """A data-path failure on a worker (5xx answered by it, upstream timeout, reset before headers)."""
+    async def record_passive_failures(self, counts: Mapping[str, int]) -> None:
+        """Data-path failures per worker (5xx answered by it, upstream timeouts, resets), in one pipeline."""
+        if not counts:
+            return
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hincrby(self.keys.passive, worker_id, count)
+        for worker_id, count in counts.items():
+            pipe.hincrby(self.keys.passive, worker_id, count)
         pipe.pexpire(self.keys.passive, _ttl_ms(PASSIVE_TTL_S))
         await pipe.execute()
 

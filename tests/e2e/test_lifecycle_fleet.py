@@ -249,6 +249,26 @@ def set_faults(stack: RunningStack, worker_id: str, faults: dict[str, object]) -
     assert response.status_code == 200, response.text
 
 
+def test_a_worker_failing_its_requests_but_not_its_probes_is_failed_by_envoys_reports(stack: RunningStack) -> None:
+    """Only the data path sees this worker fail: Envoy reports each failed attempt to the controller, whose
+    monitor probes the worker at once and marks it Failed; cured, it comes back on its probes."""
+    victim = "chat-a"
+    wait_for(lambda: all(stack.state(w) == "Ready" for w in ("chat-a", "chat-b", "chat-c")), 30)
+    background = BackgroundLoad(stack.base_url, 6, chat_body(8))
+    try:
+        time.sleep(0.5)
+        set_faults(stack, victim, {"error_rate": 1.0})
+        failed = wait_for(lambda: stack.state(victim) == "Failed", 15, 0.01)
+    finally:
+        set_faults(stack, victim, {"error_rate": 0.0})
+        outcomes = background.stop()
+    back = wait_for(lambda: stack.state(victim) == "Ready", 15)
+    assert httpx.get(f"http://{stack.address(victim)}/health", timeout=2).status_code == 200  # probes pass
+    print(f"\nmeasured: {victim} answering 500 to every request (its /health fine) Failed after {failed:.2f} s "
+          f"under load, Ready {back:.2f} s after the cure; {sum(o.status != 200 for o in outcomes)} of "
+          f"{len(outcomes)} requests failed")
+
+
 def test_hung_worker_is_ejected_and_replaced(stack: RunningStack) -> None:
     victim = "chat-c"
     address = stack.address(victim)
@@ -261,6 +281,11 @@ def test_hung_worker_is_ejected_and_replaced(stack: RunningStack) -> None:
     print(f"\nmeasured: hung {victim} Failed after {failed:.2f} s (probe timeout 0.5 s × 3), out of Envoy "
           f"{out:.2f} s later, replaced and Ready {replaced:.2f} s after that")
     assert httpx.get(f"http://{stack.address(victim)}/health", timeout=2).status_code == 200
+    health = {name: float(value) for line in httpx.get(f"{stack.controller_url()}/metrics", timeout=5).text.splitlines()
+              if line.startswith("poolgate_health_") for name, value in [line.rsplit(" ", 1)]}
+    assert health['poolgate_health_transitions_total{from="Ready",to="Failed"}'] >= 1
+    assert health["poolgate_health_probe_failures_total"] >= 3  # the hung worker's timeouts, on the dashboard
+    assert health["poolgate_health_round_seconds"] > 0
 
 
 def test_kv_leaking_worker_is_drained_and_replaced(stack: RunningStack) -> None:

@@ -1,8 +1,8 @@
-"""``controller.api_processes``: a real controller process with two extra API processes on its port.
+"""``controller.api_processes``: a real controller process with two API processes on its port.
 
-Workers' calls are answered whichever process the kernel hands a connection to (some still are while the
-controller itself is frozen), the operator's calls reach the controller through any of them, an API process
-that dies is started again, and none outlives the controller."""
+Workers' calls are answered whichever API process the kernel hands a connection to, and the controller itself
+answers none of them (all still are while it is frozen); the operator's calls reach the controller through
+any of them, an API process that dies is started again, and none outlives the controller."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SERVING = "serving on"
 """What an API process logs once it listens."""
 CONFIG = {"key_prefix": "apiproc", "pools": [{"name": "chat", "model": "m1"}],
-          "controller": {"token": TOKEN, "api_processes": 3, "heartbeat_ttl_s": 60}}
+          "controller": {"token": TOKEN, "api_processes": 2, "heartbeat_ttl_s": 60}}
 
 
 def api_children(pid: int) -> set[int]:
@@ -105,7 +105,7 @@ async def test_every_process_answers_workers_and_passes_operator_calls_on(
                                     for _ in range(20)))
     assert all(status == 400 and b"not_scalable" in body for status, body in scales)
 
-    # Frozen, the controller answers nothing; the connections the kernel gave the API processes still are.
+    # Frozen, the controller answers nothing; workers do not need it: every heartbeat is answered.
     process.send_signal(signal.SIGSTOP)
     try:
         frozen = await asyncio.gather(*(status_of(http, "POST", f"{base}/v1/workers/w{i}/heartbeat", json={})
@@ -114,7 +114,7 @@ async def test_every_process_answers_workers_and_passes_operator_calls_on(
         process.send_signal(signal.SIGCONT)
     answered = sum(1 for status, _ in frozen if status == 200)
     print(f"with the controller frozen, {answered} of 30 heartbeats were answered by the API processes")
-    assert 0 < answered < 30 and {status for status, _ in frozen} <= {0, 200}
+    assert answered == 30
 
 
 async def test_a_dead_api_process_is_started_again_and_none_outlives_the_controller(

@@ -61,6 +61,8 @@ def merge_snippet(existing: dict[str, Any], snippet: dict[str, Any], pinned: dic
     routes = (pinned or snippet)["routes"]
     host["routes"] = routes + host["routes"]
     if pinned is None:
+        router = next(f for f in manager["http_filters"] if f["name"] == ROUTER["name"])
+        router["typed_config"].setdefault("upstream_log", []).extend(snippet["upstream_log"])
         config["static_resources"]["clusters"].extend(snippet["clusters"])
         config["dynamic_resources"] = snippet["dynamic_resources"]
         manager["route_config"]["validate_clusters"] = False  # pool clusters arrive over CDS

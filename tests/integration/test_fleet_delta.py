@@ -9,12 +9,14 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import web
 
-from controller.health import HealthMemory
+from controller.health import HealthMemory, ProbeResult
 from controller.monitor import HealthMonitor
 from controller.probe import HttpProber
 from controller.xds.build import ENDPOINT_TYPE_URL
@@ -229,7 +231,7 @@ async def test_a_mass_failure_is_written_in_one_batch_with_one_announcement(redi
     for i, port in enumerate(dead_ports):
         await store.register(WorkerRecord(id=f"d{i}", pool="p0", model="llama", host="127.0.0.1", port=port), 60)
     settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=1.0, failures_to_fail=2, check_models=False)
-    monitor = HealthMonitor(store, settings, 3.0, HttpProber(1.0, False), spread_s=0.05)
+    monitor = HealthMonitor(store, settings, 3.0, HttpProber(1.0, False), spread_s=0.05, write_every_s=60.0)
     async with store.changes() as feed:
         await monitor.round()
         await monitor.round()
@@ -239,3 +241,164 @@ async def test_a_mass_failure_is_written_in_one_batch_with_one_announcement(redi
     assert monitor.stats.batches == 1 and monitor.stats.transitions == {"Ready->Failed": 30}
     assert [c.kind for c in changes] == ["batch"]
     assert isinstance(monitor.memory("d0"), HealthMemory)
+
+
+async def test_a_long_round_writes_the_failures_it_found_before_it_ends(redis_client: aioredis.Redis) -> None:
+    """Probes spread over 2 s (a large fleet's round): the workers found dead in its first part are Failed in
+    Redis while it still runs, a batch per write period, not one per worker."""
+    store = FleetStore(redis_client, PREFIX)
+    for i in range(20):  # nothing listens: every probe is refused
+        await store.register(WorkerRecord(id=f"d{i:02d}", pool="p0", model="llama", host="127.0.0.1",
+                                          port=free_port()), 60)
+    settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=1.0, failures_to_fail=2, check_models=False)
+    monitor = HealthMonitor(store, settings, 3.0, HttpProber(1.0, False), spread_s=2.0, write_every_s=0.2)
+    await monitor.round()  # the first round only learns the workers (and finds each failing once)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    second = asyncio.create_task(monitor.round())
+    first_failed_at = None
+    while not second.done():
+        states = {r.id: r.state for r in await store.read_fleet()}
+        if first_failed_at is None and WorkerState.FAILED in states.values():
+            first_failed_at = loop.time() - started
+        await asyncio.sleep(0.02)
+    await second
+    took = loop.time() - started
+    print(f"first worker Failed in Redis {first_failed_at} s into a round of {took:.2f} s, "
+          f"in {monitor.stats.batches} batches")
+    assert first_failed_at is not None and first_failed_at < took - 0.5
+    assert {r.state for r in await store.read_fleet()} == {WorkerState.FAILED}
+    assert 2 <= monitor.stats.batches < 20 and monitor.stats.transitions == {"Ready->Failed": 20}
+
+
+async def test_a_worker_whose_process_exits_is_failed_before_its_turn_comes(redis_client: aioredis.Redis) -> None:
+    """The worker closes the monitor's kept-alive probe connection as its process goes: the monitor probes it
+    at once, out of turn, and fails it, while the other worker, whose connection stays, is left alone."""
+    store = FleetStore(redis_client, PREFIX)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    runners = {}
+    for worker_id in ("gone", "stays"):
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runners[worker_id] = web.AppRunner(app, access_log=None)
+        await runners[worker_id].setup()
+        await web.TCPSite(runners[worker_id], "127.0.0.1", 0).start()
+        await store.register(WorkerRecord(id=worker_id, pool="p0", model="llama", host="127.0.0.1",
+                                          port=runners[worker_id].addresses[0][1]), 60)
+    settings = HealthSettings(probe_interval_s=0.2, failures_to_fail=2, check_models=False)
+    prober = HttpProber(1.0, False)
+    monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0)
+    try:
+        await monitor.round()  # both serving, each probe connection kept alive
+        await monitor.watch()
+        assert monitor.stats.hung_up == 0
+        await runners["gone"].cleanup()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while (await store.read_fleet())[0].state is not WorkerState.FAILED:
+            assert loop.time() - started < 10, "never failed"
+            await monitor.watch()
+            await asyncio.sleep(0.05)
+        print(f"exited worker Failed {loop.time() - started:.2f} s after its process went, without a round")
+        assert {r.id: r.state for r in await store.read_fleet()} == {"gone": WorkerState.FAILED,
+                                                                      "stays": WorkerState.READY}
+        assert monitor.stats.hung_up == 1 and monitor.stats.rounds == 1
+    finally:
+        prober.close()
+        await runners["stays"].cleanup()
+
+
+@contextlib.asynccontextmanager
+async def tcp_workers(count: int, answer: bool) -> AsyncIterator[list[int]]:
+    """``count`` listeners; each answers every request 200 (``answer``) or reads and never answers (a hung
+    engine: its connection stays open and nothing comes back)."""
+    open_writers: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        open_writers.append(writer)
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(4096):
+                if answer:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        writer.close()
+
+    servers = [await asyncio.start_server(serve, "127.0.0.1", 0) for _ in range(count)]
+    try:
+        yield [server.sockets[0].getsockname()[1] for server in servers]
+    finally:
+        for server in servers:
+            server.close()
+        for writer in open_writers:
+            writer.close()
+
+
+async def test_hung_workers_do_not_hold_a_rounds_probe_slots(redis_client: aioredis.Redis) -> None:
+    """16 hung workers and 8 healthy ones, 2 probe slots: a hung worker's probe gives its slot back once slow,
+    so a round lasts about one probe timeout, not 16 timeouts over 2 slots (8 s), and the healthy workers are
+    probed while the hung ones wait."""
+    store = FleetStore(redis_client, PREFIX)
+    settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=1.0, failures_to_fail=2, check_models=False)
+    prober = HttpProber(1.0, False)
+    monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0, probe_concurrency=2)
+    async with tcp_workers(16, answer=False) as hung, tcp_workers(8, answer=True) as healthy:
+        for name, ports in (("hung", hung), ("ok", healthy)):
+            for i, port in enumerate(ports):
+                await store.register(WorkerRecord(id=f"{name}{i:02d}", pool="p0", model="llama", host="127.0.0.1",
+                                                  port=port), 60)
+        try:
+            loop = asyncio.get_running_loop()
+            took = []
+            for _ in range(2):  # the first learns the workers (each hung one fails once), the second fails them
+                started = loop.time()
+                await monitor.round()
+                took.append(loop.time() - started)
+        finally:
+            prober.close()
+    print(f"rounds over 16 hung workers on 2 slots took {took[0]:.2f} and {took[1]:.2f} s; "
+          f"{monitor.stats.slots_given_back} slots given back")
+    states = {r.id: r.state for r in await store.read_fleet()}
+    assert {s for i, s in states.items() if i.startswith("hung")} == {WorkerState.FAILED}
+    assert {s for i, s in states.items() if i.startswith("ok")} == {WorkerState.READY}
+    assert monitor.stats.slots_given_back >= 16  # 32 when the test's loop always kept time
+    assert max(took) < 6.0  # each about 1.7 s here; holding the slots, 8 s
+
+
+class BusyLoopProber:
+    """An ``HttpProber`` whose first probe is followed by 0.2 s in which the controller's loop is busy."""
+
+    def __init__(self) -> None:
+        self.prober = HttpProber(0.5, False)
+        self.started: list[float] = []
+
+    async def probe(self, record: WorkerRecord) -> ProbeResult:
+        loop = asyncio.get_running_loop()
+        self.started.append(loop.time())
+        if len(self.started) == 1:
+            loop.call_later(0.02, time.sleep, 0.2)
+        return await self.prober.probe(record)
+
+    def hung_up(self) -> list[str]:
+        return []
+
+
+async def test_a_slow_probe_keeps_its_slot_while_the_controller_is_late(redis_client: aioredis.Redis) -> None:
+    """On a loop running late, a probe's wait may be the controller's own: it keeps its slot (more probes in
+    flight would only make the controller later). Once the loop keeps time, a slow probe gives it back."""
+    store = FleetStore(redis_client, PREFIX)
+    settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=0.5, failures_to_fail=2, check_models=False)
+    prober = BusyLoopProber()
+    monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0, probe_concurrency=1)
+    async with tcp_workers(2, answer=False) as hung:
+        for i, port in enumerate(hung):
+            await store.register(WorkerRecord(id=f"hung{i}", pool="p0", model="llama", host="127.0.0.1",
+                                              port=port), 60)
+        try:
+            await monitor.round()
+        finally:
+            prober.prober.close()
+    first, second = prober.started
+    print(f"second probe started {second - first:.2f} s after the first (its timeout: 0.5 s)")
+    assert second - first >= 0.45  # the one slot stayed with the first probe until it timed out

@@ -63,6 +63,9 @@ class ScriptedProber:
     async def probe(self, record: WorkerRecord) -> ProbeResult:
         return ProbeResult(self.ok, 0.01, "" if self.ok else "connection refused")
 
+    def hung_up(self) -> list[str]:
+        return []
+
 
 class Remedies:
     def __init__(self) -> None:
@@ -109,6 +112,9 @@ class SequenceProber:
         ok = self.answers.pop(0) if self.answers else True
         return ProbeResult(ok, 0.01, "" if ok else "connection refused")
 
+    def hung_up(self) -> list[str]:
+        return []
+
 
 @pytest.mark.parametrize(("answers", "after"), [
     ([False, False, False], WorkerState.FAILED),  # dead: confirmed within the round that found it
@@ -130,20 +136,60 @@ async def test_a_serving_workers_failed_probe_is_confirmed_within_the_round(
 async def test_passive_failures_reported_through_redis_eject_at_once(redis_client: aioredis.Redis) -> None:
     await register(redis_client)
     monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, ScriptedProber(), clock=ManualClock())
-    await fleet(redis_client).record_passive_failure("w1", 5)  # from before the monitor first looked: a baseline
+    await fleet(redis_client).record_passive_failures({"w1": 5})  # from before the monitor first looked: a baseline
     await monitor.round()
     assert await state(redis_client) is WorkerState.READY
-    await fleet(redis_client).record_passive_failure("w1")
-    await fleet(redis_client).record_passive_failure("w1")
+    await fleet(redis_client).record_passive_failures({"w1": 1})
+    await fleet(redis_client).record_passive_failures({"w1": 1})
     await monitor.round()
     assert await state(redis_client) is WorkerState.FAILED
 
 
+async def states(redis_client: aioredis.Redis) -> dict[str, WorkerState]:
+    return {record.id: record.state for record in await fleet(redis_client).read_fleet()}
+
+
+async def test_a_worker_the_data_path_reports_failing_is_failed_out_of_turn(redis_client: aioredis.Redis) -> None:
+    for worker_id in ("w1", "w2"):
+        await register(redis_client, worker_id)
+    prober, clock = SequenceProber([]), ManualClock()
+    monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, prober, clock=clock)
+    await monitor.round()  # both known and serving
+    await fleet(redis_client).record_passive_failures({"w1": 1})  # below passive_failures_to_fail (2)
+    await monitor.watch()
+    assert prober.calls == 2 and monitor.stats.out_of_turn == 0
+    await fleet(redis_client).record_passive_failures({"w1": 1})
+    await monitor.watch()
+    assert await states(redis_client) == {"w1": WorkerState.FAILED, "w2": WorkerState.READY}
+    assert prober.calls == 2 and monitor.stats.out_of_turn == 1  # the failures decide: no probe waited for
+    await monitor.watch()  # the same failures are not counted twice
+    assert monitor.stats.out_of_turn == 1
+    await monitor.round()
+    await monitor.round()
+    assert (await states(redis_client))["w1"] is WorkerState.FAILED  # held out, its good probes notwithstanding
+    clock.now += CONFIG.health.passive_hold_s
+    await monitor.round()
+    assert (await states(redis_client))["w1"] is WorkerState.READY  # the hold over, its probes bring it back
+
+
+async def test_a_reported_worker_leaves_while_a_long_round_waits_to_probe_it(redis_client: aioredis.Redis) -> None:
+    for worker_id in ("w1", "w2"):
+        await register(redis_client, worker_id)
+    monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, SequenceProber([]), spread_s=2.0)
+    await monitor.round()  # both known and serving (w2 probed 1 s into the round)
+    second = asyncio.create_task(monitor.round())
+    await asyncio.sleep(0.1)
+    await fleet(redis_client).record_passive_failures({"w2": 2})
+    await monitor.watch()
+    assert not second.done(), "the round has yet to probe w2"
+    assert (await states(redis_client))["w2"] is WorkerState.FAILED
+    await second
+    assert (await states(redis_client))["w2"] is WorkerState.FAILED  # one good probe does not bring it back
+    assert monitor.stats.transitions == {"Ready->Failed": 1}  # the round, reading w2 from before, wrote it once
 async def test_one_read_of_passive_counts_removes_those_of_workers_that_left(redis_client: aioredis.Redis) -> None:
     store = fleet(redis_client)
-    await store.record_passive_failure("w1")
-    await store.record_passive_failure("left", 2)
-    assert await store.read_passive_failures(["w1", "w2"]) == {"w1": 1, "w2": 0}
+    await store.record_passive_failures({"w1": 1, "left": 2})
+    assert await store.read_passive_failures(prune_to={"w1", "w2"}) == {"w1": 1}
     assert await redis_client.hkeys(store.keys.passive) in ([b"w1"], ["w1"])
 
 

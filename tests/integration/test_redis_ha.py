@@ -96,7 +96,7 @@ async def test_every_fleet_path_runs_on_the_deployment(deployment: Deployment) -
         assert await store.heartbeat_many({"w1": {"running": 2}, "w2": {}, "gone": {}}, TTL_S) == ["gone"]
         assert await store.set_states({"w2": WorkerState.DRAINING}) == ["w2"]
         assert await store.update_live("w1", announce=True, waiting=3)
-        await store.record_passive_failure("w1")
+        await store.record_passive_failures({"w1": 1})
         await store.add_counts({"w1": 2}, {"chat": 4}, "replica-a",
                                also=lambda pipe: pipe.hset(KEYS.peers.reserved, "w1 replica-a", "1 2 3"))
 
@@ -108,7 +108,7 @@ async def test_every_fleet_path_runs_on_the_deployment(deployment: Deployment) -
         delta = await view.sync()
         assert not delta.full and delta.changed == {"w2"} and set(view.records) == {"w1"}
         assert await store.read_inflight(["w1"]) == {"w1": 2}
-        assert await store.read_passive_failures(["w1"]) == {"w1": 1}
+        assert await store.read_passive_failures() == {"w1": 1}
         assert await store.read_queued("chat") == 4
 
         reserved: list[object] = []

@@ -106,7 +106,8 @@ async def test_registry_api_over_mutual_tls(tmp_path: Path, redis_client: aiored
     files, _ = make_tls_files(tmp_path)
     tls = ServerTls(server_files(files), "tls.registry_api")
     registry = RegistryApi(FleetStore(redis_client, "tls"), "tok", CONFIG.pools, CONFIG.controller)
-    runner, url, _ = await _serve_api(registry, "127.0.0.1", 0, tls)
+    api = await _serve_api(registry, "127.0.0.1", 0, tls)
+    url = api.url
     watch = asyncio.create_task(tls.watch(0.05))
     try:
         assert url.startswith("https://")
@@ -130,7 +131,7 @@ async def test_registry_api_over_mutual_tls(tmp_path: Path, redis_client: aiored
         assert await healthz(url, client_context(files.ca, files.client_cert, files.client_key)) != 200
     finally:
         watch.cancel()
-        await runner.cleanup()
+        await api.close()
 
 
 def test_unreadable_certificate_files_stop_start_up_naming_the_field(tmp_path: Path) -> None:

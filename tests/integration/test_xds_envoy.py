@@ -15,7 +15,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from controller.upstream_failures import UpstreamFailureLog
 from controller.xds import XdsServer
 from controller.xds.build import CLUSTER_TYPE_URL, build_clusters
 from controller.xds.cache import Snapshot
@@ -62,6 +63,8 @@ class Upstream:
     port: int = 0
     runner: web.AppRunner | None = None
     seen_headers: list[dict[str, str]] = field(default_factory=list)
+    fail_with: int | None = None
+    """Answer every request with this status (a worker failing its requests)."""
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -77,6 +80,8 @@ class Upstream:
         model = json.loads(body).get("model") if body else None
         if model is not None and model not in self.models:
             return web.json_response({"error": {"message": f"{model} not here"}}, status=404)
+        if self.fail_with is not None:
+            return web.json_response({"error": {"message": "engine failed"}}, status=self.fail_with)
         return web.Response(text=self.name)
 
     async def stop(self) -> None:
@@ -102,13 +107,29 @@ async def upstreams() -> AsyncIterator[dict[str, Upstream]]:
 # ---------------------------------------------------------------- xDS and Envoy
 
 
+class RecordedFailures:
+    """Where the controller's access log service writes the failures Envoy reports (Redis in production)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    async def record_passive_failures(self, counts: Mapping[str, int]) -> None:
+        for worker_id, count in counts.items():
+            self.counts[worker_id] = self.counts.get(worker_id, 0) + count
+
+
 @pytest.fixture()
-async def xds() -> AsyncIterator[tuple[XdsServer, int]]:
+def failures() -> RecordedFailures:
+    return RecordedFailures()
+
+
+@pytest.fixture()
+async def xds(failures: RecordedFailures) -> AsyncIterator[tuple[XdsServer, int]]:
     # Every update brings the fallback too: these tests look at what Envoy makes of one update (its trailing by
     # FALLBACK_PERIOD_S is the unit tests').
     server = XdsServer(CONFIG.pools, fallback_period_s=0)
     server.update([])  # the fleet read: empty until a test adds workers
-    port = await server.start("127.0.0.1", 0)
+    port = await server.start("127.0.0.1", 0, services=[UpstreamFailureLog(failures, server.worker_at)])
     yield server, port
     await server.stop(0.1)
 
@@ -220,8 +241,12 @@ async def test_endpoints_and_health_reach_envoy(xds, start_envoy, upstreams, ses
 
     assert await wait_for(pool_a_updated, PROPAGATION_S, "pool-a endpoints") <= PROPAGATION_S
     assert await host_health(session, envoy, cluster_name("b")) == {w3.port: "UNHEALTHY"}
-    assert await host_health(session, envoy, FALLBACK_CLUSTER) == {
-        w1.port: "HEALTHY", w2.port: "DRAINING", w3.port: "UNHEALTHY"}
+
+    async def fallback_updated() -> bool:  # it follows the pools' change in an update of its own
+        return await host_health(session, envoy, FALLBACK_CLUSTER) == {
+            w1.port: "HEALTHY", w2.port: "DRAINING", w3.port: "UNHEALTHY"}
+
+    await wait_for(fallback_updated, PROPAGATION_S, "fallback endpoints")
 
     server.update([w1.record("a")])
 
@@ -230,9 +255,46 @@ async def test_endpoints_and_health_reach_envoy(xds, start_envoy, upstreams, ses
                 and await host_health(session, envoy, cluster_name("b")) == {})
 
     await wait_for(removed, PROPAGATION_S, "workers removed")
+
+    async def fallback_trimmed() -> bool:
+        return await host_health(session, envoy, FALLBACK_CLUSTER) == {w1.port: "HEALTHY"}
+
+    await wait_for(fallback_trimmed, PROPAGATION_S, "fallback endpoints trimmed")
+
+    async def all_acked() -> bool:  # the fallback's own update may still be on its way back as an ACK
+        status = server.streams()
+        return len(status) == 1 and status[0].acked == status[0].sent
+
+    await wait_for(all_acked, PROPAGATION_S, "every update acknowledged")
     status = server.streams()
     assert [s.node_id for s in status] == ["envoy-1"]
-    assert status[0].acked == status[0].sent and not status[0].errors
+    assert not status[0].errors
+
+
+async def test_every_failed_upstream_attempt_is_reported_to_the_controller(xds, start_envoy, upstreams, session,
+                                                                           failures) -> None:
+    """Envoy streams each attempt that a worker answered 5xx or refused to the controller's access log service,
+    named by worker; a served request is not reported."""
+    server, _ = xds
+    envoy = await start_envoy()
+    w1, w2 = upstreams["w1"], upstreams["w2"]
+    dead = WorkerRecord(id="dead", pool="a", model="model-a", host="127.0.0.1", port=free_port())
+    server.update([w1.record("a"), w2.record("a"), dead])
+
+    async def fallback_ready() -> bool:
+        return len(await host_health(session, envoy, FALLBACK_CLUSTER)) == 3
+
+    await wait_for(fallback_ready, PROPAGATION_S, "fallback endpoints")
+    w1.fail_with = 500
+    statuses = [(await post(session, envoy.url))[0] for _ in range(24)]
+    expected = {worker: n for worker, n in (("w1", statuses.count(500)), ("dead", statuses.count(503))) if n}
+    assert set(statuses) <= {200, 500, 503} and set(expected) == {"w1", "dead"}, statuses
+
+    async def all_reported() -> bool:
+        return failures.counts == expected
+
+    took = await wait_for(all_reported, PROPAGATION_S, f"failures reported as {expected}, got {failures.counts}")
+    print(f"{sum(expected.values())} failed attempts reported in {took * 1000:.0f} ms")
 
 
 async def test_fail_open_reaches_a_worker_serving_the_model(xds, start_envoy, upstreams, session) -> None:

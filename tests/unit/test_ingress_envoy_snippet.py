@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.route.v3 import route_components_pb2
@@ -111,3 +112,19 @@ def test_kubernetes_bootstrap_carries_the_snippet() -> None:
     assert K8S_ENVOY["dynamic_resources"] == SNIPPET["dynamic_resources"]
     assert [c["name"] for c in K8S_ENVOY["static_resources"]["clusters"]] == [c["name"] for c in SNIPPET["clusters"]]
     json_format.ParseDict(K8S_ENVOY, bootstrap_pb2.Bootstrap())
+
+
+def _upstream_log(logs: list[dict[str, Any]]) -> list[accesslog_pb2.AccessLog]:
+    return [json_format.ParseDict(log, accesslog_pb2.AccessLog()) for log in logs]
+
+
+def _router_upstream_log(filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    [router] = [f["typed_config"] for f in filters if f["name"] == "envoy.filters.http.router"]
+    return router["upstream_log"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("where", ["snippet", "kubernetes"])
+def test_failed_upstream_attempts_reach_the_controller_as_the_bootstrap_sends_them(where: str) -> None:
+    shipped = (SNIPPET["upstream_log"] if where == "snippet"
+               else _router_upstream_log(_manager(K8S_ENVOY)["http_filters"]))
+    assert _upstream_log(shipped) == _upstream_log(_router_upstream_log(reference_manager()["http_filters"]))

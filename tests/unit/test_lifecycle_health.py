@@ -9,7 +9,8 @@ from poolgate.kernel.config import HealthSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 SETTINGS = HealthSettings(failures_to_fail=3, successes_to_ready=2, passive_failures_to_fail=3,
-                          replace_failed_after_s=5.0, kv_leak_usage=0.9, kv_leak_after_s=4.0, busy_kv_usage=0.95)
+                          passive_hold_s=2.0, passive_hold_max_s=6.0, replace_failed_after_s=5.0,
+                          kv_leak_usage=0.9, kv_leak_after_s=4.0, busy_kv_usage=0.95)
 OK = ProbeResult(ok=True, latency_s=0.01)
 BAD = ProbeResult(ok=False, latency_s=1.0, reason="no answer within 1 s")
 
@@ -18,7 +19,7 @@ def record(state: WorkerState = WorkerState.READY, **live: float) -> WorkerRecor
     return WorkerRecord(id="w", pool="p", model="m", host="127.0.0.1", port=9000, state=state, **live)  # type: ignore[arg-type]
 
 
-def run(probes: list[ProbeResult], rec: WorkerRecord | None = None, passive: list[int] | None = None,
+def run(probes: list[ProbeResult | None], rec: WorkerRecord | None = None, passive: list[int] | None = None,
         step_s: float = 1.0, fresh: bool = True) -> list[Verdict]:
     rec = rec or record()
     memory = initial_memory(rec)
@@ -48,6 +49,42 @@ def test_a_burst_of_passive_failures_ejects_at_once_and_probes_bring_it_back() -
     assert [v.state for v in verdicts] == [WorkerState.READY, WorkerState.FAILED, WorkerState.FAILED,
                                            WorkerState.READY]
     assert "data-path" in verdicts[1].reason
+
+
+def test_passive_failures_alone_eject_without_a_probe_and_probes_bring_it_back() -> None:
+    verdicts = run([OK, None, OK, OK], passive=[0, 3, 0, 0])
+    assert [v.state for v in verdicts] == [WorkerState.READY, WorkerState.FAILED, WorkerState.FAILED,
+                                           WorkerState.READY]
+    assert "data-path" in verdicts[1].reason and verdicts[1].memory.successes == 0
+
+
+def test_a_judgement_without_a_probe_leaves_the_probe_counts_as_they_were() -> None:
+    verdicts = run([BAD, BAD, None, BAD], passive=[0, 0, 1, 0])
+    assert [v.memory.failures for v in verdicts] == [1, 2, 2, 3]
+    assert [v.state for v in verdicts][-1] is WorkerState.FAILED
+
+
+def test_a_worker_ejected_on_data_path_failures_is_held_out_though_its_probes_pass() -> None:
+    verdicts = run([OK, None, OK, OK, OK, OK], passive=[0, 3, 0, 0, 0, 0], step_s=0.5)  # held 0.5 → 2.5 s
+    assert [v.state for v in verdicts] == [WorkerState.READY, WorkerState.FAILED, WorkerState.FAILED,
+                                           WorkerState.FAILED, WorkerState.FAILED, WorkerState.READY]
+    assert "held out" in verdicts[3].reason
+
+
+def test_each_data_path_ejection_in_a_row_holds_twice_as_long_up_to_the_cap() -> None:
+    # ejected at 1 s (held 2 s), back at 3 s, ejected again at 4 s (held 4 s), back at 8 s, again at 9 s (6 s cap)
+    passive = [0, 3, 0, 0, 3, 0, 0, 0, 0, 3]
+    verdicts = run([OK, None, OK, OK, None, OK, OK, OK, OK, None], passive=passive)
+    assert [v.memory.passive_ejections for v in verdicts] == [0, 1, 1, 1, 2, 2, 2, 2, 2, 3]
+    assert [v.state for v in verdicts][3] is WorkerState.READY and [v.state for v in verdicts][8] is WorkerState.READY
+    assert [v.memory.held_until for v in verdicts if v.memory.held_until is not None][-1] == 9.0 + 6.0
+
+
+def test_a_worker_that_served_as_long_as_it_was_held_starts_over() -> None:
+    verdicts = run([OK, None, OK, OK, OK, OK, OK, None], passive=[0, 3, 0, 0, 0, 0, 0, 3])
+    # held 1 → 3 s, back at 3 s, served 2 s (its hold) by 5 s: the ejection at 7 s is a first one again
+    assert [v.memory.passive_ejections for v in verdicts] == [0, 1, 1, 1, 1, 0, 0, 1]
+    assert verdicts[-1].memory.held_until == 7.0 + 2.0
 
 
 def test_fewer_passive_failures_than_the_threshold_are_tolerated() -> None:

@@ -89,7 +89,8 @@ def test_a_typo_is_caught() -> None:
 
 def test_dashboard_covers_each_area() -> None:
     rows = [p["title"] for p in DASHBOARD["panels"] if p["type"] == "row"]
-    assert rows == ["Fleet", "GPU and KV cache", "Decisions", "Queue", "Tenants and quotas", "Autoscaler"]
+    assert rows == ["Fleet", "GPU and KV cache", "Decisions", "Queue", "Tenants and quotas", "Autoscaler",
+                    "Health monitor"]
     ids = [p["id"] for p in DASHBOARD["panels"]]
     assert len(ids) == len(set(ids))
     for panel in DASHBOARD["panels"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ from envoy.extensions.load_balancing_policies.least_request.v3 import least_requ
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 
 from controller.xds import XdsServer
-from controller.xds.build import ENDPOINT_TYPE_URL, build_clusters, build_endpoints, fallback_assignment, usable_workers
+from controller.xds.build import ENDPOINT_TYPE_URL, build_clusters, build_endpoints
 from controller.xds.server import FALLBACK_PERIOD_S
 from poolgate.kernel.config import PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -130,7 +131,7 @@ def test_ipv6_host_is_accepted() -> None:
     assert hosts(assignments[cluster_name("chat")]) == {"::1:1": health_check_pb2.HEALTHY}
 
 
-def test_the_fallback_joined_from_pools_equals_the_one_built_from_workers() -> None:
+def test_the_fallback_kept_up_to_date_equals_the_one_built_at_once() -> None:
     pools = tuple(PoolSpec(name=f"p{i}", model="m") for i in (3, 1, 2))  # config order is not name order
     workers = [WorkerRecord(id=f"w{i:03d}", pool=f"p{i % 3 + 1}", model="m", host=f"10.0.0.{i + 1}", port=8000)
                for i in range(30)]
@@ -141,16 +142,21 @@ def test_the_fallback_joined_from_pools_equals_the_one_built_from_workers() -> N
     built = server.pools_built
     now[0] += FALLBACK_PERIOD_S
     server.update(changed)
-    assert server.pools_built == built + 1  # one pool rebuilt; the fallback joined from the three
-    assert fallback(server).SerializeToString(deterministic=True) == fallback_assignment(
-        usable_workers(pools, changed)).SerializeToString(deterministic=True)
+    assert server.pools_built == built + 1  # one pool rebuilt; the fallback apart, in the next update
+    assert server.fallback_due
+    server.update(changed)
+    assert server.pools_built == built + 1 and not server.fallback_due
+    assert fallback(server).SerializeToString(deterministic=True) == fallback_built(pools, changed).SerializeToString(
+        deterministic=True)
     twice = [*changed, replace(workers[0], id="w999", pool="p2")]  # w000's address in a second pool too
     now[0] += FALLBACK_PERIOD_S
     server.update(twice)
-    assert fallback(server) == fallback_assignment(usable_workers(pools, twice))
+    server.update(twice)
+    assert fallback(server) == fallback_built(pools, twice)
+    assert len(fallback(server).endpoints[0].lb_endpoints) == len(workers)  # one host per address
 
 
-def test_a_change_sends_its_pool_at_once_and_the_fallback_at_most_once_a_period() -> None:
+def test_a_change_sends_its_pool_at_once_and_the_fallback_apart_at_most_once_a_period() -> None:
     pools = (PoolSpec(name="a", model="m"), PoolSpec(name="b", model="m"))
     workers = [WorkerRecord(id=f"w{i}", pool="ab"[i % 2], model="m", host=f"10.0.1.{i + 1}", port=8000)
                for i in range(6)]
@@ -167,7 +173,33 @@ def test_a_change_sends_its_pool_at_once_and_the_fallback_at_most_once_a_period(
     now[0] += FALLBACK_PERIOD_S
     assert server.fallback_due
     server.update(drained)  # the bridge's next look, with nothing else changed
-    assert fallback(server) == fallback_assignment(usable_workers(pools, drained)) and not server.fallback_due
+    assert fallback(server) == fallback_built(pools, drained) and not server.fallback_due
+
+
+async def test_the_server_sends_a_stale_fallback_on_its_own() -> None:
+    """On an event loop nobody needs to call again: the pool's change goes out at once, the fallback after it,
+    in an update of its own, once its period has passed."""
+    pools = (PoolSpec(name="a", model="m"),)
+    workers = [WorkerRecord(id=f"w{i}", pool="a", model="m", host=f"10.0.2.{i + 1}", port=8000) for i in range(3)]
+    server = XdsServer(pools, fallback_period_s=0.3)
+    server.update(workers)
+    before = fallback(server)
+    await asyncio.sleep(0.35)  # the period has passed: the fallback is due, yet not sent with the change
+    drained = [replace(workers[0], state=WorkerState.DRAINING), *workers[1:]]
+    server.update(drained)
+    assert fallback(server) == before
+    assert assignment(server, "a") == by_name(build_endpoints(pools, drained))[cluster_name("a")]
+    for _ in range(100):
+        if fallback(server) != before:
+            break
+        await asyncio.sleep(0.01)
+    assert fallback(server) == fallback_built(pools, drained)
+    await server.stop()
+
+
+def fallback_built(pools: tuple[PoolSpec, ...], workers: list[WorkerRecord]) -> endpoint_pb2.ClusterLoadAssignment:
+    """The fallback's assignment built from the whole fleet at once."""
+    return by_name(build_endpoints(pools, workers))[FALLBACK_CLUSTER]
 
 
 def assignment(server: XdsServer, pool: str) -> endpoint_pb2.ClusterLoadAssignment:

@@ -17,7 +17,7 @@ class HealthSettings(Section):
     """The controller's health monitor: active probes of every registered worker plus passive failure reports.
 
     A worker turns Failed after ``failures_to_fail`` bad probes in a row (or ``passive_failures_to_fail``
-    failures reported by the data path within one probe interval) and Ready again after
+    failures reported by the data path since its last verdict) and Ready again after
     ``successes_to_ready`` good ones; Busy while saturated. One bad probe never ejects a worker."""
 
     probe_interval_s: float = Field(0.5, gt=0, le=30)
@@ -27,11 +27,24 @@ class HealthSettings(Section):
     """Also ``GET /v1/models`` and require the pool's model in it (catches a worker serving the wrong model)."""
     slow_probe_s: float = Field(0.0, ge=0)
     """Probe latency above this counts as a failure (0 = off; the timeout still applies)."""
+    max_probes_per_s: float = Field(4000.0, gt=0)
+    """A round starts at most this many probes a second: past ``max_probes_per_s × probe_interval_s / 2``
+    workers a round takes longer than the interval (10,000 workers at the defaults: a round every 2.5 s, a
+    dead worker confirmed Failed within the round that finds it). Each probe is one kept-alive HTTP request;
+    4,000 a second cost the controller about a fifth of a core (``poolgate bench scale``)."""
     failures_to_fail: int = Field(3, ge=1)
     successes_to_ready: int = Field(2, ge=1)
     passive_failures_to_fail: int = Field(3, ge=1)
-    """Data-path failures (5xx, timeouts, resets) reported through Redis within one probe interval that make
-    a worker Failed at once, without waiting for probes."""
+    """Data-path failures since the worker's last verdict (5xx, timeouts, resets: every Envoy reports its
+    failed upstream attempts to the controllers) that make it Failed at once: the monitor reads them every
+    0.25 s and fails such a worker out of turn, whatever its round."""
+    passive_hold_s: float = Field(5.0, ge=0)
+    """A worker failed on data-path failures stays Failed at least this long, whatever its probes say; each
+    such ejection in a row doubles it (a worker that fails its requests but answers its probes would
+    otherwise be back, and failing requests, within a second). Starts over once the worker has served as long
+    as its last hold."""
+    passive_hold_max_s: float = Field(300.0, ge=0)
+    """The longest such hold."""
     busy_kv_usage: float = Field(0.95, gt=0, le=1)
     """A worker with requests waiting and KV usage at or above this is Busy (not picked) until it clears."""
     replace_failed_after_s: float = Field(5.0, gt=0)
