@@ -6,9 +6,10 @@ queue) per worker above ``up_waiting_per_worker``, mean KV usage above ``up_kv_u
 worker is still starting (a start takes seconds; deciding again before it serves would overshoot). The step is at
 least ``up_step`` and grows with the backlog, so a 3× load step is met in one or two moves.
 Scale down by one worker after ``down_cooldown_s`` of idleness (nothing waiting, the running requests
-would fit on one worker fewer, and TTFT at most ``TTFT_DOWN_SHARE`` of its target) and as long since the
-last scale event; the removal goes through a drain. The gap between the up and the down conditions is the
-hysteresis that keeps a steady load near a threshold from flapping the count. An empty pool (``min_workers:
+would fit on one worker fewer, and TTFT at most ``TTFT_DOWN_SHARE`` of its target, in ``DOWN_IDLE_SHARE`` of
+the samples and the latest) and as long since the last scale event; the removal goes through a drain. The
+gap between the up and the down conditions is the hysteresis that keeps a steady load near a threshold from
+flapping the count. An empty pool (``min_workers:
 0``) with any request waiting for it gets one worker at once: there nothing can serve while pressure is
 being confirmed. Bounds (min/max) always win. Each decision carries its reason, for the log line and the metric.
 """
@@ -39,6 +40,9 @@ class PoolSample:
     """Observed time to first token: mean of the ready workers' TTFT EWMA (agent); -1 = unknown."""
 
 
+DOWN_IDLE_SHARE = 0.8
+"""A worker leaves once this share of the cooldown's samples, the current one among them, were idle: a request
+that waits one engine step (it arrived as another finished) must not hold a pool at its peak size for good."""
 TTFT_DOWN_SHARE = 0.5
 """A worker leaves only while the pool's TTFT is at most this share of ``up_ttft_s`` (hysteresis)."""
 
@@ -114,11 +118,15 @@ def decide(history: Sequence[PoolSample], bounds: PoolScaling, settings: Autosca
     if quiet is None:
         return Decision(Action.HOLD, current.workers, "steady")
     fewer = current.workers - 1
+    fits = settings.down_running_per_worker * fewer
     ttft_bound = TTFT_DOWN_SHARE * settings.up_ttft_s if settings.up_ttft_s else math.inf
-    idle = all(s.waiting == 0 and s.running <= settings.down_running_per_worker * fewer
-               and s.kv_usage <= settings.up_kv_usage and _live_ttft(s) <= ttft_bound for s in quiet)
-    if idle:
+    idle = [s for s in quiet if s.waiting == 0 and s.running <= fits
+            and s.kv_usage <= settings.up_kv_usage and _live_ttft(s) <= ttft_bound]
+    if idle and idle[-1] is current and len(idle) >= DOWN_IDLE_SHARE * len(quiet):
         return Decision(Action.DOWN, fewer,
-                        f"idle for {settings.down_cooldown_s:g} s: nothing waiting, at most "
-                        f"{max(s.running for s in quiet)} running (fits on {fewer} worker(s))")
-    return Decision(Action.HOLD, current.workers, "steady")
+                        f"idle for {settings.down_cooldown_s:g} s: {len(idle)} of {len(quiet)} samples with "
+                        f"nothing waiting and at most {max(s.running for s in idle)} running (fits on {fewer} "
+                        f"worker(s))")
+    return Decision(Action.HOLD, current.workers, f"steady: {len(idle)} of {len(quiet)} samples of the last "
+                    f"{settings.down_cooldown_s:g} s idle; {max(s.waiting for s in quiet)} waiting and "
+                    f"{max(s.running for s in quiet)} running at most ({fits:g} fit on {fewer} worker(s))")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,6 +25,9 @@ from poolgate.kernel.fleet import WorkerState
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.autoscale")
+
+HOLD_LOG_S = 10.0
+"""A pool held above its minimum says why at most this often."""
 
 
 class Autoscaler:
@@ -42,6 +46,7 @@ class Autoscaler:
         self._decisions = Counter("poolgate_autoscale_decisions", "Autoscaler decisions by pool and action.",
                                   ["pool", "action"], registry=registry)
         self.last: dict[str, Decision] = {}
+        self._hold_logged_at: dict[str, float] = {}
 
     async def sample(self, pool: str, now: float) -> PoolSample:
         records = [r for r in await self._store.read_fleet() if r.pool == pool]
@@ -60,6 +65,15 @@ class Autoscaler:
                           running=running, kv_usage=kv,
                           ttft_s=sum(ttfts) / len(ttfts) if ttfts else -1.0)
 
+    def _log_hold(self, pool: str, min_workers: int, decision: Decision, now: float) -> None:
+        """Why a pool above its minimum keeps its size, at most every ``HOLD_LOG_S`` (an operator waiting
+        for a scale-down reads what holds it up)."""
+        if decision.target <= min_workers or now - self._hold_logged_at.get(pool, -math.inf) < HOLD_LOG_S:
+            log.debug("pool %s: hold at %d (%s)", pool, decision.target, decision.reason)
+            return
+        self._hold_logged_at[pool] = now
+        log.info("pool %s: hold at %d (%s)", pool, decision.target, decision.reason)
+
     async def step(self) -> None:
         """One sample and decision per pool; acts when the decision changes the size."""
         if not self._is_leader():
@@ -76,7 +90,7 @@ class Autoscaler:
             self._decisions.labels(pool=pool, action=decision.action.value).inc()
             self.last[pool] = decision
             if decision.action is Action.HOLD:
-                log.debug("pool %s: hold at %d (%s)", pool, decision.target, decision.reason)
+                self._log_hold(pool, bounds.min_workers, decision, now)
                 continue
             log.info("pool %s: scale %s to %d (%s)", pool, decision.action.value, decision.target, decision.reason)
             try:

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 
+from poolgate.kernel.keys import RedisKeys
 from tests.e2e.conftest import RunningStack, poolgate_up
 from tests.e2e.test_lifecycle_fleet import BackgroundLoad, Outcome, wait_for
 
@@ -47,6 +49,21 @@ def median_latency(outcomes: list[Outcome], since: float, until: float, finished
     return statistics.median(values) if values else float("nan")
 
 
+def pool_facts(stack: RunningStack) -> str:
+    """What the autoscaler last said of the pool and what it reads: the workers' engine facts, extproc's
+    in-flight counts and queue."""
+    holds = [line for line in (stack.run_dir / "controller.log").read_text().splitlines() if "hold at" in line]
+    records = {w: {k: v for k, v in stack.record(w).items() if k in ("state", "running", "waiting", "metrics_at")}
+               for w in stack.pool_ids("burst")}
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        keys = RedisKeys(stack.prefix)
+        counts = {"inflight": client.hgetall(keys.inflight), "queued": client.hgetall(keys.queued("burst"))}
+    finally:
+        client.close()
+    return f"{holds[-3:]}; records {records}; {counts}"
+
+
 def test_load_step_scales_up_and_load_drop_scales_down(stack: RunningStack) -> None:
     base = BackgroundLoad(stack.base_url, 4, BODY)
     time.sleep(4.0)
@@ -58,7 +75,10 @@ def test_load_step_scales_up_and_load_drop_scales_down(stack: RunningStack) -> N
     recovered_from = time.monotonic() - 3.0
     drop_at = time.monotonic()
     stepped = extra.stop()
-    shrunk = wait_for(lambda: len(stack.pool_ids("burst")) <= 2, 40, 0.1)
+    try:
+        shrunk = wait_for(lambda: len(stack.pool_ids("burst")) <= 2, 40, 0.1)
+    except AssertionError as exc:
+        raise AssertionError(f"no scale-down: {pool_facts(stack)}") from exc
     baseline = base.stop()
     outcomes = baseline + stepped
     failed = [o for o in outcomes if not o.done]

@@ -99,3 +99,22 @@ def test_a_steady_load_settles_without_flapping(concurrency: int, start_workers:
     sizes = simulate(concurrency, capacity=8, start_workers=start_workers)
     assert direction_changes(sizes) == 0, sizes
     assert len(set(sizes[-100:])) == 1  # settled well before the end
+
+
+def with_waiting(samples: list[PoolSample], busy_at: set[int]) -> list[PoolSample]:
+    """``samples`` with one request waiting at the given seconds (a request that waited an engine step)."""
+    return [PoolSample(s.at, s.workers, s.ready, 1 if int(s.at) in busy_at else 0, s.running, s.kv_usage)
+            for s in samples]
+
+
+def test_a_request_waiting_one_step_does_not_hold_a_pool_at_its_peak() -> None:
+    """11 samples over the cooldown, one with a request waiting: the pool still shrinks, and says how idle it
+    was; three such samples, or one in the latest, hold it."""
+    one_blip = with_waiting(steady(10, 3, running=4), {4})
+    decision = decide(one_blip, TO_ZERO, SETTINGS, now=10.0, last_change_at=None)
+    assert decision.action is Action.DOWN and decision.target == 2 and "10 of 11 samples" in decision.reason
+    held = decide(with_waiting(steady(10, 3, running=4), {2, 5, 8}), TO_ZERO, SETTINGS, now=10.0,
+                  last_change_at=None)
+    assert held.action is Action.HOLD and "8 of 11 samples" in held.reason and "1 waiting" in held.reason
+    assert decide(with_waiting(steady(10, 3, running=4), {10}), TO_ZERO, SETTINGS, now=10.0,
+                  last_change_at=None).action is Action.HOLD
