@@ -77,6 +77,8 @@ ENVOYS = ("a", "b")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEARTBEAT_TIMEOUT_S = 30.0
 """A heartbeat call that takes longer counts as failed."""
+FAKE_WORKERS_NICE = 10
+"""The fake workers' scheduling priority (``nice``): they stand for the fleet's own machines."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,11 @@ class Fleet:
         self.registered: set[str] = set()
         """Workers whose first registration went through: only they heartbeat (a worker beats once it
         has registered)."""
+        size = max(1, node_batch)
+        self._node_locks = {w.id: lock for i in range(0, len(workers), size)
+                            for lock in (asyncio.Lock(),) for w in workers[i:i + size]}
+        """A node sends one heartbeat call at a time, so a beat built before a state change can never land
+        after the beat that reports it (two calls in flight may reach two API processes in either order)."""
 
     async def register(self, worker: Worker) -> float:
         """One registration: 0 once it went through, else how long to wait before the next try (the API's
@@ -343,8 +350,9 @@ class Fleet:
     async def heartbeat(self, worker: Worker, client: LeanHttpClient) -> None:
         if worker.id not in self.registered:
             return
-        body = {"state": self.state[worker.id]} if worker.id in self.state else {}
-        answer = await self._post(client, b"/v1/workers/%s/heartbeat" % worker.id.encode(), body)
+        async with self._node_locks[worker.id]:
+            body = {"state": self.state[worker.id]} if worker.id in self.state else {}
+            answer = await self._post(client, b"/v1/workers/%s/heartbeat" % worker.id.encode(), body)
         status = answer[0] if answer is not None else 0
         if status == 200:
             self.counters.ok += 1
@@ -359,8 +367,9 @@ class Fleet:
         group = [w for w in group if w.id in self.registered]
         if not group:
             return
-        beats = [{"id": w.id, **({"state": self.state[w.id]} if w.id in self.state else {})} for w in group]
-        answer = await self._post(client, b"/v1/heartbeats", {"workers": beats})
+        async with self._node_locks[group[0].id]:
+            beats = [{"id": w.id, **({"state": self.state[w.id]} if w.id in self.state else {})} for w in group]
+            answer = await self._post(client, b"/v1/heartbeats", {"workers": beats})
         if answer is None or answer[0] != 200:
             self.counters.failed += len(group)
             return
@@ -504,8 +513,9 @@ async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, 
                       interval_s: float) -> list[float]:
     """A worker reports Draining (the healthy count drops by one), then Ready again (it comes back).
 
-    The latency counts from the heartbeat that carries the state, sent at once: a worker reports a state
-    change when it happens, not at its next beat. A change not seen within 5 s counts as NaN (missed)."""
+    The latency counts from the change: its heartbeat is sent at once (a worker reports a state change when
+    it happens, not at its next beat), after its node's heartbeat in flight if one is. A change not seen
+    within 5 s counts as NaN (missed)."""
     latencies = []
     client = fleet_.own_client()
     for index in range(changes):
@@ -536,7 +546,9 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
     try:
         config_path = write_config(run_dir, pools, args.heartbeat_interval_s, args.api_processes, args.sick > 0)
         interval_s = yaml.safe_load(config_path.read_text()).get("controller", {}).get("heartbeat_interval_s", 0.5)
-        fake_workers = {name: group.start(name, [sys.executable, "-m", "bench.scale", "serve-workers", str(port),
+        # The fake workers stand for machines of their own: on this host they yield the CPU to the stack.
+        fake_workers = {name: group.start(name, ["nice", "-n", str(FAKE_WORKERS_NICE), sys.executable, "-m",
+                                                 "bench.scale", "serve-workers", str(port),
                                                  *(["fail-requests"] if name == "fake_workers_sick" else [])],
                                           env={"PYTHONPATH": str(REPO_ROOT)}).pid
                         for name, port in (("fake_workers", alive_port), ("fake_workers_doomed", doomed_port),
@@ -564,6 +576,7 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
                 latencies = await one_changes(http, stack, fleet_, args.changes, interval_s)
                 row["change_p50_s"] = quantile(latencies, 0.5)
                 row["change_p99_s"] = quantile(latencies, 0.99)
+                row["change_latencies_ms"] = [round(x * 1000, 1) for x in latencies]
                 if args.sick and await wait_counts(http, stack, [SICK_POOL], lambda c: c >= 2 * args.sick,
                                                    args.timeout_s) is not None:
                     row.update(await sick_ejection(http, stack, args.sick, args.timeout_s))

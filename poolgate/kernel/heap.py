@@ -7,14 +7,26 @@ walking them made each full collection of a controller serving 5,000 workers pau
 late and workers expire. ``gc.freeze()`` moves every object alive at that moment into a generation the
 collector never walks; what the process makes afterwards is collected as before (objects are still freed by
 reference counting; only a cycle that includes a frozen object would be kept).
+
+What the process builds later is a million objects more at 10,000 workers (records, endpoints, connections,
+probe state). The objects that come and go around them made a full collection every one to two seconds with
+CPython's default thresholds (700, 10, 10), each walking all of it for 85 to 200 ms and finding nothing: a
+worker's change waited behind it on its way to Envoy. A full collection now comes after ``FULL_EVERY``
+collections of the middle generation instead of 10: ten times less often, and cyclic garbage that lives
+long enough to reach the oldest generation is still freed within tens of seconds.
 """
 
 from __future__ import annotations
 
 import gc
 
+FULL_EVERY = 100
+"""Collections of the middle generation between full ones (CPython's default: 10)."""
+
 
 def freeze_startup_objects() -> None:
     """Call once a long-running process has started (its imports done, its servers bound)."""
     gc.collect()
     gc.freeze()
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, FULL_EVERY)
