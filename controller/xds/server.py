@@ -44,8 +44,9 @@ whole fleet to every Envoy (10,000 endpoints for one) and wait for Envoy to take
 extproc is away, so it may trail the pools' assignments by up to this long. Sent every second, a 10,000-worker
 fallback kept the controller and every Envoy busy often enough that one change in ten waited behind it
 (100-300 ms instead of 30)."""
-FALLBACK_APART_S = 0.05
-"""A fallback due at once still follows the pools' change by this long."""
+FALLBACK_QUIET_S = 0.25
+"""A due fallback waits until no pool's assignment has changed for this long (one period at most): sent into a
+burst of changes, the next change of the burst would queue behind the whole fleet at every Envoy."""
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """A large fleet's EDS answer can pass grpc's 4 MiB default."""
 
@@ -226,7 +227,8 @@ class XdsServer:
     """ADS for the pools of one config. ``update`` may be called as often as the fleet changes."""
 
     def __init__(self, pools: tuple[PoolSpec, ...], tls: TlsSettings | None = None, *,
-                 fallback_period_s: float = FALLBACK_PERIOD_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 fallback_period_s: float = FALLBACK_PERIOD_S, fallback_quiet_s: float = FALLBACK_QUIET_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._pools = tuple(pools)
         self._cache = SnapshotCache()
         self._streams: dict[_Stream, asyncio.Queue[_Event]] = {}
@@ -237,9 +239,12 @@ class XdsServer:
         """Pool load assignments built so far (a one-worker change builds one)."""
         self._clock = clock
         self._fallback_period_s = fallback_period_s
+        self._fallback_quiet_s = fallback_quiet_s
         self._fallback_at = float("-inf")
         self._fallback_stale = False
         """The fallback's assignment trails a change the pools' assignments already carry."""
+        self._stale_since = float("-inf")
+        self._pools_changed_at = float("-inf")
         self._fallback_timer: asyncio.TimerHandle | None = None
         self._building = False
         """An update's build runs in a worker thread (the table is its own meanwhile)."""
@@ -311,7 +316,11 @@ class XdsServer:
             assignments.append(self._table.fallback())
             self._fallback_at, self._fallback_stale = now, False
         else:
+            if not self._fallback_stale:
+                self._stale_since = now
             self._fallback_stale = True  # sent on its own once due (``_schedule_fallback``)
+        if touched:
+            self._pools_changed_at = now
         if previous is None:
             return Snapshot.of(ENDPOINT_TYPE_URL, assignments)
         return previous.replaced(assignments)
@@ -327,16 +336,22 @@ class XdsServer:
         return version
 
     def _schedule_fallback(self) -> None:
-        """Send a stale fallback once due, in an update of its own (a caller without an event loop calls
-        ``update`` again while ``fallback_due`` instead)."""
-        if not self._fallback_stale or self._fallback_timer is not None:
+        """Send a stale fallback once due and the pools quiet, in an update of its own (a caller without an
+        event loop calls ``update`` again while ``fallback_due`` instead). Each pool change puts it off again,
+        up to one period past when it would have been due."""
+        if not self._fallback_stale:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        due_in = self._fallback_period_s - (self._clock() - self._fallback_at)
-        self._fallback_timer = loop.call_later(max(FALLBACK_APART_S, due_in), self._send_fallback)
+        due = max(self._fallback_at + self._fallback_period_s, self._stale_since)
+        at = min(max(due, self._pools_changed_at + self._fallback_quiet_s), due + self._fallback_period_s)
+        if self._fallback_timer is not None:
+            if self._fallback_timer.when() - loop.time() >= at - self._clock() - 0.001:
+                return  # already set for then or later
+            self._fallback_timer.cancel()
+        self._fallback_timer = loop.call_later(max(0.0, at - self._clock()), self._send_fallback)
 
     def _send_fallback(self) -> None:
         self._fallback_timer = None

@@ -197,6 +197,52 @@ async def test_the_server_sends_a_stale_fallback_on_its_own() -> None:
     await server.stop()
 
 
+def draining_from(workers: list[WorkerRecord], count: int) -> list[WorkerRecord]:
+    """``workers`` with the first ``count`` of them Draining: each step of a burst changes one more."""
+    return [replace(w, state=WorkerState.DRAINING) if i < count else w for i, w in enumerate(workers)]
+
+
+async def test_a_due_fallback_waits_for_a_burst_of_changes_to_pass() -> None:
+    """Changes 0.1 s apart: the due fallback is not sent among them (each would queue behind the whole fleet at
+    every Envoy), but 0.2 s after the last."""
+    pools = (PoolSpec(name="a", model="m"),)
+    workers = [WorkerRecord(id=f"w{i:02d}", pool="a", model="m", host=f"10.0.3.{i + 1}", port=8000)
+               for i in range(20)]
+    server = XdsServer(pools, fallback_period_s=1.0, fallback_quiet_s=0.2)
+    server.update(workers)
+    before = fallback(server)
+    await asyncio.sleep(1.05)  # due from here on
+    for count in range(1, 6):
+        server.update(draining_from(workers, count))
+        await asyncio.sleep(0.1)
+        assert fallback(server) == before, f"sent amid the burst, after change {count}"
+    await asyncio.sleep(0.25)
+    assert fallback(server) == fallback_built(pools, draining_from(workers, 5))
+    await server.stop()
+
+
+async def test_an_endless_burst_holds_the_fallback_one_period_at_most() -> None:
+    pools = (PoolSpec(name="a", model="m"),)
+    workers = [WorkerRecord(id=f"w{i:02d}", pool="a", model="m", host=f"10.0.4.{i + 1}", port=8000)
+               for i in range(60)]
+    server = XdsServer(pools, fallback_period_s=0.3, fallback_quiet_s=0.2)
+    server.update(workers)
+    before = fallback(server)
+    await asyncio.sleep(0.35)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    count = 0
+    while fallback(server) == before:
+        assert count < len(workers), "never sent"
+        count += 1
+        server.update(draining_from(workers, count))
+        await asyncio.sleep(0.05)
+    took = loop.time() - started
+    print(f"fallback sent {took:.2f} s into a burst of changes 0.05 s apart")
+    assert took >= 0.25  # held past its due time, though its period had passed
+    await server.stop()
+
+
 def fallback_built(pools: tuple[PoolSpec, ...], workers: list[WorkerRecord]) -> endpoint_pb2.ClusterLoadAssignment:
     """The fallback's assignment built from the whole fleet at once."""
     return by_name(build_endpoints(pools, workers))[FALLBACK_CLUSTER]
