@@ -9,9 +9,9 @@ Scale down by one worker after ``down_cooldown_s`` of idleness (nothing waiting,
 would fit on one worker fewer, and TTFT at most ``TTFT_DOWN_SHARE`` of its target, in ``DOWN_IDLE_SHARE`` of
 the samples and the latest) and as long since the last scale event; the removal goes through a drain. The
 gap between the up and the down conditions is the hysteresis that keeps a steady load near a threshold from
-flapping the count. An empty pool (``min_workers:
-0``) with any request waiting for it gets one worker at once: there nothing can serve while pressure is
-being confirmed. Bounds (min/max) always win. Each decision carries its reason, for the log line and the metric.
+flapping the count. An empty pool (``min_workers: 0``) with any request waiting for it gets one worker at
+once: there nothing can serve while pressure is being confirmed. Bounds (min/max) always win. Each decision
+carries its reason, for the log line and the metric.
 """
 
 from __future__ import annotations
