@@ -113,6 +113,10 @@ class EndpointTable:
         self._by_address: dict[tuple[str, int], str] = {}
         """Which worker Envoy was sent at each address (Envoy's access log names the address only)."""
 
+    def __len__(self) -> int:
+        """Usable workers held (each one endpoint of the fallback)."""
+        return len(self._members)
+
     @property
     def pools(self) -> list[str]:
         return list(self._by_pool)

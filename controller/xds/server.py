@@ -37,16 +37,22 @@ from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
 
-FALLBACK_PERIOD_S = 5.0
+FALLBACK_PERIOD_S = 1.0
 """The fail-open route's assignment (every usable worker of every pool) is rebuilt at most this often, in an
 update of its own, never in the one that carries a pool's change: with it, one worker's change would send the
 whole fleet to every Envoy (10,000 endpoints for one) and wait for Envoy to take them. It serves only while
-extproc is away, so it may trail the pools' assignments by up to this long. Sent every second, a 10,000-worker
-fallback kept the controller and every Envoy busy often enough that one change in ten waited behind it
+extproc is away, so it may trail the pools' assignments by up to this long."""
+FALLBACK_APART_S = 0.05
+"""A fallback due at once still follows the pools' change by this long."""
+LARGE_FALLBACK = 2000
+"""From this many endpoints on, the fallback follows ``LARGE_FALLBACK_PERIOD_S`` and ``LARGE_FALLBACK_QUIET_S``."""
+LARGE_FALLBACK_PERIOD_S = 5.0
+"""A large fleet's fallback period. Sent every second, a 10,000-worker fallback (333 KB that every Envoy
+applies) kept the controller and every Envoy busy often enough that one change in ten waited behind it
 (100-300 ms instead of 30)."""
-FALLBACK_QUIET_S = 0.25
-"""A due fallback waits until no pool's assignment has changed for this long (one period at most): sent into a
-burst of changes, the next change of the burst would queue behind the whole fleet at every Envoy."""
+LARGE_FALLBACK_QUIET_S = 0.25
+"""A large fleet's due fallback waits until no pool's assignment has changed for this long (one period at
+most): sent into a burst of changes, the next change of the burst would queue behind it at every Envoy."""
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """A large fleet's EDS answer can pass grpc's 4 MiB default."""
 
@@ -227,7 +233,7 @@ class XdsServer:
     """ADS for the pools of one config. ``update`` may be called as often as the fleet changes."""
 
     def __init__(self, pools: tuple[PoolSpec, ...], tls: TlsSettings | None = None, *,
-                 fallback_period_s: float = FALLBACK_PERIOD_S, fallback_quiet_s: float = FALLBACK_QUIET_S,
+                 fallback_period_s: float | None = None, fallback_quiet_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pools = tuple(pools)
         self._cache = SnapshotCache()
@@ -238,8 +244,9 @@ class XdsServer:
         self.pools_built = 0
         """Pool load assignments built so far (a one-worker change builds one)."""
         self._clock = clock
-        self._fallback_period_s = fallback_period_s
-        self._fallback_quiet_s = fallback_quiet_s
+        self._given_period_s = fallback_period_s
+        self._given_quiet_s = fallback_quiet_s
+        """The fallback's schedule when given; by default it follows the fleet's size (``LARGE_FALLBACK``)."""
         self._fallback_at = float("-inf")
         self._fallback_stale = False
         """The fallback's assignment trails a change the pools' assignments already carry."""
@@ -312,7 +319,7 @@ class XdsServer:
         assignments = [self._table.assignment(pool) for pool in sorted(touched)]
         self.pools_built += len(touched)
         now = self._clock()
-        if previous is None or (not touched and now - self._fallback_at >= self._fallback_period_s):
+        if previous is None or (not touched and now - self._fallback_at >= self._fallback_period_s()):
             assignments.append(self._table.fallback())
             self._fallback_at, self._fallback_stale = now, False
         else:
@@ -325,10 +332,20 @@ class XdsServer:
             return Snapshot.of(ENDPOINT_TYPE_URL, assignments)
         return previous.replaced(assignments)
 
+    def _fallback_period_s(self) -> float:
+        if self._given_period_s is not None:
+            return self._given_period_s
+        return LARGE_FALLBACK_PERIOD_S if len(self._table) >= LARGE_FALLBACK else FALLBACK_PERIOD_S
+
+    def _fallback_quiet_s(self) -> float:
+        if self._given_quiet_s is not None:
+            return self._given_quiet_s
+        return LARGE_FALLBACK_QUIET_S if len(self._table) >= LARGE_FALLBACK else FALLBACK_APART_S
+
     @property
     def fallback_due(self) -> bool:
         """The fallback's assignment trails a change and may be rebuilt now: call ``update`` again."""
-        return self._fallback_stale and self._clock() - self._fallback_at >= self._fallback_period_s
+        return self._fallback_stale and self._clock() - self._fallback_at >= self._fallback_period_s()
 
     def _apply(self, endpoints: Snapshot | None) -> str:
         version = self._publish([self._clusters, *([endpoints] if endpoints is not None else [])])
@@ -345,8 +362,8 @@ class XdsServer:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        due = max(self._fallback_at + self._fallback_period_s, self._stale_since)
-        at = min(max(due, self._pools_changed_at + self._fallback_quiet_s), due + self._fallback_period_s)
+        due = max(self._fallback_at + self._fallback_period_s(), self._stale_since)
+        at = min(max(due, self._pools_changed_at + self._fallback_quiet_s()), due + self._fallback_period_s())
         if self._fallback_timer is not None:
             if self._fallback_timer.when() - loop.time() >= at - self._clock() - 0.001:
                 return  # already set for then or later
