@@ -246,7 +246,6 @@ class XdsServer:
         self._clock = clock
         self._given_period_s = fallback_period_s
         self._given_quiet_s = fallback_quiet_s
-        """The fallback's schedule when given; by default it follows the fleet's size (``LARGE_FALLBACK``)."""
         self._fallback_at = float("-inf")
         self._fallback_stale = False
         """The fallback's assignment trails a change the pools' assignments already carry."""
@@ -319,7 +318,7 @@ class XdsServer:
         assignments = [self._table.assignment(pool) for pool in sorted(touched)]
         self.pools_built += len(touched)
         now = self._clock()
-        if previous is None or (not touched and now - self._fallback_at >= self._fallback_period_s()):
+        if previous is None or (not touched and now - self._fallback_at >= self._fallback_schedule()[0]):
             assignments.append(self._table.fallback())
             self._fallback_at, self._fallback_stale = now, False
         else:
@@ -332,20 +331,18 @@ class XdsServer:
             return Snapshot.of(ENDPOINT_TYPE_URL, assignments)
         return previous.replaced(assignments)
 
-    def _fallback_period_s(self) -> float:
-        if self._given_period_s is not None:
-            return self._given_period_s
-        return LARGE_FALLBACK_PERIOD_S if len(self._table) >= LARGE_FALLBACK else FALLBACK_PERIOD_S
-
-    def _fallback_quiet_s(self) -> float:
-        if self._given_quiet_s is not None:
-            return self._given_quiet_s
-        return LARGE_FALLBACK_QUIET_S if len(self._table) >= LARGE_FALLBACK else FALLBACK_APART_S
+    def _fallback_schedule(self) -> tuple[float, float]:
+        """The fallback's period and quiet wait: as given, else by the fleet's size (``LARGE_FALLBACK``)."""
+        large = len(self._table) >= LARGE_FALLBACK
+        period, quiet = (LARGE_FALLBACK_PERIOD_S, LARGE_FALLBACK_QUIET_S) if large else (FALLBACK_PERIOD_S,
+                                                                                      FALLBACK_APART_S)
+        return (period if self._given_period_s is None else self._given_period_s,
+                quiet if self._given_quiet_s is None else self._given_quiet_s)
 
     @property
     def fallback_due(self) -> bool:
         """The fallback's assignment trails a change and may be rebuilt now: call ``update`` again."""
-        return self._fallback_stale and self._clock() - self._fallback_at >= self._fallback_period_s()
+        return self._fallback_stale and self._clock() - self._fallback_at >= self._fallback_schedule()[0]
 
     def _apply(self, endpoints: Snapshot | None) -> str:
         version = self._publish([self._clusters, *([endpoints] if endpoints is not None else [])])
@@ -362,8 +359,9 @@ class XdsServer:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        due = max(self._fallback_at + self._fallback_period_s(), self._stale_since)
-        at = min(max(due, self._pools_changed_at + self._fallback_quiet_s()), due + self._fallback_period_s())
+        period, quiet = self._fallback_schedule()
+        due = max(self._fallback_at + period, self._stale_since)
+        at = min(max(due, self._pools_changed_at + quiet), due + period)
         if self._fallback_timer is not None:
             if self._fallback_timer.when() - loop.time() >= at - self._clock() - 0.001:
                 return  # already set for then or later

@@ -197,6 +197,15 @@ async def test_the_server_sends_a_stale_fallback_on_its_own() -> None:
     await server.stop()
 
 
+def one_pool_server(workers: int, subnet: int, period_s: float) -> tuple[XdsServer, list[WorkerRecord]]:
+    """A server (fallback quiet wait 0.2 s) that has sent one pool of ``workers``, and that pool's workers."""
+    fleet = [WorkerRecord(id=f"w{i:02d}", pool="a", model="m", host=f"10.0.{subnet}.{i + 1}", port=8000)
+             for i in range(workers)]
+    server = XdsServer((PoolSpec(name="a", model="m"),), fallback_period_s=period_s, fallback_quiet_s=0.2)
+    server.update(fleet)
+    return server, fleet
+
+
 def draining_from(workers: list[WorkerRecord], count: int) -> list[WorkerRecord]:
     """``workers`` with the first ``count`` of them Draining: each step of a burst changes one more."""
     return [replace(w, state=WorkerState.DRAINING) if i < count else w for i, w in enumerate(workers)]
@@ -205,11 +214,7 @@ def draining_from(workers: list[WorkerRecord], count: int) -> list[WorkerRecord]
 async def test_a_due_fallback_waits_for_a_burst_of_changes_to_pass() -> None:
     """Changes 0.1 s apart: the due fallback is not sent among them (each would queue behind the whole fleet at
     every Envoy), but 0.2 s after the last."""
-    pools = (PoolSpec(name="a", model="m"),)
-    workers = [WorkerRecord(id=f"w{i:02d}", pool="a", model="m", host=f"10.0.3.{i + 1}", port=8000)
-               for i in range(20)]
-    server = XdsServer(pools, fallback_period_s=1.0, fallback_quiet_s=0.2)
-    server.update(workers)
+    server, workers = one_pool_server(20, subnet=3, period_s=1.0)
     before = fallback(server)
     await asyncio.sleep(1.05)  # due from here on
     for count in range(1, 6):
@@ -217,16 +222,12 @@ async def test_a_due_fallback_waits_for_a_burst_of_changes_to_pass() -> None:
         await asyncio.sleep(0.1)
         assert fallback(server) == before, f"sent amid the burst, after change {count}"
     await asyncio.sleep(0.25)
-    assert fallback(server) == fallback_built(pools, draining_from(workers, 5))
+    assert fallback(server) == fallback_built((PoolSpec(name="a", model="m"),), draining_from(workers, 5))
     await server.stop()
 
 
 async def test_an_endless_burst_holds_the_fallback_one_period_at_most() -> None:
-    pools = (PoolSpec(name="a", model="m"),)
-    workers = [WorkerRecord(id=f"w{i:02d}", pool="a", model="m", host=f"10.0.4.{i + 1}", port=8000)
-               for i in range(60)]
-    server = XdsServer(pools, fallback_period_s=0.3, fallback_quiet_s=0.2)
-    server.update(workers)
+    server, workers = one_pool_server(60, subnet=4, period_s=0.3)
     before = fallback(server)
     await asyncio.sleep(0.35)
     loop = asyncio.get_running_loop()
