@@ -56,11 +56,12 @@ import yaml
 from bench.harness import ProcessGroup, cpu_seconds, cpu_times
 from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
+from controller.xds.endpoint_table import LARGE_CLUSTER, SHARD_SIZE
 from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.lean_http import LeanHttpClient
-from poolgate.kernel.routing import cluster_name
+from poolgate.kernel.routing import cluster_name, pool_clusters, worker_cluster
 from poolgate.procs import envoy_binary, free_port, wait_port
 
 TOKEN = "bench-scale-token"
@@ -132,14 +133,15 @@ def sick_pool(sick: int, alive_port: int, sick_port: int) -> list[Worker]:
 
 
 def write_config(run_dir: Path, pools: int, heartbeat_interval_s: float | None = None, api_processes: int = 1,
-                 sick: bool = False) -> Path:
-    """The stack's config; ``heartbeat_interval_s`` (TTL three intervals) replaces the default timing."""
+                 sick: bool = False, shards: int = 1) -> Path:
+    """The stack's config; ``heartbeat_interval_s`` (TTL three intervals) replaces the default timing; the
+    measured pools are split over ``shards`` clusters each."""
     controller: dict[str, Any] = {"token": TOKEN}
     if api_processes > 1:
         controller["api_processes"] = api_processes
     if heartbeat_interval_s is not None:
         controller.update(heartbeat_interval_s=heartbeat_interval_s, heartbeat_ttl_s=3 * heartbeat_interval_s)
-    config = {"pools": [{"name": f"p{i}", "model": MODEL} for i in range(pools)]
+    config = {"pools": [{"name": f"p{i}", "model": MODEL, "endpoint_shards": shards} for i in range(pools)]
               + ([{"name": SICK_POOL, "model": SICK_MODEL}] if sick else []),
               "controller": controller, "health": {"check_models": True}}
     parse_config(config)  # fails here, with the field named, rather than in a child's log
@@ -194,11 +196,21 @@ def pool_names(pools: int) -> list[str]:
     return [f"p{i}" for i in range(pools)]
 
 
-async def envoy_healthy(http: aiohttp.ClientSession, admin: str, pools: Sequence[str]) -> int:
-    """Healthy endpoints over the clusters of ``pools`` (not the fallback) in the Envoy whose admin is at
-    ``admin``. Asked for gauges only, and for a few pools by name: Envoy walks every stat it has for each call
-    (~15 ms at 200 pools), which would blur what is measured and take CPU from what is."""
-    wanted = {cluster_name(pool) for pool in pools}
+def clusters_of(pools: Sequence[str], shards: int = 1) -> list[str]:
+    """The Envoy clusters of ``pools``, each split over ``shards`` (``PoolSpec.endpoint_shards``)."""
+    return [cluster for pool in pools for cluster in pool_clusters(pool, shards)]
+
+
+def auto_shards(workers_per_pool: int) -> int:
+    """The ``endpoint_shards`` the controller's warning asks of a pool this large (1 up to ``LARGE_CLUSTER``)."""
+    return 1 if workers_per_pool <= LARGE_CLUSTER else -(-workers_per_pool // SHARD_SIZE)
+
+
+async def envoy_healthy(http: aiohttp.ClientSession, admin: str, clusters: Sequence[str]) -> int:
+    """Healthy endpoints over ``clusters`` in the Envoy whose admin is at ``admin``. Asked for gauges only, and
+    for a few clusters by name: Envoy walks every stat it has for each call (~15 ms at 200 pools), which would
+    blur what is measured and take CPU from what is."""
+    wanted = set(clusters)
     named = "|".join(re.escape(name) for name in sorted(wanted))
     query = {"filter": rf"^cluster\.({named})\.membership_healthy$" if len(wanted) <= 8 else "membership_healthy",
              "type": "Gauges"}
@@ -207,9 +219,9 @@ async def envoy_healthy(http: aiohttp.ClientSession, admin: str, pools: Sequence
     return sum(int(n) for name, n in _MEMBERSHIP.findall(text) if name in wanted)
 
 
-async def healthy_counts(http: aiohttp.ClientSession, stack: Stack, pools: Sequence[str]) -> dict[str, int]:
+async def healthy_counts(http: aiohttp.ClientSession, stack: Stack, clusters: Sequence[str]) -> dict[str, int]:
     """``envoy_healthy`` per Envoy of the stack."""
-    return {envoy: await envoy_healthy(http, f"http://127.0.0.1:{port}", pools)
+    return {envoy: await envoy_healthy(http, f"http://127.0.0.1:{port}", clusters)
             for envoy, port in stack.admin_ports.items()}
 
 
@@ -241,7 +253,7 @@ async def sick_ejection(http: aiohttp.ClientSession, stack: Stack, sick: int, ti
 
     sender = asyncio.create_task(paced())
     try:
-        out = await wait_counts(http, stack, [SICK_POOL], lambda c: c <= sick, timeout_s, poll_s=0.01)
+        out = await wait_counts(http, stack, [cluster_name(SICK_POOL)], lambda c: c <= sick, timeout_s, poll_s=0.01)
     finally:
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
@@ -249,13 +261,13 @@ async def sick_ejection(http: aiohttp.ClientSession, stack: Stack, sick: int, ti
             "sick_failed_requests": sum(1 for status in statuses if status != 200)}
 
 
-async def wait_counts(http: aiohttp.ClientSession, stack: Stack, pools: Sequence[str], done: Any, timeout_s: float,
+async def wait_counts(http: aiohttp.ClientSession, stack: Stack, clusters: Sequence[str], done: Any, timeout_s: float,
                       poll_s: float = 0.01) -> float | None:
     """Seconds until ``done(count)`` holds in every Envoy (each Envoy's own first time; the max), or None."""
     started = time.monotonic()
     reached: dict[str, float] = {}
     while time.monotonic() - started < timeout_s:
-        for envoy, count in (await healthy_counts(http, stack, pools)).items():
+        for envoy, count in (await healthy_counts(http, stack, clusters)).items():
             if envoy not in reached and done(count):
                 reached[envoy] = time.monotonic() - started
         if len(reached) == len(ENVOYS):
@@ -510,7 +522,7 @@ def api_process_pids(controller: int) -> list[int]:
 
 
 async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, changes: int,
-                      interval_s: float) -> list[float]:
+                      interval_s: float, shards: int) -> list[float]:
     """A worker reports Draining (the healthy count drops by one), then Ready again (it comes back).
 
     The latency counts from the change: its heartbeat is sent at once (a worker reports a state change when
@@ -520,13 +532,13 @@ async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, 
     client = fleet_.own_client()
     for index in range(changes):
         worker = fleet_.workers[-1 - index % max(1, len(fleet_.workers) // 2)]
-        pool = [worker.pool]  # its pool's count alone moves
+        own = [worker_cluster(worker.pool, worker.id, shards)]  # its cluster's count alone moves
         for state, step in (("Draining", -1), ("Ready", 1)):
-            start = min((await healthy_counts(http, stack, pool)).values())
+            start = min((await healthy_counts(http, stack, own)).values())
             fleet_.state[worker.id] = state
             sent = time.monotonic()
             await fleet_.heartbeat(worker, client)
-            reached = await wait_counts(http, stack, pool, lambda c, e=start + step: c == e, timeout_s=5,
+            reached = await wait_counts(http, stack, own, lambda c, e=start + step: c == e, timeout_s=5,
                                         poll_s=0.005)
             latencies.append(time.monotonic() - sent if reached is not None else float("nan"))
         fleet_.state.pop(worker.id, None)
@@ -539,12 +551,14 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
     group = ProcessGroup(run_dir)
     fail = min(args.fail, n)
     alive_port, doomed_port, sick_port = free_port(), free_port(), free_port()
-    measured = pool_names(pools)
-    row: dict[str, Any] = {"workers": n, "pools": pools, "node_batch": args.node_batch,
+    shards = args.endpoint_shards or auto_shards(-(-n // pools))
+    measured = clusters_of(pool_names(pools), shards)
+    row: dict[str, Any] = {"workers": n, "pools": pools, "endpoint_shards": shards, "node_batch": args.node_batch,
                            "heartbeat_interval_s": args.heartbeat_interval_s or 0.5, "sick": args.sick,
                            "fail_mode": args.fail_mode}
     try:
-        config_path = write_config(run_dir, pools, args.heartbeat_interval_s, args.api_processes, args.sick > 0)
+        config_path = write_config(run_dir, pools, args.heartbeat_interval_s, args.api_processes, args.sick > 0,
+                                   shards)
         interval_s = yaml.safe_load(config_path.read_text()).get("controller", {}).get("heartbeat_interval_s", 0.5)
         # The fake workers stand for machines of their own: on this host they yield the CPU to the stack.
         fake_workers = {name: group.start(name, ["nice", "-n", str(FAKE_WORKERS_NICE), sys.executable, "-m",
@@ -573,11 +587,11 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
                 row["healthy_seen"] = await healthy_counts(http, stack, measured)
             row.update(await steady(http, stack, fleet_, args.steady_s))
             if reached is not None:
-                latencies = await one_changes(http, stack, fleet_, args.changes, interval_s)
+                latencies = await one_changes(http, stack, fleet_, args.changes, interval_s, shards)
                 row["change_p50_s"] = quantile(latencies, 0.5)
                 row["change_p99_s"] = quantile(latencies, 0.99)
                 row["change_latencies_ms"] = [round(x * 1000, 1) for x in latencies]
-                if args.sick and await wait_counts(http, stack, [SICK_POOL], lambda c: c >= 2 * args.sick,
+                if args.sick and await wait_counts(http, stack, [cluster_name(SICK_POOL)], lambda c: c >= 2 * args.sick,
                                                    args.timeout_s) is not None:
                     row.update(await sick_ejection(http, stack, args.sick, args.timeout_s))
                 doomed = group.children["fake_workers_doomed"]
@@ -661,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-processes", type=int, default=1, help="controller.api_processes")
     parser.add_argument("--sick", type=int, default=10,
                         help="workers that fail every request but pass their probes (0: no passive-ejection phase)")
+    parser.add_argument("--endpoint-shards", type=int, default=0,
+                        help="clusters per measured pool (PoolSpec.endpoint_shards); 0 = one per 1,000 workers of "
+                             "a pool past 2,000, as the controller's warning asks")
     parser.add_argument("--changes", type=int, default=20)
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="give up waiting for Envoy after this")

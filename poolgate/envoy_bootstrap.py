@@ -114,8 +114,9 @@ REQUEST_ACCESS_LOG_FORMAT = (
     "queue_wait_ms=%REQ(X-POOLGATE-QUEUE-WAIT-MS)% decision=\"%REQ(X-POOLGATE-DECISION):512%\" "
     "pd=\"%RESP(X-POOLGATE-PD)%\"\n"
 )
-"""One line per request. The pool is the cluster (``pool-<name>``) and the worker the upstream host: the
-``x-poolgate-cluster`` header is removed by the route before the log is written. ``tenant`` is the header
+"""One line per request. The pool is the cluster (``pool-<name>``, ``pool-<name>.<k>`` for a shard of a large
+pool) and the worker the upstream host: the ``x-poolgate-cluster`` header is removed by the route before the
+log is written. ``tenant`` is the header
 extproc sets when tenants are configured; ``details`` is Envoy's reason for its own replies or extproc's
 ``poolgate_<code>`` for a refusal; ``queue_wait_ms`` how long extproc held the request (for capacity or while
 a pool scaled to zero started a worker), ``-`` when it was placed at once; ``decision`` is the debug header

@@ -1,6 +1,7 @@
 """Fleet state → Envoy resources (CDS clusters, EDS load assignments). Pure functions, no I/O.
 
-One cluster per pool, named ``cluster_name(pool)``, whose endpoints come from EDS over ADS. Its load
+One cluster per pool, named ``cluster_name(pool)`` (or ``endpoint_shards`` of them, ``pool_clusters``), whose
+endpoints come from EDS over ADS. Its load
 balancer is ``override_host``: extproc pins the worker through dynamic metadata (never a header, which a
 client could set), and ``least_request`` picks when no pin is present. The fallback cluster holds every
 worker of every pool for the fail-open route used while extproc is away.
@@ -24,7 +25,7 @@ from controller.xds.endpoint_table import EndpointTable
 from controller.xds.envoy_tls import client_sides, upstream_tls
 from poolgate.kernel.config import PoolSpec, TlsSettings
 from poolgate.kernel.fleet import WorkerRecord
-from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name
+from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, pool_clusters
 
 CLUSTER_TYPE_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -126,9 +127,11 @@ def _eds_cluster(name: str, policy: cluster_pb2.LoadBalancingPolicy) -> cluster_
 
 
 def build_clusters(pools: Sequence[PoolSpec], tls: TlsSettings | None = None) -> list[cluster_pb2.Cluster]:
-    """One override_host cluster per pool (with outlier detection), plus the least_request fallback cluster;
-    with ``tls.workers`` every one reaches its workers over TLS, its certificate files read through SDS."""
-    clusters = [_eds_cluster(cluster_name(pool.name), _override_host()) for pool in pools]
+    """One override_host cluster per pool or pool shard (with outlier detection), plus the least_request
+    fallback cluster; with ``tls.workers`` every one reaches its workers over TLS, its certificate files read
+    through SDS."""
+    clusters = [_eds_cluster(name, _override_host())
+                for pool in pools for name in pool_clusters(pool.name, pool.endpoint_shards)]
     for cluster in clusters:
         cluster.outlier_detection.CopyFrom(outlier_detection())
     clusters.append(_eds_cluster(FALLBACK_CLUSTER, _least_request()))
@@ -142,7 +145,7 @@ def build_clusters(pools: Sequence[PoolSpec], tls: TlsSettings | None = None) ->
 def build_endpoints(
     pools: Sequence[PoolSpec], workers: Sequence[WorkerRecord]
 ) -> list[endpoint_pb2.ClusterLoadAssignment]:
-    """One load assignment per pool (empty when it has no workers) and one for the fallback cluster, built
+    """One load assignment per cluster (empty when it has no workers) and one for the fallback cluster, built
     at once (the xDS server keeps an ``EndpointTable`` and rebuilds only what changed).
 
     Output order does not depend on input order, so equal fleets give byte-equal resources. Workers of
@@ -150,4 +153,4 @@ def build_endpoints(
     """
     table = EndpointTable(pools)
     table.apply({worker.id: worker for worker in workers})
-    return [*(table.assignment(pool.name) for pool in pools), table.fallback()]
+    return [*(table.assignment(cluster) for cluster in table.clusters), table.fallback()]

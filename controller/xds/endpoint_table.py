@@ -1,9 +1,10 @@
-"""``EndpointTable``: the pools' load assignments, kept current one worker at a time.
+"""``EndpointTable``: the clusters' load assignments, kept current one worker at a time.
 
-Each usable worker's endpoint is serialized once, when what Envoy sees of it (``endpoint_key``) changes. A
-pool's assignment is then its members' bytes joined and parsed back: ~5 ms for a pool of 10,000, where
-building it field by field took ~65 ms. One worker's change costs its pool's join, and nothing of the other
-pools; with the ids that changed named (the bridge's delta) it looks at no other worker at all. The
+A pool is one cluster, or ``endpoint_shards`` of them (``worker_cluster`` says which holds a worker). Each
+usable worker's endpoint is serialized once, when what Envoy sees of it (``endpoint_key``) changes. A
+cluster's assignment is then its members' bytes joined and parsed back: ~5 ms for 10,000 endpoints, where
+building it field by field took ~65 ms. One worker's change costs its cluster's join, and nothing of the
+other clusters; with the ids that changed named (the bridge's delta) it looks at no other worker at all. The
 fallback's assignment (every usable worker of every pool) is joined from the same bytes.
 
 Pure and synchronous; the xDS server owns one and calls it from one place at a time.
@@ -22,9 +23,15 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 
 from poolgate.kernel.config import PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
-from poolgate.kernel.routing import FALLBACK_CLUSTER, cluster_name
+from poolgate.kernel.routing import FALLBACK_CLUSTER, pool_clusters, worker_cluster
 
 log = logging.getLogger(__name__)
+
+LARGE_CLUSTER = 2000
+SHARD_SIZE = 1000
+"""A cluster past ``LARGE_CLUSTER`` endpoints is warned about once (the xDS server), with the ``endpoint_shards``
+that would put about ``SHARD_SIZE`` in each: in one cluster of 10,000, one worker's change took each Envoy
+~100 ms."""
 
 HEALTH_BY_STATE: dict[WorkerState, int] = {
     WorkerState.READY: health_check_pb2.HEALTHY,
@@ -37,7 +44,8 @@ HEALTH_BY_STATE: dict[WorkerState, int] = {
 
 
 def endpoint_key(worker: WorkerRecord) -> tuple[str, str, int, str]:
-    """What of a worker Envoy sees: a change here (and only here) changes its pool's load assignment."""
+    """What of a worker Envoy sees: a change here (and only here, or in its pool) changes its cluster's load
+    assignment."""
     return worker.id, worker.host, worker.port, worker.state.value
 
 
@@ -75,20 +83,21 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 @dataclass(frozen=True, slots=True)
 class _Member:
     pool: str
+    cluster: str
     key: tuple[str, str, int, str]
     address: tuple[str, int]
     entry: bytes
-    """The worker's ``lb_endpoints`` entry, as it appears inside its pool's locality."""
+    """The worker's ``lb_endpoints`` entry, as it appears inside its cluster's locality."""
 
 
-def _member(worker: WorkerRecord) -> _Member:
+def _member(worker: WorkerRecord, cluster: str) -> _Member:
     lb_endpoint = endpoint_components_pb2.LbEndpoint(health_status=HEALTH_BY_STATE[worker.state])
     lb_endpoint.endpoint.hostname = worker.id
     lb_endpoint.endpoint.address.CopyFrom(address_pb2.Address(
         socket_address=address_pb2.SocketAddress(address=worker.host, port_value=worker.port)
     ))
     entry = _field(_LB_ENDPOINTS_FIELD, lb_endpoint.SerializeToString(deterministic=True))
-    return _Member(worker.pool, endpoint_key(worker), (worker.host, worker.port), entry)
+    return _Member(worker.pool, cluster, endpoint_key(worker), (worker.host, worker.port), entry)
 
 
 def _assignment(name: str, members: Iterable[_Member]) -> endpoint_pb2.ClusterLoadAssignment:
@@ -105,10 +114,12 @@ def _assignment(name: str, members: Iterable[_Member]) -> endpoint_pb2.ClusterLo
 
 
 class EndpointTable:
-    """The usable workers of the configured pools, by pool, each with its endpoint serialized."""
+    """The usable workers of the configured pools, by cluster, each with its endpoint serialized."""
 
     def __init__(self, pools: Sequence[PoolSpec]) -> None:
-        self._by_pool: dict[str, dict[str, _Member]] = {pool.name: {} for pool in pools}
+        self._shards = {pool.name: pool.endpoint_shards for pool in pools}
+        self._by_cluster: dict[str, dict[str, _Member]] = {
+            cluster: {} for pool in pools for cluster in pool_clusters(pool.name, pool.endpoint_shards)}
         self._members: dict[str, _Member] = {}
         self._by_address: dict[tuple[str, int], str] = {}
         """Which worker Envoy was sent at each address (Envoy's access log names the address only)."""
@@ -118,11 +129,15 @@ class EndpointTable:
         return len(self._members)
 
     @property
-    def pools(self) -> list[str]:
-        return list(self._by_pool)
+    def clusters(self) -> list[str]:
+        return list(self._by_cluster)
+
+    def size(self, cluster: str) -> int:
+        """Usable workers in ``cluster``."""
+        return len(self._by_cluster[cluster])
 
     def apply(self, workers: Mapping[str, WorkerRecord], changed: Collection[str] | None = None) -> set[str]:
-        """Take ``workers`` (the fleet by id); returns the pools whose assignment changed. With ``changed``
+        """Take ``workers`` (the fleet by id); returns the clusters whose assignment changed. With ``changed``
         only those ids are looked at (a missing one left), the others are taken as unchanged; without, every
         worker is, and the ones not in ``workers`` left."""
         ids: Iterable[str] = workers if changed is None else changed
@@ -139,18 +154,18 @@ class EndpointTable:
             if current is not None:
                 touched.add(self._drop(worker_id))
             if worker is not None and self._usable(worker):
-                member = _member(worker)
-                self._members[worker_id] = self._by_pool[worker.pool][worker_id] = member
+                member = _member(worker, worker_cluster(worker.pool, worker_id, self._shards[worker.pool]))
+                self._members[worker_id] = self._by_cluster[member.cluster][worker_id] = member
                 self._by_address.setdefault(member.address, worker_id)
-                touched.add(worker.pool)
+                touched.add(member.cluster)
         return touched
 
     def _drop(self, worker_id: str) -> str:
         member = self._members.pop(worker_id)
-        del self._by_pool[member.pool][worker_id]
+        del self._by_cluster[member.cluster][worker_id]
         if self._by_address.get(member.address) == worker_id:
             del self._by_address[member.address]
-        return member.pool
+        return member.cluster
 
     def worker_at(self, host: str, port: int) -> str | None:
         """The worker sent to Envoy at ``host:port`` (None: none now)."""
@@ -159,7 +174,7 @@ class EndpointTable:
     def _usable(self, worker: WorkerRecord) -> bool:
         """Workers of unknown pools, bad ports, and hosts that are not IP literals (EDS rejects names, and the
         pin compares ``ip:port``) are left out with a warning: Envoy would reject the whole update (NACK)."""
-        if worker.pool not in self._by_pool:
+        if worker.pool not in self._shards:
             log.warning("worker %s names unknown pool %r; not sent to Envoy", worker.id, worker.pool)
         elif not 0 < worker.port < 65536:
             log.warning("worker %s port %d is out of range; not sent to Envoy", worker.id, worker.port)
@@ -169,12 +184,13 @@ class EndpointTable:
             return True
         return False
 
-    def assignment(self, pool: str) -> endpoint_pb2.ClusterLoadAssignment:
-        """The pool's load assignment, its workers in id order (empty when it has none)."""
-        members = self._by_pool[pool]
-        return _assignment(cluster_name(pool), (members[worker_id] for worker_id in sorted(members)))
+    def assignment(self, cluster: str) -> endpoint_pb2.ClusterLoadAssignment:
+        """The cluster's load assignment, its workers in id order (empty when it has none)."""
+        members = self._by_cluster[cluster]
+        return _assignment(cluster, (members[worker_id] for worker_id in sorted(members)))
 
     def fallback(self) -> endpoint_pb2.ClusterLoadAssignment:
         """The fail-open route's assignment: every usable worker of every pool, in (pool, id) order."""
-        return _assignment(FALLBACK_CLUSTER, (self._by_pool[pool][worker_id] for pool in sorted(self._by_pool)
-                                              for worker_id in sorted(self._by_pool[pool])))
+        return _assignment(FALLBACK_CLUSTER, (self._members[worker_id] for _, worker_id in
+                                              sorted((member.pool, worker_id)
+                                                     for worker_id, member in self._members.items())))

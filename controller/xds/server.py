@@ -1,10 +1,11 @@
 """The ADS server: speaks xDS (CDS + EDS) to any number of Envoys, incremental or state-of-the-world.
 
 ``update`` builds resources from the fleet (``build``), stores them as versioned snapshots (``cache``), and
-wakes every connected stream; each stream decides what its Envoy still needs. Only the pools whose endpoints
-changed (``endpoint_key``) are built again. The bootstraps poolgate renders use delta xDS
+wakes every connected stream; each stream decides what its Envoy still needs. Only the clusters whose
+endpoints changed (``endpoint_key``) are built again. The bootstraps poolgate renders use delta xDS
 (``DeltaAggregatedResources``, ``delta.DeltaAdsStream``): an Envoy is sent exactly the resources whose
-version changed, so one worker's change sends one pool's load assignment. State-of-the-world
+version changed, so one worker's change sends one cluster's load assignment (a pool's, or one shard's of a
+large pool: ``PoolSpec.endpoint_shards``). State-of-the-world
 (``StreamAggregatedResources``, ``AdsStream``) stays served for Envoys configured with ``api_type: GRPC``:
 it sends only the load assignments whose version changed too, but every CDS answer holds every cluster.
 ``update_off_loop`` does the build in a worker thread, so a large rebuild does not stall the registry API on
@@ -29,10 +30,11 @@ from google.protobuf import any_pb2
 from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, SERVED_TYPES, build_clusters, short_type
 from controller.xds.cache import Snapshot, SnapshotCache
 from controller.xds.delta import DeltaAdsStream
-from controller.xds.endpoint_table import EndpointTable
+from controller.xds.endpoint_table import LARGE_CLUSTER, SHARD_SIZE, EndpointTable
 from controller.xds.stream import StreamState
 from poolgate.kernel.config import PoolSpec, TlsServerFiles, TlsSettings
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.routing import pool_clusters
 from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
@@ -240,9 +242,12 @@ class XdsServer:
         self._streams: dict[_Stream, asyncio.Queue[_Event]] = {}
         self._server: grpc.aio.Server | None = None
         self._table = EndpointTable(self._pools)
-        """Per pool, what Envoy was sent of its workers, serialized."""
-        self.pools_built = 0
-        """Pool load assignments built so far (a one-worker change builds one)."""
+        """Per cluster, what Envoy was sent of its workers, serialized."""
+        self.assignments_built = 0
+        """Cluster load assignments built so far (a one-worker change builds one)."""
+        self._warned_large: set[str] = set()
+        self._shards_by_cluster = {cluster: pool.endpoint_shards for pool in self._pools
+                                   for cluster in pool_clusters(pool.name, pool.endpoint_shards)}
         self._clock = clock
         self._given_period_s = fallback_period_s
         self._given_quiet_s = fallback_quiet_s
@@ -282,7 +287,7 @@ class XdsServer:
         return bound
 
     def update(self, workers: Fleet, changed: Collection[str] | None = None) -> str:
-        """Rebuild the pools whose endpoints changed, cache them, push changes; returns the snapshot version.
+        """Rebuild the clusters whose endpoints changed, cache them, push changes; returns the snapshot version.
         ``workers`` is the whole fleet as read (the first call opens the service to every waiting stream);
         ``changed`` names the only workers that may differ from the last call (the bridge's delta: no other
         is looked at), None that any may. A fallback left stale is sent on its own once due; without a
@@ -307,16 +312,17 @@ class XdsServer:
         return self._apply(endpoints)
 
     def _build(self, workers: Fleet, changed: Collection[str] | None) -> Snapshot | None:
-        """The endpoint snapshot with the changed pools rebuilt (None: nothing changed)."""
+        """The endpoint snapshot with the changed clusters rebuilt (None: nothing changed)."""
         fleet = workers if isinstance(workers, Mapping) else {worker.id: worker for worker in workers}
         touched = self._table.apply(fleet, changed)
         previous = self._cache.get(ENDPOINT_TYPE_URL)
         if previous is None:
-            touched = set(self._table.pools)
+            touched = set(self._table.clusters)
         elif not touched and not self.fallback_due:
             return None
-        assignments = [self._table.assignment(pool) for pool in sorted(touched)]
-        self.pools_built += len(touched)
+        assignments = [self._table.assignment(cluster) for cluster in sorted(touched)]
+        self.assignments_built += len(touched)
+        self._warn_large(touched)
         now = self._clock()
         if previous is None or (not touched and now - self._fallback_at >= self._fallback_schedule()[0]):
             assignments.append(self._table.fallback())
@@ -330,6 +336,16 @@ class XdsServer:
         if previous is None:
             return Snapshot.of(ENDPOINT_TYPE_URL, assignments)
         return previous.replaced(assignments)
+
+    def _warn_large(self, clusters: Collection[str]) -> None:
+        """Once per cluster: it passed ``LARGE_CLUSTER`` endpoints, so each of its workers' changes resends all."""
+        for cluster in clusters:
+            size = self._table.size(cluster)
+            if size > LARGE_CLUSTER and cluster not in self._warned_large:
+                self._warned_large.add(cluster)
+                log.warning("xds: cluster %s holds %d endpoints, and one worker's change resends them all to every "
+                            "Envoy; raise its pool's endpoint_shards to about %d", cluster, size,
+                            -(-size * self._shards_by_cluster[cluster] // SHARD_SIZE))
 
     def _fallback_schedule(self) -> tuple[float, float]:
         """The fallback's period and quiet wait: as given, else by the fleet's size (``LARGE_FALLBACK``)."""

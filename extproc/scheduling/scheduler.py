@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from itertools import islice
 
 from extproc import errors
 from extproc.scheduling.picker import MaxScore
 from extproc.scheduling.plugins import Decision, Filter, Outcome, PickContext, Picker, PickRequest, Scorer
 from extproc.scheduling.sampling import sample, should_sample
 from poolgate.kernel.fleet import WorkerRecord
-from poolgate.kernel.routing import cluster_name
+from poolgate.kernel.routing import worker_cluster
 
 
 class Scheduler:
@@ -72,7 +73,11 @@ class Scheduler:
             same_pool = [i for i, w in enumerate(candidates) if w.pool == pool and i != first]
             if same_pool:
                 same_pool.sort(key=totals.__getitem__, reverse=True)
-                fallbacks = tuple(candidates[i].address for i in same_pool[:self.max_fallbacks])
+                shards = _shards(context, pool)
+                cluster = worker_cluster(pool, best.id, shards)
+                same_cluster = (i for i in same_pool  # a pin's hosts must all be in the cluster it names
+                                if shards == 1 or worker_cluster(pool, candidates[i].id, shards) == cluster)
+                fallbacks = tuple(candidates[i].address for i in islice(same_cluster, self.max_fallbacks))
         explained: tuple[tuple[str, float], ...] = ()
         if self.explain:
             explained = tuple((scorer.name, scores[first]) for (scorer, _), (scores, _) in
@@ -83,5 +88,10 @@ class Scheduler:
                   context: PickContext, explained: tuple[tuple[str, float], ...] = ()) -> Decision:
         if self.explain and not explained:
             explained = tuple((scorer.name, scorer.score(request, (best,), context)[0]) for scorer, _ in self.scorers)
-        return Decision(worker_id=best.id, pool=best.pool, cluster=cluster_name(best.pool), endpoint=best.address,
-                        fallbacks=fallbacks, scores=explained)
+        return Decision(worker_id=best.id, pool=best.pool, endpoint=best.address, fallbacks=fallbacks,
+                        cluster=worker_cluster(best.pool, best.id, _shards(context, best.pool)), scores=explained)
+
+
+def _shards(context: PickContext, pool: str) -> int:
+    spec = context.snapshot.pools.get(pool)
+    return spec.endpoint_shards if spec is not None else 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 CLUSTER_HEADER = "x-poolgate-cluster"
 """Set by extproc; the route reads the pool's cluster from it. Client-sent copies are stripped."""
 
@@ -38,3 +40,19 @@ ROUTING_HEADERS = (CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, "x-poolgate-tenant"
 def cluster_name(pool: str) -> str:
     """The Envoy cluster (and EDS resource) name of a pool."""
     return f"pool-{pool}"
+
+
+def pool_clusters(pool: str, shards: int = 1) -> tuple[str, ...]:
+    """The Envoy clusters a pool's workers are split over (``PoolSpec.endpoint_shards``): its own cluster
+    alone, or ``pool-<name>.<k>`` for k < shards (a dot, which pool names lack, so no two pools' names meet)."""
+    if shards <= 1:
+        return (cluster_name(pool),)
+    return tuple(f"{cluster_name(pool)}.{index}" for index in range(shards))
+
+
+def worker_cluster(pool: str, worker_id: str, shards: int = 1) -> str:
+    """The one cluster of ``pool_clusters`` that holds a worker: chosen by a hash of its id alone, so the
+    controller (which builds the clusters) and extproc (which names one per request) agree without asking."""
+    if shards <= 1:
+        return cluster_name(pool)
+    return f"{cluster_name(pool)}.{zlib.crc32(worker_id.encode()) % shards}"

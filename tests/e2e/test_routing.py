@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import RunningStack
+from poolgate.kernel.routing import pool_clusters, worker_cluster
+from tests.e2e.conftest import E2E_CONFIG, RunningStack, poolgate_up
 
 pytestmark = pytest.mark.e2e
 
@@ -139,3 +142,52 @@ def test_client_routing_headers_cannot_choose_pool_or_worker(stack: RunningStack
     for _ in range(10):
         raw = api.completions.with_raw_response.create(model="chat-model", prompt="hi", max_tokens=1)
         assert raw.headers["x-poolgate-worker"] in {"chat-a", "chat-b"}
+
+
+SHARDED_CONFIG = {**E2E_CONFIG, "key_prefix": "e2e-shards", "scheduling": {"debug_header": True},
+                  "pools": [{"name": "chat", "model": "chat-model", "endpoint_shards": 2}],
+                  "workers": [{"id": worker_id, "pool": "chat"} for worker_id in ("chat-a", "chat-b", "chat-d")]}
+"""chat-a and chat-b hash to the first shard, chat-d to the second."""
+
+_LOG_LINE = re.compile(r"cluster=(\S+) host=\S+ worker=(\S+) .* id=(\S+) .* decision=\"worker=(\S+) ")
+
+
+def test_a_sharded_pool_serves_each_request_on_the_worker_extproc_picked(redis_server: object) -> None:
+    """A pool split over two Envoy clusters: each cluster holds the workers its hash names, and every request
+    is served by the very worker extproc picked (a request sent to the wrong shard would be served by another
+    worker of that shard), on both shards."""
+    with poolgate_up(SHARDED_CONFIG, redis_server.url) as stack:  # type: ignore[attr-defined]
+        clusters = pool_clusters("chat", 2)
+        workers = [worker["id"] for worker in SHARDED_CONFIG["workers"]]  # type: ignore[index]
+
+        def sharded_as_hashed() -> bool:
+            if not all(stack.record(w).get("state") == "Ready" for w in workers):
+                return False  # up is ready once the pool serves, before every worker is
+            return all(set(stack.envoy_hosts(c)) == {stack.address(w) for w in workers
+                                                     if worker_cluster("chat", w, 2) == c} for c in clusters)
+
+        deadline = time.monotonic() + 60
+        while not sharded_as_hashed():
+            assert time.monotonic() < deadline, {c: stack.envoy_hosts(c) for c in clusters}
+            time.sleep(0.2)
+        openai_client = client(stack)
+        request_ids = set()
+        for _ in range(24):  # prompts of their own: one prompt would follow prefix affinity to one worker
+            raw = openai_client.chat.completions.with_raw_response.create(
+                model="chat-model", messages=[{"role": "user", "content": f"question {uuid.uuid4()}"}], max_tokens=2)
+            request_ids.add(raw.headers["x-request-id"])
+        log = stack.run_dir / "envoy-access.log"
+        deadline = time.monotonic() + 15  # Envoy flushes its access log about once a second
+        while True:
+            lines = {m.group(3): m for m in map(_LOG_LINE.search, log.read_text().splitlines() if log.exists() else [])
+                     if m is not None and m.group(3) in request_ids}
+            if len(lines) == len(request_ids):
+                break
+            assert time.monotonic() < deadline, f"{len(lines)} of {len(request_ids)} requests in the access log"
+            time.sleep(0.2)
+        served = set()
+        for cluster, worker, _, picked in (m.groups() for m in lines.values()):
+            assert worker == picked, f"extproc picked {picked}, {worker} served it"
+            assert cluster == worker_cluster("chat", worker, 2)
+            served.add(cluster)
+        assert served == set(clusters)

@@ -212,14 +212,14 @@ async def test_one_workers_change_rebuilds_only_its_pool(redis_client: aioredis.
             if len(await endpoints_of("p0")) == 3:
                 break
             await asyncio.sleep(0.05)
-        built = xds.pools_built
+        built = xds.assignments_built
         await store.set_state("w4", WorkerState.DRAINING)  # w4 is in p1
         for _ in range(100):
             if ("w4", 3) in await endpoints_of("p1"):  # 3 = DRAINING
                 break
             await asyncio.sleep(0.05)
         assert ("w4", 3) in await endpoints_of("p1")
-        assert xds.pools_built == built + 1
+        assert xds.assignments_built == built + 1
     finally:
         bridge.cancel()
         await asyncio.gather(bridge, return_exceptions=True)

@@ -13,6 +13,7 @@ from extproc.scheduling import Decision, NoCapacity, PickContext, RequestProfile
 from extproc.snapshot import build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, TaskClassRules
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.routing import worker_cluster
 
 NOW = 1_000.0
 SETTINGS = SchedulingSettings(task_classes=TaskClassRules(streaming_min_output_tokens=500))
@@ -108,3 +109,24 @@ def test_near_ties_are_spread_not_decided_by_estimation_noise() -> None:
         assert isinstance(decision, Decision)
         chosen[decision.worker_id] += 1
     assert set(chosen) == {"known", "default"} and min(chosen.values()) > 15
+
+
+def test_a_sharded_pool_names_the_picked_workers_shard_and_keeps_its_fallbacks_in_it() -> None:
+    """Envoy pins only to hosts of the cluster the header names: the decision names the picked worker's shard
+    (as the controller built it), and every fallback is of that shard."""
+    pools = (PoolSpec(name="chat", model="llama", endpoint_shards=4),)
+    workers = [WorkerRecord(id=f"w{i:02d}", pool="chat", model="llama", host="10.0.0.1", port=9000 + i,
+                            updated_at=NOW, kv_capacity_tokens=100_000, kv_usage=0.1) for i in range(40)]
+    request = RequestProfiler(SETTINGS).profile(RequestFacts("/v1/chat/completions", "POST", "llama",
+                                                             prompt_chars=400, message_count=1))
+    context = PickContext(build_snapshot(workers, pools, NOW, 3.0), {})
+    by_address = {w.address: w for w in workers}
+    clusters = set()
+    for seed in range(20):
+        decision = build_scheduler(SETTINGS, random.Random(seed)).pick(request, context)
+        assert isinstance(decision, Decision)
+        assert decision.cluster == worker_cluster("chat", decision.worker_id, 4)
+        assert len(decision.fallbacks) == 2
+        assert {worker_cluster("chat", by_address[a].id, 4) for a in decision.fallbacks} == {decision.cluster}
+        clusters.add(decision.cluster)
+    assert len(clusters) > 1  # picks are not confined to one shard

@@ -51,6 +51,17 @@ def test_one_cluster_per_pool_plus_fallback() -> None:
         assert cluster.circuit_breakers.thresholds[0].max_requests.value > 1024
 
 
+def test_a_sharded_pool_is_one_pinning_cluster_per_shard() -> None:
+    """A pool with ``endpoint_shards: 3`` is three clusters, each pinning like a pool's own (extproc names the
+    worker's shard in the cluster header); the unsharded pool keeps its plain name."""
+    clusters = build_clusters((POOLS[0], PoolSpec(name="big", model="llama", endpoint_shards=3)))
+    assert [c.name for c in clusters] == [cluster_name("chat"), "pool-big.0", "pool-big.1", "pool-big.2",
+                                          FALLBACK_CLUSTER]
+    for cluster in clusters[1:4]:
+        assert cluster.load_balancing_policy == clusters[0].load_balancing_policy
+        assert cluster.outlier_detection == clusters[0].outlier_detection
+
+
 def test_pool_cluster_pins_from_metadata_only_with_least_request_fallback() -> None:
     policy = build_clusters(POOLS)[0].load_balancing_policy.policies[0].typed_extension_config
     assert policy.name == "envoy.load_balancing_policies.override_host"
@@ -139,13 +150,13 @@ def test_the_fallback_kept_up_to_date_equals_the_one_built_at_once() -> None:
     server = XdsServer(pools, clock=lambda: now[0])
     server.update(workers)
     changed = [*workers[:4], replace(workers[4], state=WorkerState.DRAINING), *workers[5:]]
-    built = server.pools_built
+    built = server.assignments_built
     now[0] += FALLBACK_PERIOD_S
     server.update(changed)
-    assert server.pools_built == built + 1  # one pool rebuilt; the fallback apart, in the next update
+    assert server.assignments_built == built + 1  # one pool rebuilt; the fallback apart, in the next update
     assert server.fallback_due
     server.update(changed)
-    assert server.pools_built == built + 1 and not server.fallback_due
+    assert server.assignments_built == built + 1 and not server.fallback_due
     assert fallback(server).SerializeToString(deterministic=True) == fallback_built(pools, changed).SerializeToString(
         deterministic=True)
     twice = [*changed, replace(workers[0], id="w999", pool="p2")]  # w000's address in a second pool too

@@ -1,4 +1,4 @@
-"""Pools (one Envoy cluster each) and the workers ``poolgate up`` and the controller start."""
+"""Pools (one Envoy cluster each, a few for a large pool) and the workers ``poolgate up`` and the controller start."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ class PoolSpec(Section):
     tokenizer: PoolTokenizer | None = None
     """How the pool's engines tokenise prompts, for cache lookups against their KV events (simulated workers
     need none: the simulator's tokenizer is built in)."""
+    endpoint_shards: int = Field(1, ge=1, le=256)
+    """Envoy clusters the pool's workers are split over, by a hash of the worker id. Envoy takes a cluster's
+    endpoints whole: in one cluster, one worker's change sends the pool's every endpoint to every Envoy (at
+    10,000, tens of ms of each Envoy's time per change). Set about one shard per 1,000 workers for a pool that
+    grows past 2,000 (the controller warns when one does); a change then sends one shard. The further workers
+    extproc names with a pick, for Envoy to try if the first is unavailable, come from the picked one's shard."""
 
 
 class WorkerSpec(Section):
