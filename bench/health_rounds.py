@@ -7,7 +7,10 @@ nothing else: the floor under ``poolgate bench scale``'s mass-hang figure, where
 the whole stack. For each fleet size: the N workers are registered and judged Ready, then ``--steady-s`` of rounds
 give the mean round time, the probes sent per second and this process's CPU time per probe; then the server of H
 of them is stopped (SIGSTOP: its connections stay open and nothing answers, a hung engine) and the time counts
-until the monitor wrote all H Failed in Redis. Results go to ``bench/reports/health_rounds.json`` and ``.png``.
+until the monitor wrote all H Failed in Redis. With ``--trials K`` the hang is repeated K times, each after the
+workers came back and a random part of a round later: how soon they leave depends on where in the round the
+hang falls (they are probed together, at the round's start), between 3 probe timeouts and a round more.
+Results go to ``bench/reports/health_rounds.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -61,8 +65,14 @@ def failed(stats: MonitorStats) -> int:
     return sum(count for key, count in stats.transitions.items() if key.endswith("->Failed"))
 
 
-async def measure(n: int, hung: int, steady_s: float, run_dir: Path) -> dict[str, Any]:
-    config = parse_config({"pools": [{"name": f"p{i}", "model": MODEL} for i in range(POOLS)]})
+def recovered(stats: MonitorStats) -> int:
+    return sum(count for key, count in stats.transitions.items() if key.startswith("Failed->"))
+
+
+async def measure(n: int, hung: int, steady_s: float, run_dir: Path, trials: int = 1,
+                  probes_per_s: float | None = None) -> dict[str, Any]:
+    health = {"max_probes_per_s": probes_per_s} if probes_per_s else {}
+    config = parse_config({"pools": [{"name": f"p{i}", "model": MODEL} for i in range(POOLS)], "health": health})
     redis_server = RedisServer()
     client = aioredis.from_url(redis_server.url)
     group = ProcessGroup(run_dir)
@@ -94,11 +104,22 @@ async def measure(n: int, hung: int, steady_s: float, run_dir: Path) -> dict[str
             "cpu_us_per_probe": spent / probed * 1e6, "cpu_cores": spent / elapsed,
             "steady_failures": stats.probe_failures - failures}
         failed_before, given_back = failed(stats), stats.slots_given_back
-        os.kill(servers[1].pid, signal.SIGSTOP)
-        row["hung_out_s"] = await until(lambda: failed(stats) - failed_before >= hung, "every hung worker Failed")
+        outs = []
+        back = recovered(stats)
+        for trial in range(trials):
+            if trial:  # back in, then a random point of a round
+                await until(lambda b=back: recovered(stats) - b >= hung, "every hung worker back")
+                await asyncio.sleep(random.uniform(0, row["round_s"]))
+            before = failed(stats)
+            os.kill(servers[1].pid, signal.SIGSTOP)
+            outs.append(await until(lambda b=before: failed(stats) - b >= hung, "every hung worker Failed"))
+            back = recovered(stats)
+            os.kill(servers[1].pid, signal.SIGCONT)
+        row["hung_out_s"] = max(outs)
+        row["hung_out_min_s"] = min(outs)
+        row["hung_out_all_s"] = [round(out, 2) for out in outs]
         row["slots_given_back"] = stats.slots_given_back - given_back
-        row["wrongly_failed"] = failed(stats) - failed_before - hung
-        os.kill(servers[1].pid, signal.SIGCONT)
+        row["wrongly_failed"] = failed(stats) - failed_before - hung * trials
         stop.set()
         await monitoring
     finally:
@@ -113,7 +134,8 @@ async def measure(n: int, hung: int, steady_s: float, run_dir: Path) -> dict[str
 
 COLUMNS = [Column("workers", "workers", "{}"), Column("hung", "hung", "{}"), Column("round_s", "round s", "{:.2f}"),
            Column("probes_s", "probes/s", "{:.0f}"), Column("cpu_us_per_probe", "CPU µs/probe", "{:.0f}"),
-           Column("cpu_cores", "monitor cores", "{:.2f}"), Column("hung_out_s", "hung out s", "{:.2f}"),
+           Column("cpu_cores", "monitor cores", "{:.2f}"), Column("hung_out_min_s", "hung out min s", "{:.2f}"),
+           Column("hung_out_s", "hung out max s", "{:.2f}"),
            Column("steady_failures", "failed probes (steady)", "{}"),
            Column("slots_given_back", "slots given back", "{}"), Column("wrongly_failed", "wrongly failed", "{}")]
 
@@ -123,9 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[1000, 5000, 10000])
     parser.add_argument("--hung", type=int, default=1000, help="workers that hang at once (at most half the fleet)")
     parser.add_argument("--steady-s", type=float, default=10.0)
+    parser.add_argument("--trials", type=int, default=1, help="hangs in a row, each at a random point of a round")
+    parser.add_argument("--max-probes-per-s", type=float, default=None, help="health.max_probes_per_s (default: the "
+                        "config's)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-health-rounds-"))
-    rows = [uvloop.run(measure(n, min(args.hung, n // 2), args.steady_s, run_dir)) for n in args.workers]
+    rows = [uvloop.run(measure(n, min(args.hung, n // 2), args.steady_s, run_dir, args.trials, args.max_probes_per_s))
+            for n in args.workers]
     save_rows("health_rounds", rows, COLUMNS, x_key="workers",
               panels=[Panel("time", ("round_s", "hung_out_s"), "s"),
                       Panel("monitor CPU per probe", ("cpu_us_per_probe",), "µs")],
