@@ -56,7 +56,7 @@ import yaml
 from bench.harness import ProcessGroup, cpu_seconds, cpu_times
 from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
-from controller.xds.endpoint_table import LARGE_CLUSTER, SHARD_SIZE
+from controller.xds.endpoint_table import LARGE_CLUSTER, suggested_shards
 from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.heap import freeze_startup_objects
@@ -203,7 +203,7 @@ def clusters_of(pools: Sequence[str], shards: int = 1) -> list[str]:
 
 def auto_shards(workers_per_pool: int) -> int:
     """The ``endpoint_shards`` the controller's warning asks of a pool this large (1 up to ``LARGE_CLUSTER``)."""
-    return 1 if workers_per_pool <= LARGE_CLUSTER else -(-workers_per_pool // SHARD_SIZE)
+    return 1 if workers_per_pool <= LARGE_CLUSTER else suggested_shards(workers_per_pool)
 
 
 async def envoy_healthy(http: aiohttp.ClientSession, admin: str, clusters: Sequence[str]) -> int:

@@ -30,8 +30,13 @@ log = logging.getLogger(__name__)
 LARGE_CLUSTER = 2000
 SHARD_SIZE = 1000
 """A cluster past ``LARGE_CLUSTER`` endpoints is warned about once (the xDS server), with the ``endpoint_shards``
-that would put about ``SHARD_SIZE`` in each: in one cluster of 10,000, one worker's change took each Envoy
-~100 ms."""
+that would put about ``SHARD_SIZE`` in each (``suggested_shards``): in one cluster of 10,000, one worker's
+change took a lone Envoy 44 ms (p50), in ten of 1,000, 9 ms."""
+
+
+def suggested_shards(workers: int) -> int:
+    """The ``endpoint_shards`` that put about ``SHARD_SIZE`` of a pool's ``workers`` in each cluster."""
+    return max(1, -(-workers // SHARD_SIZE))
 
 HEALTH_BY_STATE: dict[WorkerState, int] = {
     WorkerState.READY: health_check_pb2.HEALTHY,
@@ -135,6 +140,13 @@ class EndpointTable:
     def size(self, cluster: str) -> int:
         """Usable workers in ``cluster``."""
         return len(self._by_cluster[cluster])
+
+    def pool_size(self, cluster: str) -> int:
+        """Usable workers of the pool ``cluster`` is a shard of (about its size times the pool's shards)."""
+        members = self._by_cluster[cluster]
+        if not members:
+            return 0
+        return len(members) * self._shards[next(iter(members.values())).pool]
 
     def apply(self, workers: Mapping[str, WorkerRecord], changed: Collection[str] | None = None) -> set[str]:
         """Take ``workers`` (the fleet by id); returns the clusters whose assignment changed. With ``changed``

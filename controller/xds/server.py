@@ -30,11 +30,10 @@ from google.protobuf import any_pb2
 from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, SERVED_TYPES, build_clusters, short_type
 from controller.xds.cache import Snapshot, SnapshotCache
 from controller.xds.delta import DeltaAdsStream
-from controller.xds.endpoint_table import LARGE_CLUSTER, SHARD_SIZE, EndpointTable
+from controller.xds.endpoint_table import LARGE_CLUSTER, EndpointTable, suggested_shards
 from controller.xds.stream import StreamState
 from poolgate.kernel.config import PoolSpec, TlsServerFiles, TlsSettings
 from poolgate.kernel.fleet import WorkerRecord
-from poolgate.kernel.routing import pool_clusters
 from poolgate.kernel.tls import bind_grpc
 
 log = logging.getLogger(__name__)
@@ -246,8 +245,6 @@ class XdsServer:
         self.assignments_built = 0
         """Cluster load assignments built so far (a one-worker change builds one)."""
         self._warned_large: set[str] = set()
-        self._shards_by_cluster = {cluster: pool.endpoint_shards for pool in self._pools
-                                   for cluster in pool_clusters(pool.name, pool.endpoint_shards)}
         self._clock = clock
         self._given_period_s = fallback_period_s
         self._given_quiet_s = fallback_quiet_s
@@ -345,7 +342,7 @@ class XdsServer:
                 self._warned_large.add(cluster)
                 log.warning("xds: cluster %s holds %d endpoints, and one worker's change resends them all to every "
                             "Envoy; raise its pool's endpoint_shards to about %d", cluster, size,
-                            -(-size * self._shards_by_cluster[cluster] // SHARD_SIZE))
+                            suggested_shards(self._table.pool_size(cluster)))
 
     def _fallback_schedule(self) -> tuple[float, float]:
         """The fallback's period and quiet wait: as given, else by the fleet's size (``LARGE_FALLBACK``)."""

@@ -60,21 +60,21 @@ class Scheduler:
             if not candidates:
                 return candidate_filter.rejection(request, context)
         if len(candidates) == 1:
-            return self._decision(candidates[0], (), request, context)
+            return self._decision(candidates[0], _cluster_of(candidates[0], context), (), request, context)
         scored = [(scorer.score(request, candidates, context), weight) for scorer, weight in self.scorers]
         totals = [0.0] * len(candidates)
         for scores, weight in scored:
             totals = [total + weight * score for total, score in zip(totals, scores)]  # noqa: B905 (hot path)
         first = self.picker.choose(totals, self._full_score)
         best = candidates[first]
+        shards = _shards(context, best.pool)
+        cluster = worker_cluster(best.pool, best.id, shards)
         fallbacks: tuple[str, ...] = ()
         if self.max_fallbacks:
             pool = best.pool
             same_pool = [i for i, w in enumerate(candidates) if w.pool == pool and i != first]
             if same_pool:
                 same_pool.sort(key=totals.__getitem__, reverse=True)
-                shards = _shards(context, pool)
-                cluster = worker_cluster(pool, best.id, shards)
                 same_cluster = (i for i in same_pool  # a pin's hosts must all be in the cluster it names
                                 if shards == 1 or worker_cluster(pool, candidates[i].id, shards) == cluster)
                 fallbacks = tuple(candidates[i].address for i in islice(same_cluster, self.max_fallbacks))
@@ -82,14 +82,18 @@ class Scheduler:
         if self.explain:
             explained = tuple((scorer.name, scores[first]) for (scorer, _), (scores, _) in
                               zip(self.scorers, scored, strict=True))
-        return self._decision(best, fallbacks, request, context, explained)
+        return self._decision(best, cluster, fallbacks, request, context, explained)
 
-    def _decision(self, best: WorkerRecord, fallbacks: tuple[str, ...], request: PickRequest,
+    def _decision(self, best: WorkerRecord, cluster: str, fallbacks: tuple[str, ...], request: PickRequest,
                   context: PickContext, explained: tuple[tuple[str, float], ...] = ()) -> Decision:
         if self.explain and not explained:
             explained = tuple((scorer.name, scorer.score(request, (best,), context)[0]) for scorer, _ in self.scorers)
-        return Decision(worker_id=best.id, pool=best.pool, endpoint=best.address, fallbacks=fallbacks,
-                        cluster=worker_cluster(best.pool, best.id, _shards(context, best.pool)), scores=explained)
+        return Decision(worker_id=best.id, pool=best.pool, cluster=cluster, endpoint=best.address,
+                        fallbacks=fallbacks, scores=explained)
+
+
+def _cluster_of(worker: WorkerRecord, context: PickContext) -> str:
+    return worker_cluster(worker.pool, worker.id, _shards(context, worker.pool))
 
 
 def _shards(context: PickContext, pool: str) -> int:

@@ -47,7 +47,7 @@ def pool_clusters(pool: str, shards: int = 1) -> tuple[str, ...]:
     alone, or ``pool-<name>.<k>`` for k < shards (a dot, which pool names lack, so no two pools' names meet)."""
     if shards <= 1:
         return (cluster_name(pool),)
-    return tuple(f"{cluster_name(pool)}.{index}" for index in range(shards))
+    return tuple(_shard_cluster(pool, index) for index in range(shards))
 
 
 def worker_cluster(pool: str, worker_id: str, shards: int = 1) -> str:
@@ -55,4 +55,8 @@ def worker_cluster(pool: str, worker_id: str, shards: int = 1) -> str:
     controller (which builds the clusters) and extproc (which names one per request) agree without asking."""
     if shards <= 1:
         return cluster_name(pool)
-    return f"{cluster_name(pool)}.{zlib.crc32(worker_id.encode()) % shards}"
+    return _shard_cluster(pool, zlib.crc32(worker_id.encode()) % shards)
+
+
+def _shard_cluster(pool: str, index: int) -> str:
+    return f"{cluster_name(pool)}.{index}"
