@@ -53,6 +53,7 @@ import orjson
 import uvloop
 import yaml
 
+from bench import fake_workers
 from bench.harness import ProcessGroup, cpu_seconds, cpu_times
 from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
@@ -354,7 +355,7 @@ class Fleet:
         try:
             async with asyncio.timeout(HEARTBEAT_TIMEOUT_S):
                 answer = await client.request(b"POST", self._address, path, orjson.dumps(body))
-        except (OSError, ValueError, asyncio.IncompleteReadError, TimeoutError):
+        except (OSError, ValueError, TimeoutError):
             return None
         self.counters.latencies.append(time.monotonic() - sent)
         return answer
@@ -618,47 +619,10 @@ COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
            Column("rss_mib_controller", "ctl MiB", "{:.0f}"), Column("cpu_host", "host busy", "{:.2f}")]
 
 
-def serve_workers(port: int, fail_requests: bool = False) -> None:
-    """Every fake worker on ``port`` (any loopback address): healthy, serving the bench models, idle; with
-    ``fail_requests`` every completion is a 500 (its probes still pass)."""
-    from aiohttp import web
-
-    models = json.dumps({"object": "list", "data": [{"id": name, "object": "model"}
-                                                    for name in (MODEL, SICK_MODEL)]}).encode()
-    completion = json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": "ok",
-                                                                        "finish_reason": "length"}]}).encode()
-    metrics = (f'vllm:num_requests_running{{model_name="{MODEL}"}} 0\n'
-               f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
-               f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.0\n').encode()
-
-    async def ok(request: web.Request) -> web.Response:
-        return web.Response()
-
-    async def listing(request: web.Request) -> web.Response:
-        return web.Response(body=models, content_type="application/json")
-
-    async def scrape(request: web.Request) -> web.Response:
-        return web.Response(body=metrics, content_type="text/plain")
-
-    async def complete(request: web.Request) -> web.Response:
-        await request.read()
-        if fail_requests:
-            return web.json_response({"error": {"message": "engine failed", "type": "server_error"}}, status=500)
-        return web.Response(body=completion, content_type="application/json")
-
-    freeze_startup_objects()
-    app = web.Application()
-    app.router.add_get("/health", ok)
-    app.router.add_get("/v1/models", listing)
-    app.router.add_get("/metrics", scrape)
-    app.router.add_post("/v1/completions", complete)
-    web.run_app(app, host="0.0.0.0", port=port, print=None, access_log=None, loop=uvloop.new_event_loop())
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-workers"]:
-        serve_workers(int(argv[1]), fail_requests=argv[2:3] == ["fail-requests"])
+        fake_workers.serve(int(argv[1]), [MODEL, SICK_MODEL], fail_requests=argv[2:3] == ["fail-requests"])
         return 0
     freeze_startup_objects()  # this process is the fleet's heartbeats: no collector pauses in them either
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

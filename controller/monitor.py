@@ -56,7 +56,9 @@ PROBE_SPREAD = 0.5
 CONFIRM_SHARE = 0.5
 """A failed probe of a serving worker is repeated this share of the probe interval after it started (at once
 after a timeout, which waited longer), until it passes or the failures in a row reach ``failures_to_fail``
-(each repeat must fail too: one slow answer still never ejects a worker)."""
+(each repeat must fail too: one slow answer still never ejects a worker). A repeat takes no slot: there is
+one per failing worker at most, and when 1,000 of 10,000 hung at once, their repeats waiting for the round's
+slots (up to 0.5 s each, on a loop too late to give slots back) delayed both their verdicts and the round."""
 WRITE_EVERY_S = 0.25
 """While a round runs, the state changes it found are written this often (each write one batch, one
 announcement)."""
@@ -139,6 +141,9 @@ class HealthMonitor:
         self._checking: set[str] = set()
         """Workers whose probe is under way: the watcher leaves them to that probe's verdict."""
         self._probing_now: set[asyncio.Task[None]] = set()
+        """Checks out of turn under way."""
+        self._confirming: set[asyncio.Task[None]] = set()
+        """Checks a round left running when it ended (confirming a failure)."""
         self._lingering = 0
         """Probes waiting without a slot."""
         self._written: dict[str, WorkerState] = {}
@@ -150,7 +155,9 @@ class HealthMonitor:
         return seen.memory if seen else None
 
     async def round(self) -> None:
-        """One probe of every worker and the writes and remedies that follow."""
+        """One probe of every worker and the writes and remedies that follow. The round ends once every
+        first probe is answered or timed out; a failing worker's confirming probes go on after it (its
+        verdict is written with the next watch's batch), and the next round leaves that worker to them."""
         if not self._is_leader():
             self._seen.clear()  # a new leader starts from what Redis says
             self._view.mark_stale()
@@ -164,17 +171,28 @@ class HealthMonitor:
         done = asyncio.Event()
         writer = asyncio.create_task(self._write_until(done))
         try:
-            verdicts = await asyncio.gather(*await self._start_checks(records, step))
+            checks, first_probes = await self._start_checks(records, step)
+            if first_probes:
+                await asyncio.wait(first_probes)  # each ends by the probe timeout; confirmations go on
         finally:
             done.set()
             await writer  # its last write takes what the round found since the one before
+        self._confirming.update(check for check in checks if not check.done())
         self.stats.rounds += 1
         self.stats.last_round_s = self._clock() - started
         listed = {r.id for r in records}
         for gone in [worker_id for worker_id in self._seen if worker_id not in listed]:
             del self._seen[gone]
-        for record, verdict in zip(records, verdicts, strict=True):
-            await self._remedy(record, verdict)
+
+    async def settle(self) -> None:
+        """Wait for the confirming probes a round left running, and write their verdicts."""
+        await asyncio.gather(*self._confirming)
+        await self._write_states()
+
+    def cancel_checks(self) -> None:
+        """Stop the probes still running (the monitor stops)."""
+        for check in [*self._confirming, *self._probing_now]:
+            check.cancel()
 
     async def watch(self) -> None:
         """Between and during rounds: probe at once the serving workers that closed their probe connection,
@@ -221,30 +239,52 @@ class HealthMonitor:
         for record, verdict in zip(suspects, verdicts, strict=True):
             await self._remedy(record, verdict)
 
-    async def _start_checks(self, records: Sequence[WorkerRecord], step: float) -> list[asyncio.Task[Verdict]]:
+    async def _start_checks(self, records: Sequence[WorkerRecord],
+                            step: float) -> tuple[list[asyncio.Task[None]], list[asyncio.Future[None]]]:
         """Each worker's check, started ``step`` after the one before and once one of the round's slots is free
-        (taken here, for the check's first probe): one waiter for the slots, and no timer per probe."""
+        (taken here, for the check's first probe): one waiter for the slots, and no timer per probe. A worker
+        whose check is still under way (confirming a failure, or out of turn) is left to it. Returns the checks
+        and, for each, a future done once its first probe is."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        checks: list[asyncio.Task[Verdict]] = []
+        checks: list[asyncio.Task[None]] = []
+        first_probes: list[asyncio.Future[None]] = []
         try:
             for i, record in enumerate(records):
+                if record.id in self._checking:
+                    continue
                 if (ahead := started + i * step - loop.time()) > PACE_AHEAD_S:
                     await asyncio.sleep(ahead)
                 await self._slots.acquire()
-                checks.append(asyncio.create_task(self._check(record, self._slots, slot_taken=True)))
+                first_probes.append(loop.create_future())
+                checks.append(asyncio.create_task(self._check_in_round(record, first_probes[-1])))
+                checks[-1].add_done_callback(self._check_ended)
         except BaseException:  # the round cancelled (a shutdown): so are the checks it started
             for check in checks:
                 check.cancel()
             raise
-        return checks
+        return checks, first_probes
 
-    async def _check(self, record: WorkerRecord, slots: asyncio.Semaphore, slot_taken: bool = False) -> Verdict:
-        """Probe one worker in one of ``slots`` (its first probe's already taken: ``slot_taken``) and judge it; a
-        state change joins the next batch write."""
+    async def _check_in_round(self, record: WorkerRecord, first_probe: asyncio.Future[None]) -> None:
+        try:
+            verdict = await self._check(record, self._slots, slot_taken=True, first_probe=first_probe)
+        finally:
+            if not first_probe.done():
+                first_probe.set_result(None)
+        await self._remedy(record, verdict)
+
+    def _check_ended(self, check: asyncio.Task[None]) -> None:
+        self._confirming.discard(check)
+        if not check.cancelled() and (error := check.exception()) is not None:
+            log.warning("health check failed: %r", error)  # its worker is checked again next round
+
+    async def _check(self, record: WorkerRecord, slots: asyncio.Semaphore, slot_taken: bool = False,
+                     first_probe: asyncio.Future[None] | None = None) -> Verdict:
+        """Probe one worker in one of ``slots`` (its first probe's already taken: ``slot_taken``; ``first_probe``
+        is resolved once that probe is in) and judge it; a state change joins the next batch write."""
         self._checking.add(record.id)
         try:
-            return self._judge(record, await self._probe(record, slots, slot_taken))
+            return self._judge(record, await self._probe(record, slots, slot_taken, first_probe))
         finally:
             self._checking.discard(record.id)
 
@@ -272,12 +312,15 @@ class HealthMonitor:
             self._pending[record.id] = (record, verdict)
         return verdict
 
-    async def _probe(self, record: WorkerRecord, slots: asyncio.Semaphore, slot_taken: bool) -> list[ProbeResult]:
+    async def _probe(self, record: WorkerRecord, slots: asyncio.Semaphore, slot_taken: bool,
+                     first_probe: asyncio.Future[None] | None) -> list[ProbeResult]:
         """The worker's probe, and when a serving worker fails it, the probes that confirm the failure, spaced by
         ``CONFIRM_SHARE`` of the interval: a dead worker is ejected within the round that first finds it, not
         ``failures_to_fail`` rounds later (at 10,000 workers a round takes 2.5 s). No confirmation where the
         data path's failures already decide."""
         results = [await self._probe_once(record, slots, slot_taken)]
+        if first_probe is not None:
+            first_probe.set_result(None)
         seen = self._seen.get(record.id)
         if seen is None or seen.memory.state not in HEALTHY or seen.registration[1] != record.registered_at:
             return results
@@ -286,7 +329,7 @@ class HealthMonitor:
             return results
         while not results[-1].ok and seen.memory.failures + len(results) < self._settings.failures_to_fail:
             await asyncio.sleep(max(0.0, self._settings.probe_interval_s * CONFIRM_SHARE - results[-1].latency_s))
-            results.append(await self._probe_once(record, slots))
+            results.append(await self._prober.probe(record))  # no slot: see CONFIRM_SHARE
         return results
 
     async def _probe_once(self, record: WorkerRecord, slots: asyncio.Semaphore,
@@ -361,6 +404,9 @@ async def run_monitor(monitor: HealthMonitor, interval_s: float, stop: asyncio.E
         await monitor.round()
         redis.up()
 
-    async with asyncio.TaskGroup() as loops:
-        loops.create_task(every(interval_s, stop, step, redis.down, count_step=True))
-        loops.create_task(every(passive_watch_s, stop, monitor.watch, redis.down))
+    try:
+        async with asyncio.TaskGroup() as loops:
+            loops.create_task(every(interval_s, stop, step, redis.down, count_step=True))
+            loops.create_task(every(passive_watch_s, stop, monitor.watch, redis.down))
+    finally:
+        monitor.cancel_checks()

@@ -63,19 +63,18 @@ class HttpProber:
         self._probed[(record.host, record.port)] = record.id
         started = self._clock()
         try:
-            async with asyncio.timeout(self._timeout):
-                reason = await self._probe(record)
+            reason = await self._probe(record, asyncio.get_running_loop().time() + self._timeout)
         except TimeoutError:
             reason = f"no answer within {self._timeout:g} s"
         except ConnectionRefusedError:
             reason = "connection refused"
-        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        except (OSError, ValueError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         return ProbeResult(ok=not reason, latency_s=self._clock() - started, reason=reason)
 
-    async def _probe(self, record: WorkerRecord) -> str:
+    async def _probe(self, record: WorkerRecord, deadline: float) -> str:
         address = (record.host, record.port, self._https)
-        status, _ = await self._http.request(b"GET", address, b"/health")
+        status, _ = await self._http.request(b"GET", address, b"/health", deadline=deadline)
         if status != 200:
             return f"/health answered {status}"
         if not self._check_models:
@@ -86,7 +85,8 @@ class HttpProber:
             return ""
         self._models_seen.pop(record.id, None)
         self.models_checks += 1
-        status, body = await self._http.request(b"GET", address, b"/v1/models", max_body=MAX_MODELS_BYTES)
+        status, body = await self._http.request(b"GET", address, b"/v1/models", max_body=MAX_MODELS_BYTES,
+                                                deadline=deadline)
         if status != 200:
             return f"/v1/models answered {status}"
         served = {card.get("id") for card in orjson.loads(body).get("data", []) if isinstance(card, dict)}

@@ -366,6 +366,56 @@ async def test_hung_workers_do_not_hold_a_rounds_probe_slots(redis_client: aiore
     assert max(took) < 6.0  # each about 1.7 s here; holding the slots, 8 s
 
 
+class CountingProber:
+    """An ``HttpProber`` that counts the probes each worker got."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.prober = HttpProber(timeout_s, False)
+        self.probes: dict[str, int] = {}
+
+    async def probe(self, record: WorkerRecord) -> ProbeResult:
+        self.probes[record.id] = self.probes.get(record.id, 0) + 1
+        return await self.prober.probe(record)
+
+    def hung_up(self) -> list[str]:
+        return []
+
+
+async def test_a_round_does_not_wait_for_a_hung_workers_confirmations(redis_client: aioredis.Redis) -> None:
+    """A hung worker needs 3 timeouts of 0.5 s in a row: its confirming probe goes on after the round that
+    found it, so the round ends after one timeout and the next starts (its other workers are not kept waiting
+    a timeout more), and that round leaves the hung worker to its confirmation (one probe at a time)."""
+    store = FleetStore(redis_client, PREFIX)
+    settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=0.5, failures_to_fail=3, check_models=False)
+    prober = CountingProber(0.5)
+    monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0)
+    async with tcp_workers(1, answer=True) as healthy, tcp_workers(1, answer=False) as hung:
+        await store.register(WorkerRecord(id="ok", pool="p0", model="llama", host="127.0.0.1", port=healthy[0]), 60)
+        await store.register(WorkerRecord(id="hung", pool="p0", model="llama", host="127.0.0.1", port=hung[0]), 60)
+        await store.set_states({"ok": WorkerState.READY, "hung": WorkerState.READY})
+        loop = asyncio.get_running_loop()
+        try:
+            await monitor.round()  # learns both workers: the hung one fails its first probe
+            started = loop.time()
+            await monitor.round()  # its second timeout: the third, confirming, follows on its own
+            took = loop.time() - started
+            failed_at_round_end = (await store.read_workers(["hung"]))["hung"].state is WorkerState.FAILED
+            probes_before = prober.probes["hung"]
+            started = loop.time()
+            await monitor.round()  # while they run, the next round probes only the healthy worker
+            took_next = loop.time() - started
+            next_round_probes = prober.probes["hung"] - probes_before
+            await monitor.settle()
+        finally:
+            prober.prober.close()
+    print(f"the round that found the hung worker took {took:.2f} s (with its confirmation: 1.0 s), "
+          f"the next {took_next:.2f} s")
+    states = {r.id: r.state for r in await store.read_fleet()}
+    assert states == {"ok": WorkerState.READY, "hung": WorkerState.FAILED}
+    assert not failed_at_round_end and took < 0.9 and took_next < 0.4
+    assert next_round_probes <= 1  # at most the confirmation under way, never a second check of its own
+
+
 class BusyLoopProber:
     """An ``HttpProber`` whose first probe is followed by 0.2 s in which the controller's loop is busy."""
 

@@ -27,11 +27,13 @@ class HealthSettings(Section):
     """Also ``GET /v1/models`` and require the pool's model in it (catches a worker serving the wrong model)."""
     slow_probe_s: float = Field(0.0, ge=0)
     """Probe latency above this counts as a failure (0 = off; the timeout still applies)."""
-    max_probes_per_s: float = Field(4000.0, gt=0)
+    max_probes_per_s: float = Field(8000.0, gt=0)
     """A round starts at most this many probes a second: past ``max_probes_per_s × probe_interval_s / 2``
-    workers a round takes longer than the interval (10,000 workers at the defaults: a round every 2.5 s, a
-    dead worker confirmed Failed within the round that finds it). Each probe is one kept-alive HTTP request;
-    4,000 a second cost the controller about a fifth of a core (``poolgate bench scale``)."""
+    workers a round takes longer than the interval. A worker that hangs is Failed ``failures_to_fail`` probe
+    timeouts after its next probe, which comes up to a round later: at 10,000 workers a round takes 1.3 s at
+    the default (2.6 s at 4,000, when hangs took up to 6.7 s to leave). Each probe is one kept-alive HTTP
+    request, ~85 µs of the controller's CPU (``poolgate bench health_rounds``): 10,000 workers cost it about
+    0.6 of a core."""
     failures_to_fail: int = Field(3, ge=1)
     successes_to_ready: int = Field(2, ge=1)
     passive_failures_to_fail: int = Field(3, ge=1)
