@@ -16,6 +16,7 @@ import orjson
 import uvloop
 
 from poolgate.kernel.heap import freeze_startup_objects
+from poolgate.kernel.lean_http import header_value
 
 MAX_REQUEST_BYTES = 1024 * 1024
 """A request larger than this closes its connection (none of the bench's clients sends one)."""
@@ -44,15 +45,6 @@ def answers(models: list[str], fail_requests: bool) -> dict[bytes, bytes]:
 NOT_FOUND = _answer(b"404 Not Found", b'{"error": {"message": "not found", "type": "not_found"}}')
 
 
-def _content_length(head: bytes) -> int:
-    """The ``Content-Length`` of a lowercased request head (0 when absent)."""
-    at = head.find(b"\r\ncontent-length:")
-    if at < 0:
-        return 0
-    end = head.find(b"\r\n", at + 2)
-    return int(head[at + 17:end if end >= 0 else len(head)])
-
-
 class _FakeWorker(asyncio.Protocol):
     """One client connection: each complete request (head and ``Content-Length`` body) gets its answer."""
 
@@ -68,10 +60,11 @@ class _FakeWorker(asyncio.Protocol):
         assert self._transport is not None
         self._buffer += data
         while (end := self._buffer.find(b"\r\n\r\n")) >= 0:
-            length = _content_length(bytes(self._buffer[:end]).lower())
+            head = bytes(self._buffer[:end])
+            length = int(header_value(head.lower(), b"content-length") or b"0")
             if len(self._buffer) < end + 4 + length:
                 break
-            method, path = bytes(self._buffer[:end]).split(b" ", 2)[:2]
+            method, path = head.split(b" ", 2)[:2]
             del self._buffer[:end + 4 + length]
             self._transport.write(self._canned.get(method + b" " + path.split(b"?")[0], NOT_FOUND))
         if len(self._buffer) > MAX_REQUEST_BYTES:

@@ -52,10 +52,10 @@ def parse_answer(buffer: bytes | bytearray, max_body: int) -> tuple[Answer, int]
     if len(parts) < 2 or not parts[0].startswith(b"http/"):
         raise ValueError(f"not an HTTP answer: {bytes(buffer[:80])!r}")
     status = int(parts[1])
-    keep_alive = b"close" not in _header(head, b"connection")
+    keep_alive = b"close" not in header_value(head, b"connection")
     start = end + 4
-    if b"chunked" not in _header(head, b"transfer-encoding"):
-        length = int(_header(head, b"content-length") or b"0")
+    if b"chunked" not in header_value(head, b"transfer-encoding"):
+        length = int(header_value(head, b"content-length") or b"0")
         if length > max_body:
             raise AnswerTooLarge(f"answer of {length} bytes, more than the {max_body} accepted")
         if len(buffer) < start + length:
@@ -77,8 +77,8 @@ def parse_answer(buffer: bytes | bytearray, max_body: int) -> tuple[Answer, int]
     return (status, b"".join(chunks), keep_alive), at
 
 
-def _header(head: bytes, name: bytes) -> bytes:
-    """The value of header ``name`` in a lowercased answer head (empty when absent)."""
+def header_value(head: bytes, name: bytes) -> bytes:
+    """The value of header ``name`` (lowercase) in a lowercased HTTP head (empty when absent)."""
     at = head.find(b"\r\n" + name + b":")
     if at < 0:
         return b""
