@@ -12,7 +12,8 @@ Per size it reports:
 - heartbeat success (2xx share; a 404 means the worker expired and it registers again, as a worker would);
 - time from the last registration until every Envoy lists all N endpoints healthy;
 - one-change latency: a worker reports Draining (then Ready) and every Envoy's healthy count follows;
-  p50/p99 over ``--changes`` changes;
+  p50/p99 over ``--changes`` changes, and the part of it until the API answered the heartbeat (written to
+  Redis);
 - passive ejection: ``--sick`` workers of a pool of their own (beside as many healthy ones) answer their
   probes but fail every request with a 500; requests go through one Envoy until no Envoy lists them healthy
   (the other Envoy sees no traffic: only the controller's verdict takes them out of it); time from the first
@@ -264,17 +265,20 @@ async def sick_ejection(http: aiohttp.ClientSession, stack: Stack, sick: int, ti
 
 async def wait_counts(http: aiohttp.ClientSession, stack: Stack, clusters: Sequence[str], done: Any, timeout_s: float,
                       poll_s: float = 0.01) -> float | None:
-    """Seconds until ``done(count)`` holds in every Envoy (each Envoy's own first time; the max), or None."""
+    """Seconds until ``done(count)`` holds in every Envoy (each Envoy's own first time; the max), or None.
+    Each Envoy is polled on its own, all at once: asked one after the other, each Envoy's answer waited
+    for the others' (a few ms each at 200 pools on a busy host), which the latency measured then held."""
     started = time.monotonic()
-    reached: dict[str, float] = {}
-    while time.monotonic() - started < timeout_s:
-        for envoy, count in (await healthy_counts(http, stack, clusters)).items():
-            if envoy not in reached and done(count):
-                reached[envoy] = time.monotonic() - started
-        if len(reached) == len(ENVOYS):
-            return max(reached.values())
-        await asyncio.sleep(poll_s)
-    return None
+
+    async def reached(port: int) -> float | None:
+        while time.monotonic() - started < timeout_s:
+            if done(await envoy_healthy(http, f"http://127.0.0.1:{port}", clusters)):
+                return time.monotonic() - started
+            await asyncio.sleep(poll_s)
+        return None
+
+    times = await asyncio.gather(*(reached(port) for port in stack.admin_ports.values()))
+    return None if any(t is None for t in times) else max(t for t in times if t is not None)
 
 
 def registration(worker: Worker) -> dict[str, Any]:
@@ -523,13 +527,14 @@ def api_process_pids(controller: int) -> list[int]:
 
 
 async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, changes: int,
-                      interval_s: float, shards: int) -> list[float]:
+                      interval_s: float, shards: int) -> tuple[list[float], list[float]]:
     """A worker reports Draining (the healthy count drops by one), then Ready again (it comes back).
 
     The latency counts from the change: its heartbeat is sent at once (a worker reports a state change when
     it happens, not at its next beat), after its node's heartbeat in flight if one is. A change not seen
-    within 5 s counts as NaN (missed)."""
-    latencies = []
+    within 5 s counts as NaN (missed). Returns the latencies until every Envoy shows the change, and until the
+    API answered its heartbeat (the change is in Redis then): what is left is the controller's and Envoy's."""
+    latencies, answered = [], []
     client = fleet_.own_client()
     for index in range(changes):
         worker = fleet_.workers[-1 - index % max(1, len(fleet_.workers) // 2)]
@@ -539,12 +544,13 @@ async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, 
             fleet_.state[worker.id] = state
             sent = time.monotonic()
             await fleet_.heartbeat(worker, client)
+            answered.append(time.monotonic() - sent)
             reached = await wait_counts(http, stack, own, lambda c, e=start + step: c == e, timeout_s=5,
                                         poll_s=0.005)
             latencies.append(time.monotonic() - sent if reached is not None else float("nan"))
         fleet_.state.pop(worker.id, None)
         await asyncio.sleep(interval_s)
-    return latencies
+    return latencies, answered
 
 
 async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -588,10 +594,13 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
                 row["healthy_seen"] = await healthy_counts(http, stack, measured)
             row.update(await steady(http, stack, fleet_, args.steady_s))
             if reached is not None:
-                latencies = await one_changes(http, stack, fleet_, args.changes, interval_s, shards)
+                latencies, answered = await one_changes(http, stack, fleet_, args.changes, interval_s, shards)
                 row["change_p50_s"] = quantile(latencies, 0.5)
                 row["change_p99_s"] = quantile(latencies, 0.99)
+                row["change_in_redis_p50_s"] = quantile(answered, 0.5)
+                row["change_in_redis_p99_s"] = quantile(answered, 0.99)
                 row["change_latencies_ms"] = [round(x * 1000, 1) for x in latencies]
+                row["change_in_redis_ms"] = [round(x * 1000, 1) for x in answered]
                 if args.sick and await wait_counts(http, stack, [cluster_name(SICK_POOL)], lambda c: c >= 2 * args.sick,
                                                    args.timeout_s) is not None:
                     row.update(await sick_ejection(http, stack, args.sick, args.timeout_s))
@@ -610,7 +619,8 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
 COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
            Column("registrations_s", "reg/s", "{:.0f}"), Column("heartbeat_success", "hb ok", "{:.3f}"),
            Column("all_in_envoy_s", "all in Envoy s", "{:.2f}"), Column("change_p50_s", "change p50 s", "{:.3f}"),
-           Column("change_p99_s", "change p99 s", "{:.3f}"), Column("ejection_s", "eject s", "{:.2f}"),
+           Column("change_p99_s", "change p99 s", "{:.3f}"),
+           Column("change_in_redis_p99_s", "of which API p99 s", "{:.3f}"), Column("ejection_s", "eject s", "{:.2f}"),
            Column("sick_out_s", "sick out s", "{:.2f}"), Column("sick_failed_requests", "sick failed", "{}"),
            Column("snapshot_age_p99_s", "snap age p99", "{:.3f}"), Column("redis_ops_s", "redis ops/s", "{:.0f}"),
            Column("cpu_controller", "ctl cpu", "{:.2f}"), Column("cpu_controller_api", "api procs cpu", "{:.2f}"),

@@ -43,9 +43,10 @@ from controller.drain import Drainer
 from controller.instances import InstanceController
 from controller.lease import LeaderLease
 from controller.local_backend import GpuFacts, LocalProcessBackend, worker_command
-from controller.monitor import HealthMonitor, run_monitor
+from controller.monitor import HealthMonitor, MonitorStats, RemedyElsewhere, run_monitor
 from controller.monitor_metrics import MonitorMetrics
 from controller.overload import LoopLag
+from controller.own_loop import SWITCH_INTERVAL_S, CallOnLoop, run_on_own_loop
 from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
@@ -169,23 +170,44 @@ def _probe_session(config: Config, worker_tls: ssl.SSLContext | None) -> aiohttp
                                  connector=connector)
 
 
-def _fleet_tasks(config: Config, store: FleetStore, instances: InstanceController, probe_session: aiohttp.ClientSession,
-                 worker_tls: ssl.SSLContext | None, metrics: CollectorRegistry, is_leader: Callable[[], bool],
-                 stop: asyncio.Event) -> list[asyncio.Task[object]]:
-    """The loops that keep the fleet: the in-process agent, and (acting on the leader only) the health
-    monitor, the adapter loader, the pod sync and the autoscaler."""
+def _health_monitor(config: Config, redis_url: str, instances: InstanceController,
+                    worker_tls: ssl.SSLContext | None, metrics: CollectorRegistry,
+                    is_leader: Callable[[], bool]) -> Callable[[asyncio.Event], Coroutine[object, object, None]]:
+    """The health monitor as a duty for a loop of its own (``controller.own_loop``): its Redis client and
+    prober are made on that loop, its remedies go to ``instances`` on this one, its counts to ``metrics``."""
     health = config.health
+    stats = MonitorStats()
+    MonitorMetrics(stats, metrics)
+    remediate_here = CallOnLoop(asyncio.get_running_loop())
+
+    async def duty(stop: asyncio.Event) -> None:
+        redis = connect(redis_url)
+        prober = HttpProber(health.probe_timeout_s, health.check_models, scheme=worker_scheme(config.tls.workers),
+                            tls=worker_tls, api_key=config.worker_api_key())
+        monitor = HealthMonitor(FleetStore(redis, config.key_prefix), health, config.extproc.stale_after_s, prober,
+                                RemedyElsewhere(instances, remediate_here), is_leader=is_leader, stats=stats)
+        try:
+            await run_monitor(monitor, health.probe_interval_s, stop)
+        finally:
+            prober.close()
+            await redis.aclose()
+
+    return duty
+
+
+def _fleet_tasks(config: Config, store: FleetStore, redis_url: str, instances: InstanceController,
+                 probe_session: aiohttp.ClientSession, worker_tls: ssl.SSLContext | None, metrics: CollectorRegistry,
+                 is_leader: Callable[[], bool], stop: asyncio.Event) -> list[asyncio.Task[object]]:
+    """The loops that keep the fleet: the in-process agent, and (acting on the leader only) the health
+    monitor (on a loop of its own), the adapter loader, the pod sync and the autoscaler."""
     scheme = worker_scheme(config.tls.workers)
-    prober = HttpProber(health.probe_timeout_s, health.check_models, scheme=scheme, tls=worker_tls,
-                        api_key=config.worker_api_key())
-    monitor = HealthMonitor(store, health, config.extproc.stale_after_s, prober, instances, is_leader=is_leader)
-    MonitorMetrics(monitor.stats, metrics)
     adapters = AdapterLoader(config.catalogue.adapters, store, probe_session, is_leader=is_leader, scheme=scheme)
+    monitor = _health_monitor(config, redis_url, instances, worker_tls, metrics, is_leader)
     loops: list[Coroutine[object, object, object]] = [
         # The agent reads the local workers' /metrics and GPUs into Redis (one per node; here the node is us):
         # workers that name another node have that node's agent, even at an address that looks local.
         run_agent(config, store, node=socket.gethostname()),
-        run_monitor(monitor, health.probe_interval_s, stop),
+        run_on_own_loop("health-monitor", monitor, stop),
         run_adapter_loader(adapters, config.catalogue.adapter_sync_s, stop),
     ]
     if config.kubernetes.enabled:
@@ -206,6 +228,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     redis = connect(redis_url)
     store = FleetStore(redis, config.key_prefix)
     stop = asyncio.Event()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the health monitor runs in a thread beside this loop
     lease = LeaderLease(store, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                         config.autoscale.lease_ttl_s)
     xds = XdsServer(config.pools, config.tls)
@@ -265,8 +288,8 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
         asyncio.create_task(lease.run(stop, on_gain=on_gain)),
         asyncio.create_task(lag.run()),
         *[asyncio.create_task(tls.watch(config.tls.reload_s, stop)) for tls in (api_tls, worker_tls) if tls],
-        *_fleet_tasks(config, store, instances, probe_session, worker_tls.context if worker_tls else None, metrics,
-                     lease.is_leader, stop),
+        *_fleet_tasks(config, store, redis_url, instances, probe_session, worker_tls.context if worker_tls else None,
+                     metrics, lease.is_leader, stop),
         *serving_api,
     ]
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)

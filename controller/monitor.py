@@ -22,9 +22,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from controller.health import HEALTHY, HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
 from controller.periodic import every
@@ -84,6 +84,19 @@ class Remediator(Protocol):
     async def remedy(self, worker_id: str, remedy: Remedy, reason: str) -> None: ...
 
 
+class RemedyElsewhere:
+    """A remediator on another event loop (the controller's, when the monitor runs on its own): each remedy
+    runs there through ``call`` (``controller.own_loop.CallOnLoop``) and is waited for here."""
+
+    def __init__(self, remediator: Remediator,
+                 call: Callable[[Coroutine[Any, Any, None]], Awaitable[None]]) -> None:
+        self._remediator = remediator
+        self._call = call
+
+    async def remedy(self, worker_id: str, remedy: Remedy, reason: str) -> None:
+        await self._call(self._remediator.remedy(worker_id, remedy, reason))
+
+
 @dataclass
 class MonitorStats:
     rounds: int = 0
@@ -119,7 +132,7 @@ class HealthMonitor:
                  remediator: Remediator | None = None, *, is_leader: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  spread_s: float | None = None, write_every_s: float = WRITE_EVERY_S,
-                 probe_concurrency: int = PROBE_CONCURRENCY) -> None:
+                 probe_concurrency: int = PROBE_CONCURRENCY, stats: MonitorStats | None = None) -> None:
         self._settings = settings
         self._stale_after_s = stale_after_s
         self._store = store
@@ -148,7 +161,8 @@ class HealthMonitor:
         """Probes waiting without a slot."""
         self._written: dict[str, WorkerState] = {}
         """States this monitor wrote since its view last synced (the view's records do not show them yet)."""
-        self.stats = MonitorStats()
+        self.stats = stats if stats is not None else MonitorStats()
+        """Counts for ``/metrics``; given when they are read from another thread than the monitor's."""
 
     def memory(self, worker_id: str) -> HealthMemory | None:
         seen = self._seen.get(worker_id)
