@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import deque
 from typing import cast
 
 MAX_HEAD_BYTES = 16 * 1024
 """An answer's status line and headers may be this long at most."""
 MAX_IDLE = 25_000
 """Idle connections kept at most (one per worker or node; past that a connection is closed after use)."""
+MAX_LOST_REPORTED = MAX_IDLE
+"""Idle connections lost and not yet collected by ``closed_idle`` that are remembered at most (a client whose
+owner never asks, such as a heartbeat sender, keeps the latest only; a reused connection is checked anyway)."""
 
 Address = tuple[str, int, bool]
 """(host, port, https)."""
@@ -90,7 +94,7 @@ def header_value(head: bytes, name: bytes) -> bytes:
 class _Connection(asyncio.Protocol):
     """One connection: at most one request in flight, its answer parsed as the bytes arrive."""
 
-    def __init__(self, address: Address, on_idle_loss: list[_Connection]) -> None:
+    def __init__(self, address: Address, on_idle_loss: deque[_Connection]) -> None:
         self.address = address
         self.transport: asyncio.Transport | None = None
         self.lost = False
@@ -165,7 +169,7 @@ class LeanHttpClient:
         self._headers = headers
         """Extra header lines sent with every request, each ending in CRLF (e.g. an Authorization line)."""
         self._idle: dict[Address, _Connection] = {}
-        self._lost_idle: list[_Connection] = []
+        self._lost_idle: deque[_Connection] = deque(maxlen=MAX_LOST_REPORTED)
         """Idle connections the peer closed since ``closed_idle`` last looked (each reports its own loss)."""
 
     async def request(self, method: bytes, address: Address, path: bytes, body: bytes = b"",
@@ -218,7 +222,8 @@ class LeanHttpClient:
 
     def closed_idle(self) -> list[Address]:
         """The addresses whose idle connection the peer closed since the last call (those connections dropped)."""
-        lost, self._lost_idle[:] = list(self._lost_idle), []
+        lost = list(self._lost_idle)
+        self._lost_idle.clear()
         closed = []
         for connection in lost:
             if self._idle.get(connection.address) is connection:
