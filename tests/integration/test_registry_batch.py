@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -14,7 +15,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from controller.batched_writes import MAX_BATCH as COALESCED_MAX
-from controller.batched_writes import Coalescer
+from controller.batched_writes import Coalescer, HeartbeatCoalescer
 from controller.overload import LoopLag
 from controller.registry_api import MAX_BATCH, REGISTRATION_RETRY_AFTER_S, RegistryApi
 from poolgate.kernel.config import parse_config
@@ -168,6 +169,36 @@ async def test_a_batch_longer_than_one_pipeline_is_answered_once_all_of_it_is_wr
     answers, single = await asyncio.gather(coalescer.submit_many(values), coalescer.submit("k3", 100))
     assert flushed == [COALESCED_MAX, 10]
     assert answers == {**{key: value * 2 for key, value in values.items()}, "k3": 200} and single == 200
+
+
+class _SlowRoutineStore:
+    """A store whose routine heartbeats (no state) stay in flight until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.written: list[dict[str, dict[str, Any]]] = []
+
+    async def heartbeat_many(self, beats: dict[str, dict[str, Any]], ttl_s: float) -> list[str]:
+        if any("state" not in facts for facts in beats.values()):
+            await self.release.wait()
+        self.written.append(beats)
+        return []
+
+
+async def test_a_state_change_does_not_wait_for_the_routine_batch_in_flight() -> None:
+    store = _SlowRoutineStore()
+    heartbeats = HeartbeatCoalescer(cast(FleetStore, store), ttl_s=1.5)
+    routine = asyncio.create_task(heartbeats.beat_many({"w1": {}, "w2": {"kv_usage": 0.5}}))
+    await asyncio.sleep(0.01)  # the routine batch has left and stays in flight
+    assert await asyncio.wait_for(heartbeats.beat("w3", {"state": "Draining"}), 1)
+    assert store.written == [{"w3": {"state": "Draining"}}]
+    mixed = asyncio.create_task(heartbeats.beat_many({"w4": {"state": "Draining"}, "w5": {}}))
+    await asyncio.sleep(0.05)
+    assert {"w4": {"state": "Draining"}} in store.written  # a node's state change leaves at once too
+    assert not routine.done() and not mixed.done()  # the node's answer waits for its routine part
+    store.release.set()
+    assert await routine == [] and await mixed == []
+    assert {"w1": {}, "w2": {"kv_usage": 0.5}} in store.written and {"w5": {}} in store.written
 
 
 async def test_a_burst_of_registrations_shares_pipelines_and_wakes_readers_once_per_batch(redis_url: str) -> None:
