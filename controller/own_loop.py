@@ -58,8 +58,15 @@ async def run_on_own_loop(name: str, duty: Callable[[asyncio.Event], Awaitable[N
         await duty(own_stop)
 
     def finish(error: BaseException | None) -> None:
-        if not ended.done():
-            ended.set_exception(error) if error is not None else ended.set_result(None)
+        if ended.done():
+            return
+        if error is None:
+            ended.set_result(None)
+        elif stop.is_set():  # failed while stopping: nobody waits for it any more
+            log.warning("%s ended with %r while stopping", name, error)
+            ended.set_result(None)
+        else:
+            ended.set_exception(error)
 
     def thread_main() -> None:
         error: BaseException | None = None
