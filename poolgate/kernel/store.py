@@ -209,8 +209,8 @@ class FleetStore:
 
     async def _write_many(self, facts: Mapping[str, Mapping[str, Any]], ttl_ms: int, announce: str,
                           common: Mapping[str, Any] | None = None) -> list[Any]:
-        """``WRITE_FACTS`` for every worker in ``facts`` (each with ``common`` too, encoded once): one command per
-        ``FACTS_PER_CALL`` workers, all in one pipeline; ``WRITE_FACTS``'s answers in order."""
+        """``WRITE_FACTS`` for every worker in ``facts`` (each with ``common`` too, sent once per command): one
+        command per ``FACTS_PER_CALL`` workers, all in one pipeline; ``WRITE_FACTS``'s answers in order."""
         if not facts:
             return []
         items = list(facts.items())
@@ -218,10 +218,13 @@ class FleetStore:
 
         def queue(pipe: Any) -> None:
             for start in range(0, len(items), FACTS_PER_CALL):
-                args: list[Any] = [self.keys.fleet, ttl_ms, announce]
+                args: list[Any] = [self.keys.fleet, ttl_ms, announce, len(shared), *shared]
                 for worker_id, values in items[start:start + FACTS_PER_CALL]:
-                    pairs = [*shared, *_pairs(values)] if values else shared
-                    args += [worker_id, len(pairs), *pairs]
+                    if values:
+                        pairs = _pairs(values)
+                        args += [worker_id, len(pairs), *pairs]
+                    else:
+                        args += [worker_id, 0]
                 self._queue_script(pipe, self._write_facts_many, args)
         return [answer for chunk in await self._scripted_pipeline(queue, store_scripts.WRITE_FACTS_MANY)
                 for answer in chunk]

@@ -46,10 +46,7 @@ return v
 (1, or q: publish nothing, the caller announces a batch), field/value pairs of the full record."""
 
 _WRITE_FACTS_FN = """
-local function write_facts(id, ttl, announce, quiet, first, last)
-  local key = P .. ':worker:' .. id
-  if redis.call('EXISTS', key) == 0 then return 0 end
-  local state_changed, live = false, false
+local function scan_facts(key, first, last, state_changed, live)
   for i = first, last, 2 do
     if ARGV[i] == 'state' then
       state_changed = redis.call('HGET', key, 'state') ~= ARGV[i + 1]
@@ -57,6 +54,15 @@ local function write_facts(id, ttl, announce, quiet, first, last)
       live = true
     end
   end
+  return state_changed, live
+end
+
+local function write_facts(id, ttl, announce, quiet, first, last, common_first, common_last)
+  local key = P .. ':worker:' .. id
+  if redis.call('EXISTS', key) == 0 then return 0 end
+  local state_changed, live = scan_facts(key, common_first, common_last, false, false)
+  state_changed, live = scan_facts(key, first, last, state_changed, live)
+  if common_last >= common_first then redis.call('HSET', key, unpack(ARGV, common_first, common_last)) end
   if last >= first then redis.call('HSET', key, unpack(ARGV, first, last)) end
   if ttl > 0 then
     redis.call('PEXPIRE', key, ttl)
@@ -76,7 +82,7 @@ end
 """
 
 WRITE_FACTS = _COMMON + _WRITE_FACTS_FN + """
-return write_facts(ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', ARGV[4] == 'q', 5, #ARGV)
+return write_facts(ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', ARGV[4] == 'q', 5, #ARGV, 1, 0)
 """
 """ARGV: fleet tag, id, ttl ms (0: leave the TTL alone), announce (1, 0, or q: publish nothing, the caller
 announces a batch), field/value pairs. Returns 0 when the
@@ -86,17 +92,20 @@ that carries nothing but its time writes no change at all."""
 
 WRITE_FACTS_MANY = _COMMON + _WRITE_FACTS_FN + """
 local ttl, announce, quiet = tonumber(ARGV[2]), ARGV[3] == '1', ARGV[3] == 'q'
-local answers, i = {}, 4
+local common_last = 4 + tonumber(ARGV[4])
+local answers, i = {}, common_last + 1
 while i <= #ARGV do
   local n = tonumber(ARGV[i + 1])
-  answers[#answers + 1] = write_facts(ARGV[i], ttl, announce, quiet, i + 2, i + 1 + n)
+  answers[#answers + 1] = write_facts(ARGV[i], ttl, announce, quiet, i + 2, i + 1 + n, 5, common_last)
   i = i + 2 + n
 end
 return answers
 """
 """``WRITE_FACTS`` for many workers in one call (a batch of heartbeats or a round's states: one command, not
-one per worker). ARGV: fleet tag, ttl ms, announce, then per worker its id, the count of field/value items
-that follow, and those items. Returns ``WRITE_FACTS``'s answer per worker, in order."""
+one per worker). ARGV: fleet tag, ttl ms, announce, the count of field/value items every worker gets and
+those items (a heartbeat's time: sent once, not once per worker), then per worker its id, the count of its
+own items and those items (written after the common ones). Returns ``WRITE_FACTS``'s answer per worker, in
+order."""
 
 DEREGISTER = _COMMON + """
 local id = ARGV[2]

@@ -133,9 +133,14 @@ async def test_an_expired_worker_leaves_every_reader_with_one_announcement(redis
 async def test_heartbeat_batch_reports_the_workers_that_must_register_again(redis_client: aioredis.Redis) -> None:
     store = FleetStore(redis_client, PREFIX)
     await register(store, 1, 2)
-    missing = await store.heartbeat_many({"w1": {}, "w2": {"state": "Busy"}, "w9": {}}, ttl_s=60)
+    beat_at = time.time()
+    missing = await store.heartbeat_many({"w1": {}, "w2": {"state": "Busy", "kv_usage": 0.25}, "w9": {}}, ttl_s=60)
     assert missing == ["w9"]
-    assert {r.id: r.state for r in await store.read_fleet()} == {"w1": WorkerState.READY, "w2": WorkerState.BUSY}
+    records = {r.id: r for r in await store.read_fleet()}
+    assert {w: r.state for w, r in records.items()} == {"w1": WorkerState.READY, "w2": WorkerState.BUSY}
+    assert records["w2"].kv_usage == 0.25
+    # the heartbeat's time is sent once for the batch, and written to every worker in it
+    assert all(r.updated_at >= beat_at for r in records.values())
 
 
 class RestartableRedis:
