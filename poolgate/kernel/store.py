@@ -220,11 +220,8 @@ class FleetStore:
             for start in range(0, len(items), FACTS_PER_CALL):
                 args: list[Any] = [self.keys.fleet, ttl_ms, announce, len(shared), *shared]
                 for worker_id, values in items[start:start + FACTS_PER_CALL]:
-                    if values:
-                        pairs = _pairs(values)
-                        args += [worker_id, len(pairs), *pairs]
-                    else:
-                        args += [worker_id, 0]
+                    pairs = _pairs(values) if values else []
+                    args += [worker_id, len(pairs), *pairs]
                 self._queue_script(pipe, self._write_facts_many, args)
         return [answer for chunk in await self._scripted_pipeline(queue, store_scripts.WRITE_FACTS_MANY)
                 for answer in chunk]
