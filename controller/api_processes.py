@@ -27,6 +27,7 @@ from aiohttp import web
 
 from controller.overload import LoopLag
 from controller.registry_api import RegistryApi, error_response
+from poolgate.kernel.cancel import cancel_and_wait
 from poolgate.kernel.config import ConfigError, load_process_config
 from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
@@ -170,9 +171,7 @@ async def serve(args: argparse.Namespace, parent: int) -> None:
     try:
         await stop.wait()
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         await runner.cleanup()
         await forward.close()
         await redis.aclose()

@@ -54,6 +54,7 @@ from controller.registry_api import RegistryApi
 from controller.upstream_failures import UpstreamFailureLog
 from controller.xds.server import XdsServer
 from controller.xds_bridge import bridge_fleet_to_xds
+from poolgate.kernel.cancel import cancel_and_wait
 from poolgate.kernel.config import Config, ConfigError, load_process_config
 from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
@@ -298,9 +299,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     finally:
         log.info("stopping: workers, API, xDS")
         stop.set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         await drainer.close()
         if local is not None:
             await local.stop_all()

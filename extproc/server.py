@@ -37,6 +37,7 @@ from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
 from extproc.service import ExtProcService
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
+from poolgate.kernel.cancel import cancel_and_wait
 from poolgate.kernel.config import Config, TlsServerFiles
 from poolgate.kernel.keys import QuotaKeys
 from poolgate.kernel.reload import ConfigFileWatch
@@ -184,13 +185,9 @@ async def _stop(server: grpc.aio.Server, watch_task: asyncio.Task[None], watcher
                 client: RedisLike, health: health_aio.HealthServicer) -> None:
     await health.enter_graceful_shutdown()  # NOT_SERVING first, so probes stop sending while streams drain
     await server.stop(SHUTDOWN_GRACE_S)
-    watch_task.cancel()
-    try:
-        await watch_task
-    except asyncio.CancelledError:
-        pass
-    except Exception:
-        log.exception("fleet watcher failed")
+    await cancel_and_wait([watch_task])
+    if not watch_task.cancelled() and (error := watch_task.exception()) is not None:
+        log.error("fleet watcher failed", exc_info=error)
     try:
         await asyncio.wait_for(watcher.flush(), timeout=1.0)
         await asyncio.wait_for(watcher.leave(), timeout=1.0)
