@@ -9,8 +9,10 @@ give the mean round time, the probes sent per second and this process's CPU time
 of them is stopped (SIGSTOP: its connections stay open and nothing answers, a hung engine) and the time counts
 until the monitor wrote all H Failed in Redis. With ``--trials K`` the hang is repeated K times, each after the
 workers came back and a random part of a round later: how soon they leave depends on where in the round the
-hang falls (they are probed together, at the round's start), between 3 probe timeouts and a round more.
-Results go to ``bench/reports/health_rounds.json`` and ``.png``.
+hang falls (they are probed together, at the round's start), between a probe timeout plus two half intervals
+(the confirmations that overlap it) and a round more. It also counts those early confirmations, in the steady
+phase (where none should be sent) and in the hangs. Results go to ``bench/reports/health_rounds.json`` and
+``.png``.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ async def measure(n: int, hung: int, steady_s: float, run_dir: Path, trials: int
         monitoring = asyncio.create_task(run_monitor(monitor, config.health.probe_interval_s, stop))
         stats = monitor.stats
         await until(lambda: stats.rounds >= 3, "three rounds")
-        rounds, probes, failures = stats.rounds, stats.probes, stats.probe_failures
+        rounds, probes, failures, early = stats.rounds, stats.probes, stats.probe_failures, stats.early_confirmations
         cpu, wall = time.process_time(), time.monotonic()
         round_times = []
         while time.monotonic() - wall < steady_s:
@@ -102,8 +104,9 @@ async def measure(n: int, hung: int, steady_s: float, run_dir: Path, trials: int
             "workers": n, "hung": hung, "rounds": stats.rounds - rounds,
             "round_s": sum(round_times) / len(round_times), "probes_s": probed / elapsed,
             "cpu_us_per_probe": spent / probed * 1e6, "cpu_cores": spent / elapsed,
-            "steady_failures": stats.probe_failures - failures}
-        failed_before, given_back = failed(stats), stats.slots_given_back
+            "steady_failures": stats.probe_failures - failures,
+            "steady_early_confirmations": stats.early_confirmations - early}
+        failed_before, given_back, early = failed(stats), stats.slots_given_back, stats.early_confirmations
         outs = []
         back = recovered(stats)
         for trial in range(trials):
@@ -119,6 +122,7 @@ async def measure(n: int, hung: int, steady_s: float, run_dir: Path, trials: int
         row["hung_out_min_s"] = min(outs)
         row["hung_out_all_s"] = [round(out, 2) for out in outs]
         row["slots_given_back"] = stats.slots_given_back - given_back
+        row["early_confirmations"] = stats.early_confirmations - early
         row["wrongly_failed"] = failed(stats) - failed_before - hung * trials
         stop.set()
         await monitoring
@@ -137,7 +141,9 @@ COLUMNS = [Column("workers", "workers", "{}"), Column("hung", "hung", "{}"), Col
            Column("cpu_cores", "monitor cores", "{:.2f}"), Column("hung_out_min_s", "hung out min s", "{:.2f}"),
            Column("hung_out_s", "hung out max s", "{:.2f}"),
            Column("steady_failures", "failed probes (steady)", "{}"),
-           Column("slots_given_back", "slots given back", "{}"), Column("wrongly_failed", "wrongly failed", "{}")]
+           Column("slots_given_back", "slots given back", "{}"), Column("wrongly_failed", "wrongly failed", "{}"),
+           Column("steady_early_confirmations", "early confirmations steady", "{}"),
+           Column("early_confirmations", "early confirmations in hangs", "{}")]
 
 
 def main(argv: list[str] | None = None) -> int:

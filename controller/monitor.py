@@ -51,14 +51,23 @@ LOOP_LATE_S = 0.05
 """The loop keeps time when the slot's give-back timer fires at most this late."""
 LINGER_LIMIT = 2048
 """Probes waiting without a slot at most (each costs a socket and a timer, no CPU)."""
+EARLY_LIMIT = 2048
+"""Confirming probes started early (``CONFIRM_SHARE``) in flight at most: 1,000 workers that hang at once get
+theirs, and a controller so late that every probe looks slow sends a bounded number more."""
 PROBE_SPREAD = 0.5
 """Share of the probe interval over which a round's probes start (the rest is room for slow answers)."""
 CONFIRM_SHARE = 0.5
-"""A failed probe of a serving worker is repeated this share of the probe interval after it started (at once
-after a timeout, which waited longer), until it passes or the failures in a row reach ``failures_to_fail``
-(each repeat must fail too: one slow answer still never ejects a worker). A repeat takes no slot: there is
-one per failing worker at most, and when 1,000 of 10,000 hung at once, their repeats waiting for the round's
-slots (up to 0.5 s each, on a loop too late to give slots back) delayed both their verdicts and the round."""
+"""A serving worker's probe that failed, or that is still unanswered, this share of the probe interval after it
+started is followed by another, until one passes or the failures reach ``failures_to_fail``. So confirmations
+of a hang overlap: probes start 0.25 s apart and a hung worker is Failed once the last of them times out
+(1.5 s after the first started, at the defaults), not after three timeouts one after the other (3 s: with a
+round of 1.3 s before it, 1,000 workers hung at once took up to 6.7 s to leave on a loaded host). The evidence
+stays ``failures_to_fail`` probes that all failed, the last started ``CONFIRM_SHARE × (failures_to_fail - 1)``
+intervals after the first: a worker that answers any of them stays serving, and one slow answer never ejects
+it. Only a probe still out after ``SLOT_HOLD_S`` plans early confirmations (a probe answered in time costs
+nothing more), and at most ``EARLY_LIMIT`` are in flight. A confirmation takes no slot: there are
+``failures_to_fail`` per failing worker at most, and when 1,000 of 10,000 hung at once, their repeats waiting
+for the round's slots delayed both their verdicts and the round."""
 WRITE_EVERY_S = 0.25
 """While a round runs, the state changes it found are written this often (each write one batch, one
 announcement)."""
@@ -112,6 +121,8 @@ class MonitorStats:
     """Workers probed at once, out of turn, because they closed their probe connection."""
     slots_given_back: int = 0
     """Probes that gave their slot back to wait on without one (``SLOT_HOLD_S``)."""
+    early_confirmations: int = 0
+    """Confirming probes started while the probe they confirm was still out (``CONFIRM_SHARE``)."""
     remedies: dict[str, int] = field(default_factory=dict)
     last_round_s: float = 0.0
     """How long the last round took: a hung worker is found within about this long."""
@@ -144,6 +155,8 @@ class HealthMonitor:
         self._seen: dict[str, _Seen] = {}
         self._view = FleetView(store, live=True)
         self._spread_s = settings.probe_interval_s * PROBE_SPREAD if spread_s is None else spread_s
+        self._spacing = settings.probe_interval_s * CONFIRM_SHARE
+        self._early_budget = _Budget(EARLY_LIMIT)
         self._slots = asyncio.Semaphore(probe_concurrency)
         self._out_of_turn_slots = asyncio.Semaphore(probe_concurrency)
         self._write_every_s = write_every_s
@@ -283,8 +296,7 @@ class HealthMonitor:
         try:
             verdict = await self._check(record, self._slots, slot_taken=True, first_probe=first_probe)
         finally:
-            if not first_probe.done():
-                first_probe.set_result(None)
+            _resolve(first_probe)
         await self._remedy(record, verdict)
 
     def _check_ended(self, check: asyncio.Task[None]) -> None:
@@ -328,28 +340,55 @@ class HealthMonitor:
 
     async def _probe(self, record: WorkerRecord, slots: asyncio.Semaphore, slot_taken: bool,
                      first_probe: asyncio.Future[None] | None) -> list[ProbeResult]:
-        """The worker's probe, and when a serving worker fails it, the probes that confirm the failure, spaced by
-        ``CONFIRM_SHARE`` of the interval: a dead worker is ejected right after the probe that first finds it,
-        not ``failures_to_fail`` rounds later (at 10,000 workers a round takes 1.3 s or more). No confirmation
-        where the data path's failures already decide. ``first_probe`` is resolved once the first is in."""
-        results = [await self._probe_once(record, slots, slot_taken)]
-        if first_probe is not None:
-            first_probe.set_result(None)
+        """The worker's probe, and when a serving worker fails it or is slow to answer, the probes that confirm
+        the failure, each started ``CONFIRM_SHARE`` of the interval after the one before (while the first is
+        still out, too): a dead or hung worker is ejected right after the probe that first finds it, not
+        ``failures_to_fail`` rounds later (at 10,000 workers a round takes 1.3 s or more). The results in the
+        order the probes started; those still out once one passed are cancelled. No confirmation where the
+        data path's failures already decide. ``first_probe`` is resolved once the first is in."""
+        needed = self._confirmations_needed(record)
+        early = (_EarlyConfirmations(self._prober, record, needed - 1, self._spacing, self._early_budget, self.stats)
+                 if needed > 1 else None)
+        try:
+            results = [await self._probe_once(record, slots, slot_taken, early.begin if early else None)]
+        finally:
+            if first_probe is not None:
+                _resolve(first_probe)
+        if early is None:
+            return results
+        early.stop_starting()
+        try:
+            if results[0].ok:
+                return results
+            last_start = asyncio.get_running_loop().time() - results[0].latency_s
+            for started, confirmation in early.started:
+                results.append(await confirmation)
+                last_start = started
+                if results[-1].ok:
+                    return results
+            while len(results) < needed and not results[-1].ok:
+                await asyncio.sleep(max(0.0, last_start + self._spacing - asyncio.get_running_loop().time()))
+                last_start = asyncio.get_running_loop().time()
+                results.append(await self._prober.probe(record))  # no slot: see CONFIRM_SHARE
+            return results
+        finally:
+            early.cancel()
+
+    def _confirmations_needed(self, record: WorkerRecord) -> int:
+        """How many failed probes in a row fail the worker now: 1 where no confirmation is due (it is not
+        serving, it is new to the monitor, or the data path's failures decide)."""
         seen = self._seen.get(record.id)
         if seen is None or seen.memory.state not in HEALTHY or seen.registration[1] != record.registered_at:
-            return results
-        passive_new = self._passive.get(record.id, 0) - seen.passive_total
-        if passive_new >= self._settings.passive_failures_to_fail:
-            return results
-        while not results[-1].ok and seen.memory.failures + len(results) < self._settings.failures_to_fail:
-            await asyncio.sleep(max(0.0, self._settings.probe_interval_s * CONFIRM_SHARE - results[-1].latency_s))
-            results.append(await self._prober.probe(record))  # no slot: see CONFIRM_SHARE
-        return results
+            return 1
+        if self._passive.get(record.id, 0) - seen.passive_total >= self._settings.passive_failures_to_fail:
+            return 1
+        return max(1, self._settings.failures_to_fail - seen.memory.failures)
 
-    async def _probe_once(self, record: WorkerRecord, slots: asyncio.Semaphore,
-                          slot_taken: bool = False) -> ProbeResult:
+    async def _probe_once(self, record: WorkerRecord, slots: asyncio.Semaphore, slot_taken: bool = False,
+                          on_slow: Callable[[float], None] | None = None) -> ProbeResult:
         """One probe in one of ``slots`` (taken already: ``slot_taken``), given back after ``SLOT_HOLD_S`` while
-        the loop keeps time."""
+        the loop keeps time; at that point ``on_slow`` also learns when the probe started. A probe answered
+        sooner costs one timer, and nothing more."""
         if not slot_taken:
             await slots.acquire()
         loop = asyncio.get_running_loop()
@@ -357,6 +396,8 @@ class HealthMonitor:
 
         def give_back(due: float) -> None:
             nonlocal holding
+            if on_slow is not None:
+                on_slow(due - SLOT_HOLD_S)
             if self._lingering < LINGER_LIMIT and loop.time() - due <= LOOP_LATE_S:
                 holding = False
                 self._lingering += 1
@@ -404,6 +445,69 @@ class HealthMonitor:
             log.warning("worker %s: %s (%s)", record.id, verdict.remedy.value, verdict.reason)
             if self._remediator is not None:
                 await self._remediator.remedy(record.id, verdict.remedy, verdict.reason)
+
+
+class _Budget:
+    """Early confirmations in flight, at most ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self) -> bool:
+        if self.used >= self.limit:
+            return False
+        self.used += 1
+        return True
+
+    def give(self, _: object = None) -> None:
+        self.used -= 1
+
+
+class _EarlyConfirmations:
+    """The probes that confirm a slow first probe while it is still out: ``begin`` (the first is slow) plans up
+    to ``count``, ``spacing`` apart from its start; each starts if the first is still out and ``budget`` has
+    room when it is due."""
+
+    def __init__(self, prober: Prober, record: WorkerRecord, count: int, spacing: float, budget: _Budget,
+                 stats: MonitorStats) -> None:
+        self._prober = prober
+        self._record = record
+        self._count = count
+        self._spacing = spacing
+        self._budget = budget
+        self._stats = stats
+        self._timers: list[asyncio.TimerHandle] = []
+        self.started: list[tuple[float, asyncio.Task[ProbeResult]]] = []
+        """(when, probe) of each confirmation started, in order."""
+
+    def begin(self, first_started: float) -> None:
+        loop = asyncio.get_running_loop()
+        for k in range(1, self._count + 1):
+            self._timers.append(loop.call_at(max(first_started + k * self._spacing, loop.time()), self._start))
+
+    def _start(self) -> None:
+        if not self._budget.take():
+            self.stop_starting()  # the rest follow the first's verdict, one after the other
+            return
+        self._stats.early_confirmations += 1
+        probe = asyncio.get_running_loop().create_task(self._prober.probe(self._record))
+        probe.add_done_callback(self._budget.give)
+        self.started.append((asyncio.get_running_loop().time(), probe))
+
+    def stop_starting(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+
+    def cancel(self) -> None:
+        self.stop_starting()
+        for _, probe in self.started:
+            probe.cancel()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def run_monitor(monitor: HealthMonitor, interval_s: float, stop: asyncio.Event | None = None,

@@ -34,6 +34,9 @@ class MonitorMetrics(Collector):
         yield CounterMetricFamily("poolgate_health_slots_given_back", "Slow probes that gave their round slot back "
                                   "and waited on without one (a hung worker does not hold up the round).",
                                   value=stats.slots_given_back)
+        yield CounterMetricFamily("poolgate_health_early_confirmations", "Probes sent to confirm a failure while "
+                                  "the slow probe they confirm was still out (a hung worker leaves sooner).",
+                                  value=stats.early_confirmations)
         out_of_turn = CounterMetricFamily("poolgate_health_out_of_turn", "Workers judged between rounds, by why: "
                                           "data_path (Envoy reported failed requests), hung_up (the worker closed "
                                           "its probe connection).", labels=["reason"])

@@ -372,15 +372,21 @@ async def test_hung_workers_do_not_hold_a_rounds_probe_slots(redis_client: aiore
 
 
 class CountingProber:
-    """An ``HttpProber`` that counts the probes each worker got."""
+    """An ``HttpProber`` that counts the probes each worker got, and notes when each started and ended."""
 
     def __init__(self, timeout_s: float) -> None:
         self.prober = HttpProber(timeout_s, False)
         self.probes: dict[str, int] = {}
+        self.spans: dict[str, list[tuple[float, float]]] = {}
 
     async def probe(self, record: WorkerRecord) -> ProbeResult:
         self.probes[record.id] = self.probes.get(record.id, 0) + 1
-        return await self.prober.probe(record)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            return await self.prober.probe(record)
+        finally:
+            self.spans.setdefault(record.id, []).append((started, loop.time()))
 
     def hung_up(self) -> list[str]:
         return []
@@ -419,6 +425,73 @@ async def test_a_round_does_not_wait_for_a_hung_workers_confirmations(redis_clie
     assert states == {"ok": WorkerState.READY, "hung": WorkerState.FAILED}
     assert not failed_at_round_end and took < 0.9 and took_next < 0.4
     assert next_round_probes <= 1  # at most the confirmation under way, never a second check of its own
+
+
+@contextlib.asynccontextmanager
+async def pausable_worker() -> AsyncIterator[tuple[int, list[float]]]:
+    """A listener that answers every request 200, but not before ``paused[0]`` (loop time): each connection
+    waits on its own, as a worker whose engine pauses answers every probe once the pause is over."""
+    open_writers: list[asyncio.StreamWriter] = []
+    handlers: list[asyncio.Task[None]] = []
+    paused = [0.0]
+    closing = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        open_writers.append(writer)
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(ConnectionError):
+            while not closing.is_set() and await reader.read(4096):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(closing.wait(), max(0.0, paused[0] - loop.time()))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], paused
+    finally:
+        closing.set()
+        server.close()
+        for writer in open_writers:
+            writer.close()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+
+async def test_a_hung_workers_confirming_probes_overlap_and_a_paused_one_stays(redis_client: aioredis.Redis) -> None:
+    """At the default timing (probes 1 s, interval 0.5 s, 3 failures): a serving worker that stops answering
+    gets its confirming probes 0.25 s apart while the first is still out, and is Failed once the third times
+    out (1.5 s after the first started, not three timeouts one after the other: 3 s). A worker that pauses
+    1.25 s misses its first probe but answers the second (out at once with the third): it stays Ready."""
+    store = FleetStore(redis_client, PREFIX)
+    settings = HealthSettings(probe_interval_s=0.5, probe_timeout_s=1.0, failures_to_fail=3, check_models=False)
+    prober = CountingProber(1.0)
+    monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0)
+    async with pausable_worker() as (hung_port, hung), pausable_worker() as (paused_port, paused):
+        for worker_id, port in (("hung", hung_port), ("paused", paused_port)):
+            await store.register(WorkerRecord(id=worker_id, pool="p0", model="llama", host="127.0.0.1",
+                                              port=port), 60)
+        await store.set_states({"hung": WorkerState.READY, "paused": WorkerState.READY})
+        loop = asyncio.get_running_loop()
+        try:
+            await monitor.round()  # both answer: known and serving
+            started = loop.time()
+            hung[0], paused[0] = started + 3600, started + 1.25
+            await monitor.round()
+            await monitor.settle()  # the confirmations, and the write of their verdict
+            took = loop.time() - started
+        finally:
+            prober.prober.close()
+    spans = prober.spans["hung"][1:]
+    starts = sorted(start - started for start, _ in spans)
+    print(f"hung worker Failed {took:.2f} s after the round began; its probes started at "
+          f"{', '.join(f'{s:.2f}' for s in starts)} s; the paused worker got {len(prober.spans['paused']) - 1}")
+    assert {r.id: r.state for r in await store.read_fleet()} == {"hung": WorkerState.FAILED,
+                                                                  "paused": WorkerState.READY}
+    assert len(spans) == 3
+    assert starts[2] < min(end for _, end in spans) - started  # all three were out at once
+    # its first probe timed out, the second passed once the pause was over (the third, still out, was let go)
+    assert len(prober.spans["paused"]) == 1 + 3
 
 
 class BusyLoopProber:

@@ -29,9 +29,10 @@ class HealthSettings(Section):
     """Probe latency above this counts as a failure (0 = off; the timeout still applies)."""
     max_probes_per_s: float = Field(8000.0, gt=0)
     """A round starts at most this many probes a second: past ``max_probes_per_s × probe_interval_s / 2``
-    workers a round takes longer than the interval. A worker that hangs is Failed ``failures_to_fail`` probe
-    timeouts after its next probe, which comes up to a round later: at 10,000 workers a round takes 1.3 s at
-    the default (2.6 s at 4,000, when hangs took up to 6.7 s to leave). Each probe is one kept-alive HTTP
+    workers a round takes longer than the interval. A worker that hangs is Failed once its next probe and the
+    ``failures_to_fail - 1`` that confirm it, started half an interval apart while the first is still out, have
+    timed out (1.5 s at the defaults); that probe comes up to a round later: at 10,000 workers a round takes
+    1.3 s at the default (2.6 s at 4,000, when hangs took up to 6.7 s to leave). Each probe is one kept-alive HTTP
     request, ~85 µs of the controller's CPU (``poolgate bench health_rounds``): 10,000 workers cost it about
     0.6 of a core."""
     failures_to_fail: int = Field(3, ge=1)
