@@ -14,12 +14,13 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any, Required
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, with_config
+from typing_extensions import TypedDict
 
 from controller.backend import PlacementRefused
 from controller.batched_writes import HeartbeatCoalescer, RegistrationCoalescer
@@ -56,37 +57,46 @@ MAX_BATCH = 1000
 """Workers one batch heartbeat may carry (a node has a few to a few hundred)."""
 
 
-class Heartbeat(BaseModel):
-    """The live facts a worker may report (a subset of ``LIVE_FIELDS``; extra fields are refused)."""
+@with_config(ConfigDict(extra="forbid"))
+class Heartbeat(TypedDict, total=False):
+    """The live facts a worker may report (a subset of ``LIVE_FIELDS``; extra fields are refused; null is as
+    if left out). Typed dicts, not models: at 10,000 workers the API checks 2,500 node batches a second, and
+    building a model per worker made that check two to four times as dear."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    state: WorkerState | None = None
-    kv_capacity_tokens: int | None = Field(None, ge=0)
-    kv_block_size: int | None = Field(None, gt=0)
-    kv_usage: float | None = Field(None, ge=0, le=1)
-    running: int | None = Field(None, ge=0)
-    waiting: int | None = Field(None, ge=0)
-    preemptions_total: int | None = Field(None, ge=0)
-    ttft_ewma_s: float | None = None
-    prefill_tokens_per_s: float | None = Field(None, ge=0)
-    gpu_memory_total_mib: float | None = None
-    gpu_memory_free_mib: float | None = None
-    gpu_utilization: float | None = None
+    state: WorkerState | None
+    kv_capacity_tokens: Annotated[int, Field(ge=0)] | None
+    kv_block_size: Annotated[int, Field(gt=0)] | None
+    kv_usage: Annotated[float, Field(ge=0, le=1)] | None
+    running: Annotated[int, Field(ge=0)] | None
+    waiting: Annotated[int, Field(ge=0)] | None
+    preemptions_total: Annotated[int, Field(ge=0)] | None
+    ttft_ewma_s: float | None
+    prefill_tokens_per_s: Annotated[float, Field(ge=0)] | None
+    gpu_memory_total_mib: float | None
+    gpu_memory_free_mib: float | None
+    gpu_utilization: float | None
 
 
 class NodeHeartbeat(Heartbeat):
     """One worker's part of a batch heartbeat: its id and the facts it reports."""
 
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    id: Required[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]]
 
 
-class HeartbeatBatch(BaseModel):
+@with_config(ConfigDict(extra="forbid"))
+class HeartbeatBatch(TypedDict):
     """A node agent's heartbeat for all the workers of its node at once."""
 
-    model_config = ConfigDict(extra="forbid")
+    workers: Annotated[list[NodeHeartbeat], Field(max_length=MAX_BATCH)]
 
-    workers: list[NodeHeartbeat] = Field(max_length=MAX_BATCH)
+
+HEARTBEAT = TypeAdapter(Heartbeat)
+HEARTBEAT_BATCH = TypeAdapter(HeartbeatBatch)
+
+
+def _reported(facts: Mapping[str, Any]) -> dict[str, Any]:
+    """The facts a heartbeat reports (not the worker's id); those it left null are not reported."""
+    return {name: value for name, value in facts.items() if value is not None and name != "id"}
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:
@@ -244,10 +254,10 @@ class RegistryApi:
     async def _heartbeat(self, request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]
         try:
-            body = Heartbeat.model_validate(await self._body(request) if request.can_read_body else {})
+            facts = HEARTBEAT.validate_python(await self._body(request) if request.can_read_body else {})
         except (ValidationError, web.HTTPBadRequest) as exc:
             return error_response(400, str(exc), "invalid_heartbeat")
-        alive = await self.heartbeats.beat(worker_id, body.model_dump(exclude_none=True))
+        alive = await self.heartbeats.beat(worker_id, _reported(facts))
         if not alive:
             return error_response(404, f"worker {worker_id!r} is not registered (expired?); register again",
                           "not_registered")
@@ -258,11 +268,10 @@ class RegistryApi:
         command per ``FACTS_PER_CALL`` workers); the answer names the workers that are not registered
         (expired), which must register again."""
         try:  # parsed and checked in one pass over the bytes: this is the API's busiest call
-            body = HeartbeatBatch.model_validate_json(await request.read())
+            body = HEARTBEAT_BATCH.validate_json(await request.read())
         except ValidationError as exc:
             return error_response(400, str(exc), "invalid_heartbeat")
-        beats = {beat.id: beat.model_dump(exclude_none=True, exclude={"id"}) if len(beat.model_fields_set) > 1 else {}
-                 for beat in body.workers}
+        beats = {beat["id"]: _reported(beat) if len(beat) > 1 else {} for beat in body["workers"]}
         missing = await self.heartbeats.beat_many(beats)
         return _json({"ok": len(beats) - len(missing), "not_registered": missing})
 

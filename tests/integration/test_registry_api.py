@@ -77,6 +77,25 @@ async def test_register_heartbeat_expire_and_deregister(api: tuple[str, aioredis
         assert await store.read_fleet() == []
 
 
+async def test_a_bad_fact_is_refused_and_a_null_one_left_out(api: tuple[str, aioredis.Redis]) -> None:
+    base, redis = api
+    store = FleetStore(redis, "t")
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        async with http.post(f"{base}/v1/workers", json=WORKER) as response:
+            assert response.status == 201
+        for bad in ({"kv_usage": 2}, {"running": -1}, {"colour": "red"}, [1]):
+            async with http.post(f"{base}/v1/workers/w1/heartbeat", json=bad) as response:
+                assert response.status == 400, bad
+                assert (await response.json())["error"]["code"] == "invalid_heartbeat"
+        async with http.post(f"{base}/v1/workers/w1/heartbeat", json={"kv_usage": 0.25, "running": 2}) as r:
+            assert r.status == 200
+        body = {"workers": [{"id": "w1", "kv_usage": None, "running": 4, "state": "Busy"}]}
+        async with http.post(f"{base}/v1/heartbeats", json=body) as response:
+            assert response.status == 200
+    [record] = await store.read_fleet()
+    assert (record.kv_usage, record.running, record.state) == (0.25, 4, WorkerState.BUSY)
+
+
 @pytest.mark.parametrize(
     "body",
     [
