@@ -11,7 +11,8 @@ Per size it reports:
 - registration rate through the API (``--concurrency`` clients at once);
 - heartbeat success (2xx share; a 404 means the worker expired and it registers again, as a worker would);
 - time from the last registration until every Envoy lists all N endpoints healthy;
-- one-change latency: a worker reports Draining (then Ready) and every Envoy's healthy count follows;
+- one-change latency: a worker reports Draining (then Ready) in a call of its own (its node's batches carry
+  no state, as poolgate's agent sends them) and every Envoy's healthy count follows;
   p50/p99 over ``--changes`` changes, and the part of it until the API answered the heartbeat (written to
   Redis);
 - passive ejection: ``--sick`` workers of a pool of their own (beside as many healthy ones) answer their
@@ -21,9 +22,11 @@ Per size it reports:
 - mass-failure ejection: ``--fail`` workers stop answering at once while their heartbeats go on; with
   ``--fail-mode exit`` their server process exits (a crashed engine: connections close, new ones are
   refused), with ``hang`` it is stopped (a hung engine: connections stay open and nothing answers, so every
-  probe waits for its timeout); time until no Envoy lists them healthy;
-- CPU (share of one core) and RSS per process, Redis commands/s, extproc's snapshot age (p50/p99) over a
-  steady phase of ``--steady-s`` seconds.
+  probe waits for its timeout); time until no Envoy lists them healthy, and the confirming probes the health
+  monitor sent while the probes they confirm were still out;
+- the health monitor's round time (a hung worker waits up to a round for its probe), CPU (share of one core)
+  and RSS per process, Redis commands/s, extproc's snapshot age (p50/p99) over a steady phase of
+  ``--steady-s`` seconds.
 
 The documented full run is ``--workers 1000 5000 10000 --pools 1 200``. Results print as a table and go
 to ``bench/reports/scale.json`` and ``.png``.
@@ -301,7 +304,7 @@ class Fleet:
         self._node_batch = node_batch
         self.counters = Counters()
         self.state: dict[str, str] = {}
-        """State a worker reports in its next heartbeat (one-change phase)."""
+        """State a worker reports in its own heartbeats (one-change phase, without node batches)."""
         self._registering: dict[str, asyncio.Task[None]] = {}
         """Workers of a node being registered again after their node's heartbeat named them expired."""
         self.registered: set[str] = set()
@@ -310,8 +313,9 @@ class Fleet:
         size = max(1, node_batch)
         self._node_locks = {w.id: lock for i in range(0, len(workers), size)
                             for lock in (asyncio.Lock(),) for w in workers[i:i + size]}
-        """A node sends one heartbeat call at a time, so a beat built before a state change can never land
-        after the beat that reports it (two calls in flight may reach two API processes in either order)."""
+        """A node (or a worker beating for itself) sends one heartbeat call at a time. A worker's own beats
+        carry its state, so one built before a state change must never land after the beat that reports it (two
+        calls in flight may reach two API processes in either order)."""
 
     async def register(self, worker: Worker) -> float:
         """One registration: 0 once it went through, else how long to wait before the next try (the API's
@@ -370,6 +374,20 @@ class Fleet:
         async with self._node_locks[worker.id]:
             body = {"state": self.state[worker.id]} if worker.id in self.state else {}
             answer = await self._post(client, b"/v1/workers/%s/heartbeat" % worker.id.encode(), body)
+        await self._count(worker, answer)
+
+    async def report_state(self, worker: Worker, state: str, client: LeanHttpClient) -> None:
+        """A worker reports a state change at once. Beside node batches, which carry no state (as poolgate's
+        agent sends them), in a call of its own that waits for nothing; a worker that beats for itself reports
+        it in its next beat, sent now, after its beat in flight."""
+        if self._node_batch <= 0:
+            self.state[worker.id] = state
+            await self.heartbeat(worker, client)
+        else:
+            await self._count(worker, await self._post(client, b"/v1/workers/%s/heartbeat" % worker.id.encode(),
+                                                       {"state": state}))
+
+    async def _count(self, worker: Worker, answer: tuple[int, bytes] | None) -> None:
         status = answer[0] if answer is not None else 0
         if status == 200:
             self.counters.ok += 1
@@ -385,7 +403,7 @@ class Fleet:
         if not group:
             return
         async with self._node_locks[group[0].id]:
-            beats = [{"id": w.id, **({"state": self.state[w.id]} if w.id in self.state else {})} for w in group]
+            beats = [{"id": w.id} for w in group]
             answer = await self._post(client, b"/v1/heartbeats", {"workers": beats})
         if answer is None or answer[0] != 200:
             self.counters.failed += len(group)
@@ -475,6 +493,17 @@ async def snapshot_age(http: aiohttp.ClientSession, url: str) -> float:
     return float(match.group(1)) if match else float("nan")
 
 
+async def controller_metric(http: aiohttp.ClientSession, stack: Stack, name: str) -> float:
+    """One unlabelled metric of the controller's ``/metrics`` (through its API); NaN when not there."""
+    try:
+        async with http.get(f"{stack.api}/metrics") as r:
+            text = await r.text()
+    except aiohttp.ClientError:
+        return float("nan")
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else float("nan")
+
+
 def quantile(values: Sequence[float], share: float) -> float:
     """The nearest-rank percentile every benchmark reports, over the values that were measured (NaN: not)."""
     return percentile([v for v in values if v == v], share)
@@ -496,6 +525,7 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
         await asyncio.sleep(0.1)
     wall = time.monotonic() - started
     ops = await redis_commands(stack.redis_port) - before_ops
+    round_s = await controller_metric(http, stack, "poolgate_health_round_seconds")
     now = fleet_.counters
     delta = Counters(now.ok - counters_before.ok, now.expired - counters_before.expired,
                      now.failed - counters_before.failed, now.reregistered - counters_before.reregistered)
@@ -507,7 +537,8 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
                            "heartbeat_p99_s": quantile(now.latencies, 0.99),
                            "redis_ops_s": ops / wall, "snapshot_age_p50_s": quantile(ages, 0.5),
                            "snapshot_age_p99_s": quantile(ages, 0.99),
-                           "extproc_answered": sum(1 for a in ages if a == a) / max(1, len(ages))}
+                           "extproc_answered": sum(1 for a in ages if a == a) / max(1, len(ages)),
+                           "health_round_s": round_s}
     for name, pid in pids.items():
         try:
             row[f"cpu_{name}"] = (cpu_seconds(pid) - before_cpu[name]) / wall
@@ -530,8 +561,8 @@ async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, 
                       interval_s: float, shards: int) -> tuple[list[float], list[float]]:
     """A worker reports Draining (the healthy count drops by one), then Ready again (it comes back).
 
-    The latency counts from the change: its heartbeat is sent at once (a worker reports a state change when
-    it happens, not at its next beat), after its node's heartbeat in flight if one is. A change not seen
+    The latency counts from the change: the worker reports it at once (when it happens, not at its next beat;
+    ``Fleet.report_state``), beside its node's heartbeats, which carry no state. A change not seen
     within 5 s counts as NaN (missed). Returns the latencies until every Envoy shows the change, and until the
     API answered its heartbeat (the change is in Redis then): what is left is the controller's and Envoy's."""
     latencies, answered = [], []
@@ -541,9 +572,8 @@ async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, 
         own = [worker_cluster(worker.pool, worker.id, shards)]  # its cluster's count alone moves
         for state, step in (("Draining", -1), ("Ready", 1)):
             start = min((await healthy_counts(http, stack, own)).values())
-            fleet_.state[worker.id] = state
             sent = time.monotonic()
-            await fleet_.heartbeat(worker, client)
+            await fleet_.report_state(worker, state, client)
             answered.append(time.monotonic() - sent)
             reached = await wait_counts(http, stack, own, lambda c, e=start + step: c == e, timeout_s=5,
                                         poll_s=0.005)
@@ -605,9 +635,12 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
                                                    args.timeout_s) is not None:
                     row.update(await sick_ejection(http, stack, args.sick, args.timeout_s))
                 doomed = group.children["fake_workers_doomed"]
+                early = await controller_metric(http, stack, "poolgate_health_early_confirmations_total")
                 doomed.send_signal(signal.SIGSTOP if args.fail_mode == "hang" else signal.SIGTERM)
                 row["ejection_s"] = await wait_counts(http, stack, measured, lambda c: c <= n - fail,
                                                       timeout_s=args.timeout_s, poll_s=0.05)
+                row["ejection_early_confirmations"] = (
+                    await controller_metric(http, stack, "poolgate_health_early_confirmations_total") - early)
             beating.cancel()
             await asyncio.gather(beating, return_exceptions=True)
     finally:
@@ -621,6 +654,7 @@ COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
            Column("all_in_envoy_s", "all in Envoy s", "{:.2f}"), Column("change_p50_s", "change p50 s", "{:.3f}"),
            Column("change_p99_s", "change p99 s", "{:.3f}"),
            Column("change_in_redis_p99_s", "of which API p99 s", "{:.3f}"), Column("ejection_s", "eject s", "{:.2f}"),
+           Column("health_round_s", "round s", "{:.2f}"),
            Column("sick_out_s", "sick out s", "{:.2f}"), Column("sick_failed_requests", "sick failed", "{}"),
            Column("snapshot_age_p99_s", "snap age p99", "{:.3f}"), Column("redis_ops_s", "redis ops/s", "{:.0f}"),
            Column("cpu_controller", "ctl cpu", "{:.2f}"), Column("cpu_controller_api", "api procs cpu", "{:.2f}"),
