@@ -482,21 +482,11 @@ async def redis_commands(port: int) -> int:
     return int(re.search(rb"total_commands_processed:(\d+)", text).group(1))  # type: ignore[union-attr]
 
 
-async def snapshot_age(http: aiohttp.ClientSession, url: str) -> float:
-    """extproc's snapshot age now; NaN when extproc does not answer (it died: the row says so)."""
+async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    """One unlabelled metric of the Prometheus page at ``url``; NaN when the process does not answer (it died:
+    the row says so) or has no such metric."""
     try:
         async with http.get(url) as r:
-            text = await r.text()
-    except aiohttp.ClientError:
-        return float("nan")
-    match = re.search(r"^poolgate_extproc_snapshot_age_seconds (\S+)$", text, re.M)
-    return float(match.group(1)) if match else float("nan")
-
-
-async def controller_metric(http: aiohttp.ClientSession, stack: Stack, name: str) -> float:
-    """One unlabelled metric of the controller's ``/metrics`` (through its API); NaN when not there."""
-    try:
-        async with http.get(f"{stack.api}/metrics") as r:
             text = await r.text()
     except aiohttp.ClientError:
         return float("nan")
@@ -521,11 +511,11 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
     started = time.monotonic()
     ages = []
     while time.monotonic() - started < seconds:
-        ages.append(await snapshot_age(http, stack.extproc_metrics))
+        ages.append(await metric(http, stack.extproc_metrics, "poolgate_extproc_snapshot_age_seconds"))
         await asyncio.sleep(0.1)
     wall = time.monotonic() - started
     ops = await redis_commands(stack.redis_port) - before_ops
-    round_s = await controller_metric(http, stack, "poolgate_health_round_seconds")
+    round_s = await metric(http, f"{stack.api}/metrics", "poolgate_health_round_seconds")
     now = fleet_.counters
     delta = Counters(now.ok - counters_before.ok, now.expired - counters_before.expired,
                      now.failed - counters_before.failed, now.reregistered - counters_before.reregistered)
@@ -635,12 +625,12 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
                                                    args.timeout_s) is not None:
                     row.update(await sick_ejection(http, stack, args.sick, args.timeout_s))
                 doomed = group.children["fake_workers_doomed"]
-                early = await controller_metric(http, stack, "poolgate_health_early_confirmations_total")
+                early = await metric(http, f"{stack.api}/metrics", "poolgate_health_early_confirmations_total")
                 doomed.send_signal(signal.SIGSTOP if args.fail_mode == "hang" else signal.SIGTERM)
                 row["ejection_s"] = await wait_counts(http, stack, measured, lambda c: c <= n - fail,
                                                       timeout_s=args.timeout_s, poll_s=0.05)
                 row["ejection_early_confirmations"] = (
-                    await controller_metric(http, stack, "poolgate_health_early_confirmations_total") - early)
+                    await metric(http, f"{stack.api}/metrics", "poolgate_health_early_confirmations_total") - early)
             beating.cancel()
             await asyncio.gather(beating, return_exceptions=True)
     finally:

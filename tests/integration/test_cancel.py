@@ -32,4 +32,3 @@ async def test_tasks_reading_redis_end_when_cancelled(redis_client: aioredis.Red
     await asyncio.wait_for(cancel_and_wait(tasks), 5)
     print(f"{ran_on} of 100 tasks ran on after one cancel; every one ended with cancel_and_wait")
     assert all(task.done() for task in tasks)
-
