@@ -157,6 +157,8 @@ class HealthMonitor:
         self._spread_s = settings.probe_interval_s * PROBE_SPREAD if spread_s is None else spread_s
         self._spacing = settings.probe_interval_s * CONFIRM_SHARE
         self._early_budget = _Budget(EARLY_LIMIT)
+        self._early: dict[str, _EarlyConfirmations] = {}
+        """Early confirmations planned for the slow probes still out (``_plan_early``), by worker."""
         self._slots = asyncio.Semaphore(probe_concurrency)
         self._out_of_turn_slots = asyncio.Semaphore(probe_concurrency)
         self._write_every_s = write_every_s
@@ -346,22 +348,17 @@ class HealthMonitor:
         ``failures_to_fail`` rounds later (at 10,000 workers a round takes 1.3 s or more). The results in the
         order the probes started; those still out once one passed are cancelled. No confirmation where the
         data path's failures already decide. ``first_probe`` is resolved once the first is in."""
-        needed = self._confirmations_needed(record)
-        early = (_EarlyConfirmations(self._prober, record, needed - 1, self._spacing, self._early_budget, self.stats)
-                 if needed > 1 else None)
         try:
-            results = [await self._probe_once(record, slots, slot_taken, early.begin if early else None)]
-        finally:
+            results = [await self._probe_once(record, slots, slot_taken)]
             if first_probe is not None:
                 _resolve(first_probe)
-        if early is None:
-            return results
-        early.stop_starting()
-        try:
-            if results[0].ok:
+            if results[0].ok or (needed := self._confirmations_needed(record)) == 1:
                 return results
+            early = self._early.get(record.id)
+            if early is not None:
+                early.stop_starting()
             last_start = asyncio.get_running_loop().time() - results[0].latency_s
-            for started, confirmation in early.started:
+            for started, confirmation in early.started if early is not None else ():
                 results.append(await confirmation)
                 last_start = started
                 if results[-1].ok:
@@ -372,7 +369,18 @@ class HealthMonitor:
                 results.append(await self._prober.probe(record))  # no slot: see CONFIRM_SHARE
             return results
         finally:
-            early.cancel()
+            if first_probe is not None:
+                _resolve(first_probe)
+            if (planned := self._early.pop(record.id, None)) is not None:
+                planned.cancel()  # the probes still out once one passed, and any not yet started
+
+    def _plan_early(self, record: WorkerRecord, first_started: float) -> None:
+        """The worker's probe is slow: plan the probes that would confirm its failure, to start while it is out."""
+        if (needed := self._confirmations_needed(record)) > 1:
+            early = _EarlyConfirmations(self._prober, record, needed - 1, self._spacing, self._early_budget,
+                                        self.stats)
+            self._early[record.id] = early
+            early.begin(first_started)
 
     def _confirmations_needed(self, record: WorkerRecord) -> int:
         """How many failed probes in a row fail the worker now: 1 where no confirmation is due (it is not
@@ -384,11 +392,11 @@ class HealthMonitor:
             return 1
         return max(1, self._settings.failures_to_fail - seen.memory.failures)
 
-    async def _probe_once(self, record: WorkerRecord, slots: asyncio.Semaphore, slot_taken: bool = False,
-                          on_slow: Callable[[float], None] | None = None) -> ProbeResult:
+    async def _probe_once(self, record: WorkerRecord, slots: asyncio.Semaphore,
+                          slot_taken: bool = False) -> ProbeResult:
         """One probe in one of ``slots`` (taken already: ``slot_taken``), given back after ``SLOT_HOLD_S`` while
-        the loop keeps time; at that point ``on_slow`` also learns when the probe started. A probe answered
-        sooner costs one timer, and nothing more."""
+        the loop keeps time; at that point its early confirmations are planned (``_plan_early``). A probe
+        answered sooner costs one timer, and nothing more."""
         if not slot_taken:
             await slots.acquire()
         loop = asyncio.get_running_loop()
@@ -396,8 +404,7 @@ class HealthMonitor:
 
         def give_back(due: float) -> None:
             nonlocal holding
-            if on_slow is not None:
-                on_slow(due - SLOT_HOLD_S)
+            self._plan_early(record, due - SLOT_HOLD_S)
             if self._lingering < LINGER_LIMIT and loop.time() - due <= LOOP_LATE_S:
                 holding = False
                 self._lingering += 1
