@@ -393,11 +393,12 @@ class CountingProber:
 
 
 async def test_a_round_does_not_wait_for_a_hung_workers_confirmations(redis_client: aioredis.Redis) -> None:
-    """A hung worker needs 3 timeouts of 0.5 s in a row: its confirming probe goes on after the round that
-    found it, so the round ends after one timeout and the next starts (its other workers are not kept waiting
-    a timeout more), and that round leaves the hung worker to its confirmation (one probe at a time)."""
+    """A hung worker needs 3 probes of 0.5 s to time out: its confirming probe (started 0.3 s after the first,
+    half an interval) goes on after the round that found it, so the round ends after one timeout and the next
+    starts (its other workers are not kept waiting for the confirmation), and that round leaves the hung worker
+    to its confirmation."""
     store = FleetStore(redis_client, PREFIX)
-    settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=0.5, failures_to_fail=3, check_models=False)
+    settings = HealthSettings(probe_interval_s=0.6, probe_timeout_s=0.5, failures_to_fail=3, check_models=False)
     prober = CountingProber(0.5)
     monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0)
     async with tcp_workers(1, answer=True) as healthy, tcp_workers(1, answer=False) as hung:
@@ -419,7 +420,7 @@ async def test_a_round_does_not_wait_for_a_hung_workers_confirmations(redis_clie
             await monitor.settle()
         finally:
             prober.prober.close()
-    print(f"the round that found the hung worker took {took:.2f} s (with its confirmation: 1.0 s), "
+    print(f"the round that found the hung worker took {took:.2f} s (with its confirmation: 0.8 s), "
           f"the next {took_next:.2f} s")
     states = {r.id: r.state for r in await store.read_fleet()}
     assert states == {"ok": WorkerState.READY, "hung": WorkerState.FAILED}
