@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,10 +224,11 @@ async def envoy_healthy(http: aiohttp.ClientSession, admin: str, clusters: Seque
     return sum(int(n) for name, n in _MEMBERSHIP.findall(text) if name in wanted)
 
 
-async def healthy_counts(http: aiohttp.ClientSession, stack: Stack, clusters: Sequence[str]) -> dict[str, int]:
-    """``envoy_healthy`` per Envoy of the stack."""
+async def healthy_counts(http: aiohttp.ClientSession, admin_ports: Mapping[str, int],
+                         clusters: Sequence[str]) -> dict[str, int]:
+    """``envoy_healthy`` per Envoy (by admin port)."""
     return {envoy: await envoy_healthy(http, f"http://127.0.0.1:{port}", clusters)
-            for envoy, port in stack.admin_ports.items()}
+            for envoy, port in admin_ports.items()}
 
 
 async def sick_ejection(http: aiohttp.ClientSession, stack: Stack, sick: int, timeout_s: float) -> dict[str, Any]:
@@ -258,7 +259,8 @@ async def sick_ejection(http: aiohttp.ClientSession, stack: Stack, sick: int, ti
 
     sender = asyncio.create_task(paced())
     try:
-        out = await wait_counts(http, stack, [cluster_name(SICK_POOL)], lambda c: c <= sick, timeout_s, poll_s=0.01)
+        out = await wait_counts(http, stack.admin_ports, [cluster_name(SICK_POOL)], lambda c: c <= sick, timeout_s,
+                                poll_s=0.01)
     finally:
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
@@ -266,8 +268,8 @@ async def sick_ejection(http: aiohttp.ClientSession, stack: Stack, sick: int, ti
             "sick_failed_requests": sum(1 for status in statuses if status != 200)}
 
 
-async def wait_counts(http: aiohttp.ClientSession, stack: Stack, clusters: Sequence[str], done: Any, timeout_s: float,
-                      poll_s: float = 0.01) -> float | None:
+async def wait_counts(http: aiohttp.ClientSession, admin_ports: Mapping[str, int], clusters: Sequence[str], done: Any,
+                      timeout_s: float, poll_s: float = 0.01) -> float | None:
     """Seconds until ``done(count)`` holds in every Envoy (each Envoy's own first time; the max), or None.
     Each Envoy is polled on its own, all at once: asked one after the other, each Envoy's answer waited
     for the others' (a few ms each at 200 pools on a busy host), which the latency measured then held."""
@@ -280,7 +282,7 @@ async def wait_counts(http: aiohttp.ClientSession, stack: Stack, clusters: Seque
             await asyncio.sleep(poll_s)
         return None
 
-    times = await asyncio.gather(*(reached(port) for port in stack.admin_ports.values()))
+    times = await asyncio.gather(*(reached(port) for port in admin_ports.values()))
     return None if any(t is None for t in times) else max(t for t in times if t is not None)
 
 
@@ -303,19 +305,11 @@ class Fleet:
         self._interval_s = interval_s
         self._node_batch = node_batch
         self.counters = Counters()
-        self.state: dict[str, str] = {}
-        """State a worker reports in its own heartbeats (one-change phase, without node batches)."""
         self._registering: dict[str, asyncio.Task[None]] = {}
         """Workers of a node being registered again after their node's heartbeat named them expired."""
         self.registered: set[str] = set()
         """Workers whose first registration went through: only they heartbeat (a worker beats once it
         has registered)."""
-        size = max(1, node_batch)
-        self._node_locks = {w.id: lock for i in range(0, len(workers), size)
-                            for lock in (asyncio.Lock(),) for w in workers[i:i + size]}
-        """A node (or a worker beating for itself) sends one heartbeat call at a time. A worker's own beats
-        carry its state, so one built before a state change must never land after the beat that reports it (two
-        calls in flight may reach two API processes in either order)."""
 
     async def register(self, worker: Worker) -> float:
         """One registration: 0 once it went through, else how long to wait before the next try (the API's
@@ -361,31 +355,17 @@ class Fleet:
         the caller). Timed into ``latencies``."""
         sent = time.monotonic()
         try:
-            async with asyncio.timeout(HEARTBEAT_TIMEOUT_S):
-                answer = await client.request(b"POST", self._address, path, orjson.dumps(body))
+            answer = await client.request(b"POST", self._address, path, orjson.dumps(body),
+                                          deadline=asyncio.get_running_loop().time() + HEARTBEAT_TIMEOUT_S)
         except (OSError, ValueError, TimeoutError):
             return None
         self.counters.latencies.append(time.monotonic() - sent)
         return answer
 
     async def heartbeat(self, worker: Worker, client: LeanHttpClient) -> None:
-        if worker.id not in self.registered:
-            return
-        async with self._node_locks[worker.id]:
-            body = {"state": self.state[worker.id]} if worker.id in self.state else {}
-            answer = await self._post(client, b"/v1/workers/%s/heartbeat" % worker.id.encode(), body)
-        await self._count(worker, answer)
-
-    async def report_state(self, worker: Worker, state: str, client: LeanHttpClient) -> None:
-        """A worker reports a state change at once. Beside node batches, which carry no state (as poolgate's
-        agent sends them), in a call of its own that waits for nothing; a worker that beats for itself reports
-        it in its next beat, sent now, after its beat in flight."""
-        if self._node_batch <= 0:
-            self.state[worker.id] = state
-            await self.heartbeat(worker, client)
-        else:
-            await self._count(worker, await self._post(client, b"/v1/workers/%s/heartbeat" % worker.id.encode(),
-                                                       {"state": state}))
+        """A routine beat: no state (a worker reports a change in a call of its own: ``observe_changes``)."""
+        if worker.id in self.registered:
+            await self._count(worker, await self._post(client, b"/v1/workers/%s/heartbeat" % worker.id.encode(), {}))
 
     async def _count(self, worker: Worker, answer: tuple[int, bytes] | None) -> None:
         status = answer[0] if answer is not None else 0
@@ -402,9 +382,7 @@ class Fleet:
         group = [w for w in group if w.id in self.registered]
         if not group:
             return
-        async with self._node_locks[group[0].id]:
-            beats = [{"id": w.id} for w in group]
-            answer = await self._post(client, b"/v1/heartbeats", {"workers": beats})
+        answer = await self._post(client, b"/v1/heartbeats", {"workers": [{"id": w.id} for w in group]})
         if answer is None or answer[0] != 200:
             self.counters.failed += len(group)
             return
@@ -509,11 +487,14 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
     counters_before = Counters(**{k: v for k, v in vars(fleet_.counters).items() if k != "latencies"})
     fleet_.counters.latencies.clear()
     started = time.monotonic()
-    ages = []
+    ages: list[float] = []
+    lags: list[float] = []
+    lagging = asyncio.create_task(loop_lag(lags))
     while time.monotonic() - started < seconds:
         ages.append(await metric(http, stack.extproc_metrics, "poolgate_extproc_snapshot_age_seconds"))
         await asyncio.sleep(0.1)
     wall = time.monotonic() - started
+    lagging.cancel()
     ops = await redis_commands(stack.redis_port) - before_ops
     round_s = await metric(http, f"{stack.api}/metrics", "poolgate_health_round_seconds")
     now = fleet_.counters
@@ -528,6 +509,7 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
                            "redis_ops_s": ops / wall, "snapshot_age_p50_s": quantile(ages, 0.5),
                            "snapshot_age_p99_s": quantile(ages, 0.99),
                            "extproc_answered": sum(1 for a in ages if a == a) / max(1, len(ages)),
+                           "load_loop_lag_p50_s": quantile(lags, 0.5), "load_loop_lag_p99_s": quantile(lags, 0.99),
                            "health_round_s": round_s}
     for name, pid in pids.items():
         try:
@@ -541,36 +523,84 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
     return row
 
 
+async def loop_lag(lags: list[float], every_s: float = 0.01) -> None:
+    """How late this process's loop wakes a sleeper, every ``every_s``, into ``lags`` (until cancelled): a
+    measurement on this loop waits that long behind the fleet's heartbeats."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every_s
+        await asyncio.sleep(every_s)
+        lags.append(loop.time() - due)
+
+
 def api_process_pids(controller: int) -> list[int]:
     """The controller's API processes (``controller.api_processes`` above 1)."""
     children = Path(f"/proc/{controller}/task/{controller}/children").read_text().split()
     return [int(pid) for pid in children if b"controller.api_processes" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
-async def one_changes(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, changes: int,
-                      interval_s: float, shards: int) -> tuple[list[float], list[float]]:
-    """A worker reports Draining (the healthy count drops by one), then Ready again (it comes back).
+async def one_changes(stack: Stack, fleet_: Fleet, changes: int, interval_s: float,
+                      shards: int) -> dict[str, Any]:
+    """A worker reports Draining (the healthy count drops by one), then Ready again (it comes back), ``changes``
+    times, each measured by ``observe_changes`` in a process of its own (``in_observer``)."""
+    picked = [fleet_.workers[-1 - index % max(1, len(fleet_.workers) // 2)] for index in range(changes)]
+    return await in_observer({"phase": "changes", "admin_ports": stack.admin_ports, "api": stack.api,
+                              "interval_s": interval_s,
+                              "workers": [(w.id, worker_cluster(w.pool, w.id, shards)) for w in picked]})
 
-    The latency counts from the change: the worker reports it at once (when it happens, not at its next beat;
-    ``Fleet.report_state``), beside its node's heartbeats, which carry no state. A change not seen
-    within 5 s counts as NaN (missed). Returns the latencies until every Envoy shows the change, and until the
-    API answered its heartbeat (the change is in Redis then): what is left is the controller's and Envoy's."""
-    latencies, answered = [], []
-    client = fleet_.own_client()
-    for index in range(changes):
-        worker = fleet_.workers[-1 - index % max(1, len(fleet_.workers) // 2)]
-        own = [worker_cluster(worker.pool, worker.id, shards)]  # its cluster's count alone moves
-        for state, step in (("Draining", -1), ("Ready", 1)):
-            start = min((await healthy_counts(http, stack, own)).values())
-            sent = time.monotonic()
-            await fleet_.report_state(worker, state, client)
-            answered.append(time.monotonic() - sent)
-            reached = await wait_counts(http, stack, own, lambda c, e=start + step: c == e, timeout_s=5,
-                                        poll_s=0.005)
-            latencies.append(time.monotonic() - sent if reached is not None else float("nan"))
-        fleet_.state.pop(worker.id, None)
-        await asyncio.sleep(interval_s)
-    return latencies, answered
+
+async def in_observer(spec: dict[str, Any]) -> Any:
+    """What ``observe`` measured for ``spec``, in a process of its own. This process plays the fleet's heartbeats
+    (2,500 calls a second at 10,000 workers); a call timed on its loop and an Envoy polled from it waited behind
+    them, and that wait was in the figures (its loop ran up to 100-200 ms late at 10,000 workers)."""
+    observer = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.scale", "observe", json.dumps(spec),
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    out, _ = await observer.communicate()
+    if observer.returncode:
+        raise RuntimeError(f"the observer of {spec['phase']} exited with {observer.returncode}")
+    return json.loads(out.splitlines()[-1])
+
+
+async def observe(spec: dict[str, Any]) -> Any:
+    """The observer's side (``in_observer``): the one-change phase, or a mass failure: stop the process that
+    serves the failing workers and wait until every Envoy lists at most ``at_most`` healthy."""
+    async with aiohttp.ClientSession() as http:
+        if spec["phase"] == "changes":
+            return await observe_changes(http, spec["admin_ports"], spec["api"], spec["workers"], spec["interval_s"])
+        os.kill(spec["stop_pid"], spec["signal"])
+        return await wait_counts(http, spec["admin_ports"], spec["clusters"], lambda c: c <= spec["at_most"],
+                                 timeout_s=spec["timeout_s"], poll_s=0.05)
+
+
+async def observe_changes(http: aiohttp.ClientSession, admin_ports: Mapping[str, int], api: str,
+                          workers: Sequence[tuple[str, str]], interval_s: float) -> dict[str, Any]:
+    """Each of ``workers`` (id, its cluster) reports Draining then Ready, at once, in a call of its own, as a worker
+    does when it happens (beside its node's batches, which carry no state, as poolgate's agent sends them).
+
+    A latency counts from the call until every Envoy shows the change (NaN: not within 5 s); ``answered`` until
+    the API answered it (the change is in Redis then): what is left is the controller's and Envoy's part."""
+    url = urllib.parse.urlsplit(api)
+    address = (url.hostname or "127.0.0.1", url.port or 80, False)
+    client = LeanHttpClient(headers=b"Authorization: Bearer %s\r\n" % TOKEN.encode())
+    latencies, answered, refused = [], [], 0
+    try:
+        for worker_id, cluster in workers:
+            for state, step in (("Draining", -1), ("Ready", 1)):
+                start = min((await healthy_counts(http, admin_ports, [cluster])).values())
+                sent = time.monotonic()
+                status, _ = await client.request(b"POST", address, b"/v1/workers/%s/heartbeat" % worker_id.encode(),
+                                                 orjson.dumps({"state": state}),
+                                                 deadline=asyncio.get_running_loop().time() + HEARTBEAT_TIMEOUT_S)
+                answered.append(time.monotonic() - sent)
+                refused += status != 200
+                reached = await wait_counts(http, admin_ports, [cluster], lambda c, e=start + step: c == e,
+                                            timeout_s=5, poll_s=0.005)
+                latencies.append(time.monotonic() - sent if reached is not None else float("nan"))
+            await asyncio.sleep(interval_s)
+    finally:
+        client.close()
+    return {"latencies": latencies, "answered": answered, "refused": refused}
 
 
 async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -607,28 +637,30 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
             beating = asyncio.create_task(fleet_.run())
             await asyncio.sleep(0)
             row["registrations_s"] = await fleet_.register_all(args.concurrency)
-            reached = await wait_counts(http, stack, measured, lambda c: c >= n, timeout_s=args.timeout_s,
-                                        poll_s=0.05)
+            reached = await wait_counts(http, stack.admin_ports, measured, lambda c: c >= n,
+                                        timeout_s=args.timeout_s, poll_s=0.05)
             row["all_in_envoy_s"] = reached
             if reached is None:
-                row["healthy_seen"] = await healthy_counts(http, stack, measured)
+                row["healthy_seen"] = await healthy_counts(http, stack.admin_ports, measured)
             row.update(await steady(http, stack, fleet_, args.steady_s))
             if reached is not None:
-                latencies, answered = await one_changes(http, stack, fleet_, args.changes, interval_s, shards)
+                changes = await one_changes(stack, fleet_, args.changes, interval_s, shards)
+                latencies, answered = changes["latencies"], changes["answered"]
+                row["change_refused"] = changes["refused"]
                 row["change_p50_s"] = quantile(latencies, 0.5)
                 row["change_p99_s"] = quantile(latencies, 0.99)
                 row["change_in_redis_p50_s"] = quantile(answered, 0.5)
                 row["change_in_redis_p99_s"] = quantile(answered, 0.99)
                 row["change_latencies_ms"] = [round(x * 1000, 1) for x in latencies]
                 row["change_in_redis_ms"] = [round(x * 1000, 1) for x in answered]
-                if args.sick and await wait_counts(http, stack, [cluster_name(SICK_POOL)], lambda c: c >= 2 * args.sick,
-                                                   args.timeout_s) is not None:
+                if args.sick and await wait_counts(http, stack.admin_ports, [cluster_name(SICK_POOL)],
+                                                   lambda c: c >= 2 * args.sick, args.timeout_s) is not None:
                     row.update(await sick_ejection(http, stack, args.sick, args.timeout_s))
-                doomed = group.children["fake_workers_doomed"]
                 early = await metric(http, f"{stack.api}/metrics", "poolgate_health_early_confirmations_total")
-                doomed.send_signal(signal.SIGSTOP if args.fail_mode == "hang" else signal.SIGTERM)
-                row["ejection_s"] = await wait_counts(http, stack, measured, lambda c: c <= n - fail,
-                                                      timeout_s=args.timeout_s, poll_s=0.05)
+                row["ejection_s"] = await in_observer({
+                    "phase": "ejection", "admin_ports": stack.admin_ports, "clusters": measured, "at_most": n - fail,
+                    "stop_pid": group.children["fake_workers_doomed"].pid, "timeout_s": args.timeout_s,
+                    "signal": signal.SIGSTOP if args.fail_mode == "hang" else signal.SIGTERM})
                 row["ejection_early_confirmations"] = (
                     await metric(http, f"{stack.api}/metrics", "poolgate_health_early_confirmations_total") - early)
             beating.cancel()
@@ -655,6 +687,9 @@ COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["observe"]:
+        print(json.dumps(uvloop.run(observe(json.loads(argv[1])))), flush=True)
+        return 0
     if argv[:1] == ["serve-workers"]:
         fake_workers.serve(int(argv[1]), [MODEL, SICK_MODEL], fail_requests=argv[2:3] == ["fail-requests"])
         return 0

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from controller.health import HEALTHY, HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
 from controller.periodic import every
+from poolgate.kernel.coarse_timers import coarse_timers
 from poolgate.kernel.config import HealthSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.fleet_view import FleetView
@@ -396,7 +397,7 @@ class HealthMonitor:
                           slot_taken: bool = False) -> ProbeResult:
         """One probe in one of ``slots`` (taken already: ``slot_taken``), given back after ``SLOT_HOLD_S`` while
         the loop keeps time; at that point its early confirmations are planned (``_plan_early``). A probe
-        answered sooner costs one timer, and nothing more."""
+        answered sooner costs one coarse timer (a heap entry), and nothing more."""
         if not slot_taken:
             await slots.acquire()
         loop = asyncio.get_running_loop()
@@ -412,7 +413,7 @@ class HealthMonitor:
                 slots.release()
 
         due = loop.time() + SLOT_HOLD_S
-        timer = loop.call_at(due, give_back, due)
+        timer = coarse_timers().call_at(due, give_back, due)
         try:
             return await self._prober.probe(record)
         finally:

@@ -6,7 +6,7 @@ every round, and the scale benchmark plays every node agent's heartbeats. A gene
 per-request machinery cost ~5 times what the request itself does, which bounded how fast a large fleet
 could be probed (and how many heartbeats one process could send). Each connection is an
 ``asyncio.Protocol`` that parses the answer as its bytes arrive: no stream reader and writer per
-connection, no timeout scope per request (the health monitor spent 139 µs of CPU per probe of 10,000
+connection, no timeout scope or loop timer per request (a deadline is a coarse timer) (the health monitor spent 139 µs of CPU per probe of 10,000
 workers with streams, 100 with this; ``poolgate bench health_rounds``). A connection the peer closed while
 idle is opened again once; the answer must fit in ``max_body`` bytes. ``closed_idle`` names the addresses
 whose idle connection the peer closed since (a worker process that exited closes them at once; so does a
@@ -20,6 +20,8 @@ import asyncio
 import ssl
 from collections import deque
 from typing import cast
+
+from poolgate.kernel.coarse_timers import CoarseTimer, coarse_timers
 
 MAX_HEAD_BYTES = 16 * 1024
 """An answer's status line and headers may be this long at most."""
@@ -103,21 +105,23 @@ class _Connection(asyncio.Protocol):
         self._buffer = bytearray()
         self._answer: asyncio.Future[Answer] | None = None
         self._max_body = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: CoarseTimer | None = None
+        self._timers = coarse_timers()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def ask(self, request: bytes, max_body: int, deadline: float | None) -> asyncio.Future[Answer]:
-        """The answer to ``request``; ``TimeoutError`` once the loop's clock passes ``deadline`` (one timer,
-        cheaper than a timeout scope around the await: this runs once per probe of the whole fleet)."""
+        """The answer to ``request``; ``TimeoutError`` once the loop's clock passes ``deadline`` (a coarse timer,
+        cheaper than a timeout scope around the await or a loop timer: this runs once per probe of the whole
+        fleet, and the answer nearly always comes first)."""
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         self._buffer.clear()
         self._max_body = max_body
         self._answer = loop.create_future()
         if deadline is not None:
-            self._timer = loop.call_at(deadline, self._settle, TimeoutError("no answer in time"))
+            self._timer = self._timers.call_at(deadline, self._time_out)
         self.transport.write(request)
         return self._answer
 
@@ -141,6 +145,10 @@ class _Connection(asyncio.Protocol):
             self._settle(PeerClosed(f"connection closed before the answer ({exc or 'by the peer'})"))
         elif self.idle:
             self._on_idle_loss.append(self)
+
+    def _time_out(self) -> None:
+        self._timer = None
+        self._settle(TimeoutError("no answer in time"))
 
     def _settle(self, outcome: Answer | BaseException) -> None:
         """The request in flight is answered (or failed: the connection is closed, its state unknown)."""

@@ -52,3 +52,33 @@ async def test_a_client_nobody_asks_keeps_only_the_latest_lost_connections(monke
         for server in servers:
             server.close()
             await server.wait_closed()
+
+
+async def test_a_server_that_never_answers_times_out_at_the_deadline_and_its_connection_is_dropped() -> None:
+    """The deadline is a coarse timer (``poolgate.kernel.coarse_timers``): it fires within a tick or so."""
+    connections: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append((reader, writer))  # answers nothing: a hung engine
+
+    server = await asyncio.start_server(hang, "127.0.0.1", 0)
+    address = ("127.0.0.1", server.sockets[0].getsockname()[1], False)
+    client = LeanHttpClient()
+    loop = asyncio.get_running_loop()
+    try:
+        asked = loop.time()
+        with pytest.raises(TimeoutError):
+            await client.request(b"GET", address, b"/health", deadline=asked + 0.2)
+        waited = loop.time() - asked
+        print(f"timed out after {waited:.3f} s (deadline 0.200 s)")
+        assert 0.2 <= waited < 1.0
+        reader, _ = connections[0]
+        # the request, then the end of the stream: the client closed the connection (its state is unknown)
+        request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % address[1]
+        assert await asyncio.wait_for(reader.read(), 5) == request
+    finally:
+        client.close()
+        server.close()
+        for _, writer in connections:
+            writer.close()
+        await server.wait_closed()
