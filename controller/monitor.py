@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from controller.health import HEALTHY, HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
 from controller.periodic import every
-from poolgate.kernel.coarse_timers import coarse_timers
+from poolgate.kernel.coarse_timers import CoarseTimer, coarse_timers
 from poolgate.kernel.config import HealthSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.fleet_view import FleetView
@@ -44,10 +44,13 @@ failed their probes ("no answer within 1 s") while the fleet registered. A slow 
 after ``SLOT_HOLD_S`` while the loop keeps time. Probes out of turn have slots of their own and never queue
 behind a round."""
 SLOT_HOLD_S = 0.1
-"""A probe still unanswered this long gives its slot back (it goes on waiting until its timeout) when the
-controller's loop keeps time: the wait is then the worker's, and a hung worker must not hold a round's slot
-for its whole timeout (1,000 hung workers held 256 slots for 3 s each, and took 15 s to leave). On a late
-loop it keeps its slot: the wait may be the controller's own, and more probes would only lengthen it."""
+"""A probe still unanswered this long gives its slot back (it goes on waiting until its timeout) when the wait
+is the worker's: the controller's loop keeps time, or a probe started after this one has come back already. A
+hung worker must not hold a round's slot for its whole timeout (1,000 hung workers held 256 slots for 3 s each,
+and took 15 s to leave). On a late loop with no later probe back it keeps its slot, and looks again after as
+long: the wait may be the controller's own, and more probes would only lengthen it. (Looking at the loop alone,
+a loaded controller whose loop ran late kept the slots of 1,000 hung workers for whole timeouts: their
+verdicts came in waves 3 s apart.)"""
 LOOP_LATE_S = 0.05
 """The loop keeps time when the slot's give-back timer fires at most this late."""
 LINGER_LIMIT = 2048
@@ -175,6 +178,9 @@ class HealthMonitor:
         """Checks a round left running when it ended (confirming a failure)."""
         self._lingering = 0
         """Probes waiting without a slot."""
+        self._answered = float("-inf")
+        """When the latest probe that came back had started (the loop's clock): a slow probe started before it
+        waits for its worker, not for this loop."""
         self._written: dict[str, WorkerState] = {}
         """States this monitor wrote since its view last synced (the view's records do not show them yet)."""
         self.stats = stats if stats is not None else MonitorStats()
@@ -395,27 +401,34 @@ class HealthMonitor:
 
     async def _probe_once(self, record: WorkerRecord, slots: asyncio.Semaphore,
                           slot_taken: bool = False) -> ProbeResult:
-        """One probe in one of ``slots`` (taken already: ``slot_taken``), given back after ``SLOT_HOLD_S`` while
-        the loop keeps time; at that point its early confirmations are planned (``_plan_early``). A probe
-        answered sooner costs one coarse timer (a heap entry), and nothing more."""
+        """One probe in one of ``slots`` (taken already: ``slot_taken``), given back once it is slow
+        (``SLOT_HOLD_S``: then its early confirmations are planned, ``_plan_early``) and the wait is the worker's:
+        the loop kept time, or a probe started after it has been answered. Otherwise it looks again every
+        ``SLOT_HOLD_S``. A probe answered sooner costs one coarse timer (a heap entry), and nothing more."""
         if not slot_taken:
             await slots.acquire()
         loop = asyncio.get_running_loop()
+        started = loop.time()
         holding = True
+        timer: CoarseTimer
 
         def give_back(due: float) -> None:
-            nonlocal holding
-            self._plan_early(record, due - SLOT_HOLD_S)
-            if self._lingering < LINGER_LIMIT and loop.time() - due <= LOOP_LATE_S:
+            nonlocal holding, timer
+            if due == started + SLOT_HOLD_S:
+                self._plan_early(record, started)
+            if self._lingering < LINGER_LIMIT and (loop.time() - due <= LOOP_LATE_S or self._answered > started):
                 holding = False
                 self._lingering += 1
                 self.stats.slots_given_back += 1
                 slots.release()
+            else:
+                timer = coarse_timers().call_at(loop.time() + SLOT_HOLD_S, give_back, loop.time() + SLOT_HOLD_S)
 
-        due = loop.time() + SLOT_HOLD_S
-        timer = coarse_timers().call_at(due, give_back, due)
+        timer = coarse_timers().call_at(started + SLOT_HOLD_S, give_back, started + SLOT_HOLD_S)
         try:
-            return await self._prober.probe(record)
+            result = await self._prober.probe(record)
+            self._answered = max(self._answered, started)
+            return result
         finally:
             timer.cancel()
             if holding:

@@ -6,8 +6,9 @@ every round, and the scale benchmark plays every node agent's heartbeats. A gene
 per-request machinery cost ~5 times what the request itself does, which bounded how fast a large fleet
 could be probed (and how many heartbeats one process could send). Each connection is an
 ``asyncio.Protocol`` that parses the answer as its bytes arrive: no stream reader and writer per
-connection, no timeout scope or loop timer per request (a deadline is a coarse timer) (the health monitor spent 139 µs of CPU per probe of 10,000
-workers with streams, 100 with this; ``poolgate bench health_rounds``). A connection the peer closed while
+connection, no timeout scope per request (the health monitor spent 139 µs of CPU per probe of 10,000
+workers with streams, 100 with this; ``poolgate bench health_rounds``), and a deadline is a coarse timer
+(``poolgate.kernel.coarse_timers``), not a loop timer. A connection the peer closed while
 idle is opened again once; the answer must fit in ``max_body`` bytes. ``closed_idle`` names the addresses
 whose idle connection the peer closed since (a worker process that exited closes them at once; so does a
 server's keep-alive timeout): each connection reports its own loss, so the call costs what closed, not what
