@@ -585,6 +585,8 @@ async def observe_changes(http: aiohttp.ClientSession, admin_ports: Mapping[str,
     client = LeanHttpClient(headers=b"Authorization: Bearer %s\r\n" % TOKEN.encode())
     latencies, answered, refused = [], [], 0
     try:
+        # a worker's connection to the API is open before its change (it heartbeats), and so is this one's
+        await client.request(b"POST", address, b"/v1/workers/%s/heartbeat" % workers[0][0].encode(), b"{}")
         for worker_id, cluster in workers:
             for state, step in (("Draining", -1), ("Ready", 1)):
                 start = min((await healthy_counts(http, admin_ports, [cluster])).values())

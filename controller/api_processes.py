@@ -4,11 +4,11 @@ With ``controller.api_processes`` N > 1 the controller holds its API port (bound
 listened on) and starts N API processes listening on it; the kernel spreads the connections over them. The
 controller itself then answers no worker: its loop is left to the health monitor and xDS, so a fleet's
 heartbeats never delay an endpoint change (at 10,000 workers they had put a second on its p99). An API
-process is a ``RegistryApi`` over its own Redis connections: registrations, heartbeats, listings and
-deregistrations need nothing but the store, so it answers them itself, putting registrations off by its own
-loop's lag. The operator's calls (drain, scale, ``/metrics``) need the controller's instance controller and
-metrics, so an API process forwards them to the controller's private loopback listener. The controller
-starts an API process again when it exits; an API process whose controller is gone exits.
+process is a ``RegistryApi`` over its own Redis connections behind a lean HTTP server (``controller.lean_front``):
+it answers the workers' calls itself (heartbeats and registrations, putting registrations off by its own loop's
+lag) and forwards every other call (listing, deregistration, drain, scale, ``/metrics``) to the controller's
+private loopback listener. The controller starts an API process again when it exits; an API process whose
+controller is gone exits.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import aiohttp
 import uvloop
-from aiohttp import web
 
+from controller.lean_front import LeanFront
 from controller.overload import LoopLag
-from controller.registry_api import RegistryApi, error_response
+from controller.registry_api import RegistryApi, error_answer
 from poolgate.kernel.cancel import cancel_and_wait
 from poolgate.kernel.config import ConfigError, load_process_config
 from poolgate.kernel.heap import freeze_startup_objects
@@ -50,26 +50,28 @@ ANSWERED_HEADERS = ("Content-Type", "Retry-After")
 
 
 class Forwarder:
-    """Passes a request to the controller's own API and answers with what it answered."""
+    """Passes a call on to the controller's own API and answers with what it answered (``lean_front.PassOn``)."""
 
     def __init__(self, base_url: str) -> None:
         self._base_url = base_url
         self._session: aiohttp.ClientSession | None = None
 
-    async def __call__(self, request: web.Request) -> web.Response:
+    async def __call__(self, method: bytes, target: bytes, headers: dict[bytes, bytes],
+                       body: bytes) -> tuple[int, dict[str, str], bytes]:
         if self._session is None:  # made on the loop that serves: a session belongs to one loop
             # no total timeout: a drain with ?wait=1 answers once the drain is over
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
-        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        passed = {name: headers[name.lower().encode()].decode("latin-1") for name in FORWARDED_HEADERS
+                  if name.lower().encode() in headers}
         try:
-            async with self._session.request(request.method, self._base_url + request.path_qs,
-                                             data=await request.read(), headers=headers) as answer:
-                body = await answer.read()
+            async with self._session.request(method.decode("latin-1"), self._base_url + target.decode("latin-1"),
+                                             data=body, headers=passed) as answer:
                 kept = {name: answer.headers[name] for name in ANSWERED_HEADERS if name in answer.headers}
-                return web.Response(status=answer.status, body=body, headers=kept)
+                return answer.status, kept, await answer.read()
         except aiohttp.ClientError as exc:
-            return error_response(503, f"the controller behind this API process does not answer ({exc})",
-                                  "controller_unreachable")
+            refusal = error_answer(503, f"the controller behind this API process does not answer ({exc})",
+                                   "controller_unreachable")
+            return refusal.status, {}, refusal.body
 
     async def close(self) -> None:
         if self._session is not None:
@@ -155,12 +157,17 @@ async def serve(args: argparse.Namespace, parent: int) -> None:
     lag = LoopLag()
     forward = Forwarder(args.forward)
     registry = RegistryApi(FleetStore(redis, config.key_prefix), token, config.pools, config.controller,
-                           config.autoscale.pools, lag=lag, forward=forward)
+                           config.autoscale.pools, lag=lag)
     api_tls = ServerTls(config.tls.registry_api, "tls.registry_api") if config.tls.registry_api else None
-    runner = web.AppRunner(registry.app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port, ssl_context=api_tls.context if api_tls else None,
-                      reuse_port=True).start()
+    connections: set[LeanFront] = set()
+
+    def connection() -> LeanFront:
+        front = LeanFront(registry, forward, connections.discard)
+        connections.add(front)
+        return front
+
+    server = await asyncio.get_running_loop().create_server(
+        connection, args.host, args.port, ssl=api_tls.context if api_tls else None, reuse_port=True)
     log.info("API process %d serving on %s:%d", os.getpid(), args.host, args.port)
     freeze_startup_objects()
     stop = asyncio.Event()
@@ -172,7 +179,13 @@ async def serve(args: argparse.Namespace, parent: int) -> None:
         await stop.wait()
     finally:
         await cancel_and_wait(tasks)
-        await runner.cleanup()
+        server.close()
+        for _ in range(int(STOP_GRACE_S / 0.05)):  # calls under way are answered; then every connection closes
+            if not any(front.busy for front in connections):
+                break
+            await asyncio.sleep(0.05)
+        for front in list(connections):
+            front.close()
         await forward.close()
         await redis.aclose()
 

@@ -7,6 +7,7 @@ stranger on the network cannot add an address to Envoy's endpoints. Errors are O
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hmac
 import ipaddress
 import logging
@@ -14,6 +15,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Required
 
 import orjson
@@ -99,15 +101,38 @@ def _reported(facts: Mapping[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in facts.items() if value is not None and name != "id"}
 
 
-def error_response(status: int, message: str, code: str) -> web.Response:
+@dataclass(frozen=True)
+class Answer:
+    """A JSON answer to a worker's call, whichever server sends it (aiohttp here, the API processes' lean
+    front: ``controller.lean_front``)."""
+
+    status: int
+    body: bytes
+    retry_after: int | None = None
+
+
+def error_answer(status: int, message: str, code: str) -> Answer:
     """An OpenAI-style error answer."""
     body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
                       "param": None, "code": code}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+    return Answer(status, orjson.dumps(body))
+
+
+def error_response(status: int, message: str, code: str) -> web.Response:
+    return response(error_answer(status, message, code))
+
+
+def response(answer: Answer) -> web.Response:
+    headers = {"Retry-After": str(answer.retry_after)} if answer.retry_after is not None else None
+    return web.Response(status=answer.status, body=answer.body, content_type="application/json", headers=headers)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+OK = Answer(200, orjson.dumps({"ok": True}))
+UNAUTHORIZED = error_answer(401, "missing or wrong controller token (Authorization: Bearer <token>)", "unauthorized")
 
 
 OPEN_PATHS = frozenset({"/healthz", "/metrics"})
@@ -146,13 +171,12 @@ REGISTRATION_RETURNS_PER_S = 200
 class RegistryApi:
     """Routes for the registry over the fleet store; the token check is constant-time. ``scaling`` holds
     the pools operators may scale (``autoscale.pools``); with ``lag`` (the loop's), registrations wait while
-    the controller runs behind. With ``forward`` (an extra API process: ``controller.api_processes``) the
-    operator's calls (drain, scale, ``/metrics``) go to it instead."""
+    the controller runs behind. The workers' calls (``register``, ``heartbeat``, ``heartbeat_batch``) answer
+    whatever server took them: the controller's aiohttp routes here, or an API process's lean front."""
 
     def __init__(self, store: FleetStore, token: str, pools: Sequence[PoolSpec], settings: ControllerSettings,
                  scaling: Mapping[str, PoolScaling] | None = None, instances: InstanceController | None = None,
-                 metrics: CollectorRegistry | None = None, lag: LoopLag | None = None,
-                 forward: Handler | None = None) -> None:
+                 metrics: CollectorRegistry | None = None, lag: LoopLag | None = None) -> None:
         self._store = store
         self._token = token.encode()
         self._pools = {pool.name: pool for pool in pools}
@@ -168,31 +192,32 @@ class RegistryApi:
         self._instances = instances
         self._metrics = metrics
         self._networks = tuple(ipaddress.ip_network(n) for n in settings.allowed_networks)
-        self._forward = forward
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
         app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/metrics", self._forward or self._metrics_page)
+        app.router.add_get("/metrics", self._metrics_page)
         app.router.add_get("/v1/workers", self._list)
         app.router.add_post("/v1/workers", self._register)
         app.router.add_post("/v1/workers/{worker_id}/heartbeat", self._heartbeat)
         app.router.add_post("/v1/heartbeats", self._heartbeats)
         app.router.add_delete("/v1/workers/{worker_id}", self._deregister)
-        app.router.add_post("/v1/workers/{worker_id}/drain", self._forward or self._drain)
-        app.router.add_post("/v1/pools/{pool}/scale", self._forward or self._scale)
+        app.router.add_post("/v1/workers/{worker_id}/drain", self._drain)
+        app.router.add_post("/v1/pools/{pool}/scale", self._scale)
         return app
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in OPEN_PATHS:
             return await handler(request)
-        supplied = request.headers.get("Authorization", "")
-        scheme, _, token = supplied.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
-            return error_response(401, "missing or wrong controller token (Authorization: Bearer <token>)",
-                          "unauthorized")
+        if not self.authorized(request.headers.get("Authorization", "")):
+            return response(UNAUTHORIZED)
         return await handler(request)
+
+    def authorized(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header carries the controller token (compared in constant time)."""
+        scheme, _, token = authorization.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._token)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -212,34 +237,37 @@ class RegistryApi:
             raise web.HTTPBadRequest(text=f"malformed JSON: {exc}") from exc
 
     async def _register(self, request: web.Request) -> web.Response:
+        return response(await self.register(await request.read()))
+
+    async def register(self, body: bytes) -> Answer:
+        """``POST /v1/workers``: a worker joins its pool (201 with its record), or is told why not."""
         lag_s = self._lag.lag_s if self._lag is not None else 0.0
         if lag_s > REGISTRATION_LAG_BOUND_S:
             self.registrations_deferred += 1
             retry_after = self._retry_after()
-            response = error_response(503, f"registry busy (event loop {lag_s * 1000:.0f} ms behind); "
-                                   f"register again after {retry_after} s", "registry_busy")
-            response.headers["Retry-After"] = str(retry_after)
-            return response
+            return dataclasses.replace(error_answer(503, f"registry busy (event loop {lag_s * 1000:.0f} ms behind); "
+                                                         f"register again after {retry_after} s", "registry_busy"),
+                                       retry_after=retry_after)
         try:
-            body = Registration.model_validate(await self._body(request))
-        except (ValidationError, web.HTTPBadRequest) as exc:
-            return error_response(400, str(exc), "invalid_registration")
-        pool = self._pools.get(body.pool)
+            asked = Registration.model_validate_json(body)
+        except ValidationError as exc:
+            return error_answer(400, str(exc), "invalid_registration")
+        pool = self._pools.get(asked.pool)
         if pool is None:
-            return error_response(400, f"unknown pool {body.pool!r}; known: {', '.join(self._pools)}", "unknown_pool")
-        refusal = address_refusal(body.host, self._networks)
+            return error_answer(400, f"unknown pool {asked.pool!r}; known: {', '.join(self._pools)}", "unknown_pool")
+        refusal = address_refusal(asked.host, self._networks)
         if refusal is not None:
-            log.warning("refused registration of worker %s: %s", body.id, refusal)
-            return error_response(403, refusal, "address_not_allowed")
+            log.warning("refused registration of worker %s: %s", asked.id, refusal)
+            return error_answer(403, refusal, "address_not_allowed")
         record = WorkerRecord(
-            id=body.id, pool=pool.name, model=body.model or pool.model, host=body.host, port=body.port,
-            served_names=body.served_names, max_model_len=body.max_model_len or pool.max_model_len,
-            backend=body.backend, state=body.state, node=body.node or "",
-            kv_events_endpoint=body.kv_events_endpoint, kv_events_replay_endpoint=body.kv_events_replay_endpoint,
+            id=asked.id, pool=pool.name, model=asked.model or pool.model, host=asked.host, port=asked.port,
+            served_names=asked.served_names, max_model_len=asked.max_model_len or pool.max_model_len,
+            backend=asked.backend, state=asked.state, node=asked.node or "",
+            kv_events_endpoint=asked.kv_events_endpoint, kv_events_replay_endpoint=asked.kv_events_replay_endpoint,
         )
         await self.registrations.register(record)
         log.info("registered worker %s (%s) in pool %s", record.id, record.address, record.pool)
-        return _json(record.to_redis(), status=201)
+        return Answer(201, orjson.dumps(record.to_redis()))
 
     def _retry_after(self) -> int:
         """Whole seconds, drawn so that the registrations put off lately come back spread at about
@@ -252,28 +280,33 @@ class RegistryApi:
         return math.ceil(random.uniform(REGISTRATION_RETRY_AFTER_S, REGISTRATION_RETRY_AFTER_S + spread_s))
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
-        worker_id = request.match_info["worker_id"]
+        return response(await self.heartbeat(request.match_info["worker_id"], await request.read()))
+
+    async def heartbeat(self, worker_id: str, body: bytes) -> Answer:
+        """``POST /v1/workers/{id}/heartbeat``: the worker is alive, with the facts it reports (no body: none)."""
         try:
-            facts = HEARTBEAT.validate_python(await self._body(request) if request.can_read_body else {})
-        except (ValidationError, web.HTTPBadRequest) as exc:
-            return error_response(400, str(exc), "invalid_heartbeat")
-        alive = await self.heartbeats.beat(worker_id, _reported(facts))
-        if not alive:
-            return error_response(404, f"worker {worker_id!r} is not registered (expired?); register again",
-                          "not_registered")
-        return _json({"ok": True})
+            facts = HEARTBEAT.validate_json(body) if body else {}
+        except ValidationError as exc:
+            return error_answer(400, str(exc), "invalid_heartbeat")
+        if not await self.heartbeats.beat(worker_id, _reported(facts)):
+            return error_answer(404, f"worker {worker_id!r} is not registered (expired?); register again",
+                                "not_registered")
+        return OK
 
     async def _heartbeats(self, request: web.Request) -> web.Response:
-        """Heartbeats of many workers in one call, written with the other calls of the same turn (one Redis
-        command per ``FACTS_PER_CALL`` workers); the answer names the workers that are not registered
-        (expired), which must register again."""
+        return response(await self.heartbeat_batch(await request.read()))
+
+    async def heartbeat_batch(self, body: bytes) -> Answer:
+        """``POST /v1/heartbeats``: heartbeats of many workers in one call, written with the other calls of the
+        same turn (one Redis command per ``FACTS_PER_CALL`` workers); the answer names the workers that are not
+        registered (expired), which must register again."""
         try:  # parsed and checked in one pass over the bytes: this is the API's busiest call
-            body = HEARTBEAT_BATCH.validate_json(await request.read())
+            batch = HEARTBEAT_BATCH.validate_json(body)
         except ValidationError as exc:
-            return error_response(400, str(exc), "invalid_heartbeat")
-        beats = {beat["id"]: _reported(beat) if len(beat) > 1 else {} for beat in body["workers"]}
+            return error_answer(400, str(exc), "invalid_heartbeat")
+        beats = {beat["id"]: _reported(beat) if len(beat) > 1 else {} for beat in batch["workers"]}
         missing = await self.heartbeats.beat_many(beats)
-        return _json({"ok": len(beats) - len(missing), "not_registered": missing})
+        return Answer(200, orjson.dumps({"ok": len(beats) - len(missing), "not_registered": missing}))
 
     async def _deregister(self, request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]

@@ -10,6 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from controller.api_processes import Forwarder
+from controller.lean_front import LeanFront
 from controller.registry_api import RegistryApi
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.fleet import WorkerState
@@ -22,16 +24,24 @@ CONFIG = parse_config({
 TOKEN = "s3cret-token"
 
 
-@pytest.fixture()
-async def api(redis_url: str) -> AsyncIterator[tuple[str, aioredis.Redis]]:
+@pytest.fixture(params=["aiohttp", "lean front"])
+async def api(redis_url: str, request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, aioredis.Redis]]:
+    """The controller's aiohttp routes, or an API process's lean front over the same registry (passing every call
+    that is not a worker's on to those routes, as it does to the controller's): each test holds for both."""
     redis = aioredis.from_url(redis_url)
     registry = RegistryApi(FleetStore(redis, "t"), TOKEN, CONFIG.pools, CONFIG.controller, CONFIG.autoscale.pools)
     runner = web.AppRunner(registry.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}", redis
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    forwarder = Forwarder(base)
+    front = await asyncio.get_running_loop().create_server(lambda: LeanFront(registry, forwarder), "127.0.0.1", 0)
+    if request.param == "lean front":
+        base = f"http://127.0.0.1:{front.sockets[0].getsockname()[1]}"
+    yield base, redis
+    front.close()
+    await forwarder.close()
     await runner.cleanup()
     await redis.aclose()
 
