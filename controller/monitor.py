@@ -179,7 +179,7 @@ class HealthMonitor:
         self._lingering = 0
         """Probes waiting without a slot."""
         self._answered = float("-inf")
-        """When the latest probe that came back had started (the loop's clock): a slow probe started before it
+        """When the latest probe answered in time had started (the loop's clock): a slow probe started before it
         waits for its worker, not for this loop."""
         self._written: dict[str, WorkerState] = {}
         """States this monitor wrote since its view last synced (the view's records do not show them yet)."""
@@ -412,22 +412,24 @@ class HealthMonitor:
         holding = True
         timer: CoarseTimer
 
-        def give_back(due: float) -> None:
+        def give_back(due: float, first: bool) -> None:
             nonlocal holding, timer
-            if due == started + SLOT_HOLD_S:
+            if first:
                 self._plan_early(record, started)
-            if self._lingering < LINGER_LIMIT and (loop.time() - due <= LOOP_LATE_S or self._answered > started):
+            now = loop.time()
+            if self._lingering < LINGER_LIMIT and (now - due <= LOOP_LATE_S or self._answered > started):
                 holding = False
                 self._lingering += 1
                 self.stats.slots_given_back += 1
                 slots.release()
             else:
-                timer = coarse_timers().call_at(loop.time() + SLOT_HOLD_S, give_back, loop.time() + SLOT_HOLD_S)
+                timer = coarse_timers().call_at(now + SLOT_HOLD_S, give_back, now + SLOT_HOLD_S, False)
 
-        timer = coarse_timers().call_at(started + SLOT_HOLD_S, give_back, started + SLOT_HOLD_S)
+        timer = coarse_timers().call_at(started + SLOT_HOLD_S, give_back, started + SLOT_HOLD_S, True)
         try:
             result = await self._prober.probe(record)
-            self._answered = max(self._answered, started)
+            if result.latency_s < self._settings.probe_timeout_s:  # an answer (a timeout shows nothing of the loop)
+                self._answered = max(self._answered, started)
             return result
         finally:
             timer.cancel()

@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from controller import monitor as monitor_module
 from controller.health import HealthMemory, ProbeResult
 from controller.monitor import HealthMonitor
 from controller.probe import HttpProber
@@ -338,6 +339,50 @@ async def tcp_workers(count: int, answer: bool) -> AsyncIterator[list[int]]:
             server.close()
         for writer in open_writers:
             writer.close()
+
+
+class StartsProber:
+    """An ``HttpProber`` that records when each worker's probe started; the first is followed by ``busy_s`` in
+    which the controller's loop is busy."""
+
+    def __init__(self, timeout_s: float, busy_s: float) -> None:
+        self.prober = HttpProber(timeout_s, False)
+        self.started: dict[str, float] = {}
+        self._busy_s = busy_s
+
+    async def probe(self, record: WorkerRecord) -> ProbeResult:
+        loop = asyncio.get_running_loop()
+        if not self.started:
+            loop.call_later(0.02, time.sleep, self._busy_s)
+        self.started.setdefault(record.id, loop.time())
+        return await self.prober.probe(record)
+
+    def hung_up(self) -> list[str]:
+        return []
+
+
+async def test_on_a_late_loop_a_slow_probe_gives_its_slot_back_once_a_later_probe_was_answered(
+        redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two slots; a hung, b answers at once, c and d hung. The loop is busy from 0.02 to 0.82 s, so a's slot
+    timer (due at 0.5 s) fires late: b, started after a, was answered, so the wait is a's worker's and a gives
+    its slot back then, and d starts. (Looking at the loop alone, a kept its slot another hold: d at 1.3 s.)"""
+    monkeypatch.setattr(monitor_module, "SLOT_HOLD_S", 0.5)
+    store = FleetStore(redis_client, PREFIX)
+    settings = HealthSettings(probe_interval_s=1.0, probe_timeout_s=3.0, failures_to_fail=1, check_models=False)
+    prober = StartsProber(3.0, 0.8)
+    monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0, probe_concurrency=2)
+    async with tcp_workers(3, answer=False) as hung, tcp_workers(1, answer=True) as answering:
+        for worker_id, port in zip(("a", "c", "d"), hung, strict=True):
+            await store.register(WorkerRecord(id=worker_id, pool="p0", model="llama", host="127.0.0.1", port=port), 60)
+        await store.register(WorkerRecord(id="b", pool="p0", model="llama", host="127.0.0.1", port=answering[0]), 60)
+        try:
+            await monitor.round()
+        finally:
+            prober.prober.close()
+    started = {worker_id: at - prober.started["a"] for worker_id, at in prober.started.items()}
+    print("probes started at " + ", ".join(f"{w} {at:.2f} s" for w, at in sorted(started.items())))
+    assert started["c"] < 0.5  # b was answered at once, and c took its slot
+    assert 0.8 <= started["d"] < 1.15  # a's slot: given back when the late timer fired, not a hold later
 
 
 async def test_hung_workers_do_not_hold_a_rounds_probe_slots(redis_client: aioredis.Redis) -> None:
