@@ -41,6 +41,9 @@ RESTART_DELAY_S = 1.0
 """An API process that exited is started again after this long (a crash loop costs one start a second)."""
 STOP_GRACE_S = 5.0
 """API processes get this long to finish their calls on a stop before they are killed."""
+ANSWER_GRACE_S = 2.0
+"""A stopping API process answers the calls under way for this long at most (a drain passed on with
+``?wait=1`` may last much longer), well inside ``STOP_GRACE_S``."""
 PARENT_CHECK_S = 1.0
 """An API process looks this often whether its controller still runs."""
 REDIS_URL_ENV = "POOLGATE_API_PROCESS_REDIS_URL"
@@ -180,7 +183,7 @@ async def serve(args: argparse.Namespace, parent: int) -> None:
     finally:
         await cancel_and_wait(tasks)
         server.close()
-        for _ in range(int(STOP_GRACE_S / 0.05)):  # calls under way are answered; then every connection closes
+        for _ in range(int(ANSWER_GRACE_S / 0.05)):  # calls under way are answered; then every connection closes
             if not any(front.busy for front in connections):
                 break
             await asyncio.sleep(0.05)
