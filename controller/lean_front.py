@@ -18,7 +18,7 @@ import http
 import logging
 from collections.abc import Awaitable, Callable
 
-from controller.registry_api import UNAUTHORIZED, Answer, RegistryApi, error_answer
+from controller.registry_api import HEALTHY, UNAUTHORIZED, Answer, RegistryApi, error_answer
 
 log = logging.getLogger("poolgate.controller.api")
 
@@ -199,7 +199,7 @@ class LeanFront(asyncio.Protocol):
     async def _answer(self, request: _Request) -> Answer | bytes:
         path = request.target.partition(b"?")[0]
         if request.method == b"GET" and path in _OPEN_PATHS:
-            return Answer(200, b'{"status":"ok"}')
+            return HEALTHY
         worker_call = request.method == b"POST" and (
             path in (b"/v1/heartbeats", b"/v1/workers")
             or (path.startswith(_WORKERS) and path.endswith(_HEARTBEAT) and path.count(b"/") == 4))

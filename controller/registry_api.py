@@ -132,6 +132,8 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 OK = Answer(200, orjson.dumps({"ok": True}))
+HEALTHY = Answer(200, orjson.dumps({"status": "ok"}))
+"""``GET /healthz``: the registry answers."""
 UNAUTHORIZED = error_answer(401, "missing or wrong controller token (Authorization: Bearer <token>)", "unauthorized")
 
 
@@ -220,7 +222,7 @@ class RegistryApi:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._token)
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok"})
+        return response(HEALTHY)
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
         body = generate_latest(self._metrics) if self._metrics is not None else b""
