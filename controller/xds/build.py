@@ -153,4 +153,5 @@ def build_endpoints(
     """
     table = EndpointTable(pools)
     table.apply({worker.id: worker for worker in workers})
-    return [*(table.assignment(cluster) for cluster in table.clusters), table.fallback()]
+    return [endpoint_pb2.ClusterLoadAssignment.FromString(encoded.wire)
+            for encoded in [*(table.assignment(cluster) for cluster in table.clusters), table.fallback()]]

@@ -144,7 +144,7 @@ class DeltaAdsStream(StreamState):
         )
         for name in changed:
             entry = response.resources.add(name=name, version=versions[name])
-            entry.resource.Pack(snapshot.resources[name])
+            entry.resource.type_url, entry.resource.value = type_url, snapshot.wires[name]
         sent = {name: (versions[name], held.get(name)) for name in changed}
         held.update((name, versions[name]) for name in changed)
         for name in removed:

@@ -25,7 +25,6 @@ from typing import Any, Protocol, TypeAlias
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
-from google.protobuf import any_pb2
 
 from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, SERVED_TYPES, build_clusters, short_type
 from controller.xds.cache import Snapshot, SnapshotCache
@@ -142,10 +141,8 @@ class AdsStream(StreamState):
         response = discovery_pb2.DiscoveryResponse(
             version_info=snapshot.version, type_url=type_url, nonce=subscription.sent_nonce
         )
-        for resource in (snapshot.resources[n] for n in names):
-            packed = any_pb2.Any()
-            packed.Pack(resource)
-            response.resources.append(packed)
+        for name in names:
+            response.resources.add(type_url=type_url, value=snapshot.wires[name])
         self.resources_sent += len(names)
         return [response]
 
