@@ -57,17 +57,18 @@ local function scan_facts(key, first, last, state_changed, live)
   return state_changed, live
 end
 
-local function write_facts(id, ttl, announce, quiet, first, last, common_first, common_last)
+local function write_facts(id, ttl, announce, quiet, first, last, common_first, common_last, deadlines)
   local key = P .. ':worker:' .. id
-  if redis.call('EXISTS', key) == 0 then return 0 end
+  if ttl > 0 then
+    if redis.call('PEXPIRE', key, ttl) == 0 then return 0 end  -- 0: no such key (one call, not EXISTS too)
+    deadlines[#deadlines + 1] = id
+  elseif redis.call('EXISTS', key) == 0 then
+    return 0
+  end
   local state_changed, live = scan_facts(key, common_first, common_last, false, false)
   state_changed, live = scan_facts(key, first, last, state_changed, live)
   if common_last >= common_first then redis.call('HSET', key, unpack(ARGV, common_first, common_last)) end
   if last >= first then redis.call('HSET', key, unpack(ARGV, first, last)) end
-  if ttl > 0 then
-    redis.call('PEXPIRE', key, ttl)
-    redis.call('ZADD', P .. ':fleet:deadlines', now_ms() + ttl, id)
-  end
   if state_changed then
     local v = bump(id, 'changed')
     if not quiet then redis.call('PUBLISH', P .. ':events', 'update ' .. id .. ' ' .. v) end
@@ -79,10 +80,22 @@ local function write_facts(id, ttl, announce, quiet, first, last, common_first, 
   end
   return 1
 end
+
+local function set_deadlines(deadlines, ttl)
+  if #deadlines == 0 then return end
+  local at, args = now_ms() + ttl, {}
+  for j, id in ipairs(deadlines) do
+    args[2 * j - 1], args[2 * j] = at, id
+  end
+  redis.call('ZADD', P .. ':fleet:deadlines', unpack(args))
+end
 """
 
 WRITE_FACTS = _COMMON + _WRITE_FACTS_FN + """
-return write_facts(ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', ARGV[4] == 'q', 5, #ARGV, 1, 0)
+local deadlines = {}
+local answer = write_facts(ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', ARGV[4] == 'q', 5, #ARGV, 1, 0, deadlines)
+set_deadlines(deadlines, tonumber(ARGV[3]))
+return answer
 """
 """ARGV: fleet tag, id, ttl ms (0: leave the TTL alone), announce (1, 0, or q: publish nothing, the caller
 announces a batch), field/value pairs. Returns 0 when the
@@ -93,12 +106,13 @@ that carries nothing but its time writes no change at all."""
 WRITE_FACTS_MANY = _COMMON + _WRITE_FACTS_FN + """
 local ttl, announce, quiet = tonumber(ARGV[2]), ARGV[3] == '1', ARGV[3] == 'q'
 local common_last = 4 + tonumber(ARGV[4])
-local answers, i = {}, common_last + 1
+local answers, deadlines, i = {}, {}, common_last + 1
 while i <= #ARGV do
   local n = tonumber(ARGV[i + 1])
-  answers[#answers + 1] = write_facts(ARGV[i], ttl, announce, quiet, i + 2, i + 1 + n, 5, common_last)
+  answers[#answers + 1] = write_facts(ARGV[i], ttl, announce, quiet, i + 2, i + 1 + n, 5, common_last, deadlines)
   i = i + 2 + n
 end
+set_deadlines(deadlines, ttl)  -- one ZADD and one clock read for the call, not one per worker
 return answers
 """
 """``WRITE_FACTS`` for many workers in one call (a batch of heartbeats or a round's states: one command, not
