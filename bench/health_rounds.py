@@ -40,6 +40,7 @@ from controller.monitor import HealthMonitor, MonitorStats, run_monitor
 from controller.probe import HttpProber
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.store import FleetStore
 from poolgate.procs import free_port, wait_port
 
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                         "config's)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-health-rounds-"))
+    freeze_startup_objects()  # the collector set as the controller sets it: its CPU per probe is what is measured
     rows = [uvloop.run(measure(n, min(args.hung, n // 2), args.steady_s, run_dir, args.trials, args.max_probes_per_s))
             for n in args.workers]
     save_rows("health_rounds", rows, COLUMNS, x_key="workers",
