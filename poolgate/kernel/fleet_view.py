@@ -33,6 +33,10 @@ class FleetDelta:
         return not self.full and not self.changed
 
 
+READ_WITH_POLL = 64
+"""A sync that finds this many changed workers or fewer gets their records with the poll: one round trip to
+Redis, not two, for the common change (one worker's), which waited for both on its way to Envoy."""
+
 RESYNC_S = 120.0
 """A view reads everything at least this often, whatever the change log says: the safety net against a change
 the log missed. Each full read costs the whole fleet (~0.2 s of a reader's loop at 5,000 workers, which
@@ -74,7 +78,7 @@ class FleetView:
 
     async def sync(self) -> FleetDelta:
         now = self._clock()
-        poll = await self._store.poll(self._version, live=self._live)
+        poll = await self._store.poll(self._version, live=self._live, read_up_to=READ_WITH_POLL)
         due = now - self._synced_full_at >= self._resync_s
         gap = self._version < 0 or poll.epoch != self._epoch or poll.changed is None or poll.live is None
         if gap or due:
@@ -83,7 +87,7 @@ class FleetView:
         if not ids:
             self._version = poll.version
             return FleetDelta(False, frozenset(), {})
-        fresh = await self._store.read_workers(ids)
+        fresh = poll.records if poll.records is not None else await self._store.read_workers(ids)
         before = {worker_id: self._records.get(worker_id) for worker_id in ids}
         for worker_id, record in fresh.items():
             if record is None:

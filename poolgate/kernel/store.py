@@ -114,6 +114,9 @@ class ChangePoll:
     version: int
     changed: frozenset[str] | None
     live: frozenset[str] | None
+    records: Mapping[str, WorkerRecord | None] | None = None
+    """The records of the ids in ``changed`` and ``live`` (None: not registered), read in the same step,
+    when the poll was asked to read that many (``read_up_to``); else None."""
 
 
 class ChangeFeed:
@@ -302,16 +305,21 @@ class FleetStore:
         apply = queue(pipe)
         apply(await pipe.execute())
 
-    async def poll(self, since: int, live: bool = True, limit: int = 5000) -> ChangePoll:
+    async def poll(self, since: int, live: bool = True, limit: int = 5000, read_up_to: int = 0) -> ChangePoll:
         """Ids changed since version ``since`` (expiring workers whose TTL ran out first); see ``ChangePoll``.
-        More than ``limit`` changes in one log also means: read everything."""
-        epoch, version, _, changed, changed_live = await self._poll(
-            client=self._redis, keys=self._route, args=[self.keys.fleet, since, int(live), limit])
+        More than ``limit`` changes in one log also means: read everything. When ``read_up_to`` or fewer
+        changed, their records come with the answer (``ChangePoll.records``): one round trip, not two."""
+        epoch, version, _, changed, changed_live, read = await self._poll(
+            client=self._redis, keys=self._route, args=[self.keys.fleet, since, int(live), limit, read_up_to])
 
         def ids(values: list[bytes] | None) -> frozenset[str] | None:
             return None if values is None or len(values) >= limit else frozenset(_text(v) for v in values)
 
-        return ChangePoll(_text(epoch), int(version), ids(changed), ids(changed_live) if live else frozenset())
+        records = None if not read else {
+            _text(worker_id): WorkerRecord.from_redis(dict(zip(fields[::2], fields[1::2], strict=True))) if fields
+            else None for worker_id, fields in zip(read[::2], read[1::2], strict=True)}
+        return ChangePoll(_text(epoch), int(version), ids(changed), ids(changed_live) if live else frozenset(),
+                          records)
 
     async def read_workers(self, worker_ids: Sequence[str]) -> dict[str, WorkerRecord | None]:
         """The records of these workers (None for one that is not registered), in one pipeline."""

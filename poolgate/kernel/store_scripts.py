@@ -133,7 +133,7 @@ return v
 """
 
 POLL = _COMMON + """
-local since, with_live, limit = tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
+local since, with_live, limit, read_up_to = tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_ms()
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':fleet:deadlines', '-inf', now, 'LIMIT', 0, 1000)) do
   local pttl = redis.call('PTTL', P .. ':worker:' .. id)
@@ -164,20 +164,31 @@ for _, log in ipairs({'changed', 'live'}) do
 end
 local epoch = redis.call('GET', P .. ':fleet:epoch') or ''
 local version = tonumber(redis.call('GET', P .. ':fleet:version') or '0')
-if since < floor or since > version then return {epoch, version, floor, false, false} end
+if since < floor or since > version then return {epoch, version, floor, false, false, false} end
 local changed = redis.call('ZRANGEBYSCORE', P .. ':fleet:changed', '(' .. since, '+inf', 'LIMIT', 0, limit)
 local live = {}
 if with_live then
   live = redis.call('ZRANGEBYSCORE', P .. ':fleet:live', '(' .. since, '+inf', 'LIMIT', 0, limit)
 end
-return {epoch, version, floor, changed, live}
+local records = false
+if #changed + #live <= read_up_to then
+  records = {}
+  for _, ids in ipairs({changed, live}) do
+    for _, id in ipairs(ids) do
+      records[#records + 1] = id
+      records[#records + 1] = redis.call('HGETALL', P .. ':worker:' .. id)
+    end
+  end
+end
+return {epoch, version, floor, changed, live, records}
 """
 """ARGV: fleet tag, the reader's version, 1 to include the live log, the most ids to return per log.
 
 First expires the workers whose TTL ran out (a key expiry publishes nothing, so the first reader to look
 writes the change for everyone), trims the logs to about twice the fleet (readers older than the trimmed
 part read everything again), then answers epoch, version, floor and the ids changed since ``since``
-(false instead of the ids when ``since`` is below the floor or above the version: read everything)."""
+(false instead of the ids when ``since`` is below the floor or above the version: read everything), and, when
+they are ``read_up_to`` (ARGV[5]) or fewer, each id followed by its record's fields (empty: gone)."""
 
 ADD_INFLIGHT = """
 for i = 1, #ARGV, 2 do

@@ -23,6 +23,7 @@ from controller.probe import HttpProber
 from controller.xds.build import ENDPOINT_TYPE_URL
 from controller.xds.server import XdsServer
 from controller.xds_bridge import bridge_fleet_to_xds
+from poolgate.kernel import fleet_view as fleet_view_module
 from poolgate.kernel.config import HealthSettings, PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.fleet_view import FleetView
@@ -65,6 +66,33 @@ async def test_a_reader_re_reads_only_the_worker_that_changed(redis_client: aior
     assert view.records["w7"].state is WorkerState.DRAINING
     assert (await view.sync()).empty
     assert view.full_reads == 1
+
+
+async def test_a_few_changes_come_with_their_records_in_one_round_trip_and_many_in_two(
+        redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker's change, the common case on its way to Envoy, costs a reader one round trip (the poll brings
+    the record, read in the same step); past ``READ_WITH_POLL`` changes the records are read apart."""
+    store = FleetStore(redis_client, PREFIX)
+    await register(store, *range(100))
+    view = FleetView(store)
+    await view.sync()
+    reads: list[int] = []
+    read_workers = store.read_workers
+
+    async def counted(worker_ids: list[str]) -> dict[str, WorkerRecord | None]:
+        reads.append(len(worker_ids))
+        return await read_workers(worker_ids)
+
+    monkeypatch.setattr(store, "read_workers", counted)
+    assert await store.set_state("w7", WorkerState.DRAINING)
+    await store.deregister("w8")
+    delta = await view.sync()
+    assert delta.changed == {"w7", "w8"} and reads == []
+    assert view.records["w7"].state is WorkerState.DRAINING and "w8" not in view.records
+    await store.set_states({f"w{i}": WorkerState.FAILED for i in range(10, 10 + fleet_view_module.READ_WITH_POLL + 1)})
+    delta = await view.sync()
+    assert len(delta.changed) == fleet_view_module.READ_WITH_POLL + 1 and reads == [len(delta.changed)]
+    assert all(view.records[f"w{i}"].state is WorkerState.FAILED for i in range(10, 20))
 
 
 async def test_a_heartbeat_that_only_says_alive_changes_nothing_readers_follow(redis_client: aioredis.Redis) -> None:
