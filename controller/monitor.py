@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from controller.health import HEALTHY, HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
 from controller.periodic import every
+from controller.probe import Answered, ProbesInTasks
 from poolgate.kernel.coarse_timers import CoarseTimer, CoarseTimers, coarse_timers
 from poolgate.kernel.config import HealthSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -90,6 +92,15 @@ class Prober(Protocol):
     def hung_up(self) -> list[str]:
         """Workers that closed their probe connection since the last call."""
         ...
+
+
+@runtime_checkable
+class AskingProber(Prober, Protocol):
+    """A prober that also starts a probe with no coroutine, its result handed to ``answered`` (``HttpProber``): a
+    check's first probe then costs no task (with a task and a chain of coroutines per probe, a third of the
+    monitor's CPU at 10,000 workers went to them). A prober without ``ask`` is asked through a task."""
+
+    def ask(self, record: WorkerRecord, answered: Answered) -> None: ...
 
 
 class Remediator(Protocol):
@@ -164,6 +175,7 @@ class HealthMonitor:
         self._early_budget = _Budget(EARLY_LIMIT)
         self._early: dict[str, _EarlyConfirmations] = {}
         """Early confirmations planned for the slow probes still out (``_plan_early``), by worker."""
+        self._ask = prober.ask if isinstance(prober, AskingProber) else ProbesInTasks(prober.probe).ask
         self._slots = _Slots(probe_concurrency)
         self._out_of_turn_slots = _Slots(probe_concurrency)
         self._write_every_s = write_every_s
@@ -172,11 +184,9 @@ class HealthMonitor:
         self._passive: dict[str, int] = {}
         """The data path's failure counts as last read (cumulative per worker)."""
         self._checking: set[str] = set()
-        """Workers whose probe is under way: the watcher leaves them to that probe's verdict."""
-        self._probing_now: set[asyncio.Task[None]] = set()
-        """Checks out of turn under way."""
-        self._confirming: set[asyncio.Task[None]] = set()
-        """Checks a round left running when it ended (confirming a failure)."""
+        """Workers whose check is under way: the watcher and the next round leave them to its verdict."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        """The tasks of checks under way: confirming a failure, waiting for a slot out of turn, or a remedy."""
         self._lingering = 0
         """Probes waiting without a slot."""
         self._answered = float("-inf")
@@ -211,12 +221,11 @@ class HealthMonitor:
         writer = asyncio.create_task(self._write_until(done))
         try:
             first_probes = _FirstProbes()
-            checks = await self._start_checks(records, step, first_probes)
+            await self._start_checks(records, step, first_probes)
             await first_probes.all_in()  # each ends by the probe timeout; confirmations go on
         finally:
             done.set()
             await writer  # its last write takes what the round found since the one before
-        self._confirming.update(check for check in checks if not check.done())
         self.stats.rounds += 1
         self.stats.last_round_s = self._clock() - started
         listed = {r.id for r in records}
@@ -224,14 +233,16 @@ class HealthMonitor:
             del self._seen[gone]
 
     async def settle(self) -> None:
-        """Wait for the confirming probes a round left running, and write their verdicts."""
-        await asyncio.gather(*self._confirming)
+        """Wait for the checks still under way (the confirming probes a round left running), and write their
+        verdicts."""
+        while under_way := [task for task in self._tasks if not task.done()]:
+            await asyncio.gather(*under_way, return_exceptions=True)  # (an error is logged by ``_task_ended``)
         await self._write_states()
 
     def cancel_checks(self) -> None:
-        """Stop the probes still running (the monitor stops)."""
-        for check in [*self._confirming, *self._probing_now]:
-            check.cancel()
+        """Stop the checks' tasks still running (the monitor stops)."""
+        for task in self._tasks:
+            task.cancel()
 
     async def watch(self) -> None:
         """Between and during rounds: probe at once the serving workers that closed their probe connection,
@@ -251,17 +262,25 @@ class HealthMonitor:
         return record, seen
 
     def _probe_now(self, worker_id: str) -> None:
+        """A check out of turn, in a slot of its own; its verdict is written with the next watch's batch (1,000
+        workers that exit together: one write)."""
         if (serving := self._serving(worker_id)) is None:
             return
         record, _ = serving
         self.stats.hung_up += 1
-        task = asyncio.create_task(self._check_out_of_turn(record))
-        self._probing_now.add(task)
-        task.add_done_callback(self._probing_now.discard)
+        if self._out_of_turn_slots.take():
+            self._start_check(record, self._out_of_turn_slots, None)
+        else:
+            self._checking.add(record.id)
+            self._run(self._check_once_free(record))
 
-    async def _check_out_of_turn(self, record: WorkerRecord) -> None:
-        """Its verdict is written with the next watch's batch (1,000 workers that exit together: one write)."""
-        await self._remedy(record, await self._check(record, self._out_of_turn_slots))
+    async def _check_once_free(self, record: WorkerRecord) -> None:
+        try:
+            await self._out_of_turn_slots.acquire()
+        except BaseException:
+            self._checking.discard(record.id)
+            raise
+        self._start_check(record, self._out_of_turn_slots, None)
 
     async def _watch_passive(self) -> None:
         """Read the data path's failure counts and judge, out of turn, every serving worker whose failures since
@@ -278,53 +297,81 @@ class HealthMonitor:
         for record, verdict in zip(suspects, verdicts, strict=True):
             await self._remedy(record, verdict)
 
-    async def _start_checks(self, records: Sequence[WorkerRecord], step: float,
-                            first_probes: _FirstProbes) -> list[asyncio.Task[None]]:
+    async def _start_checks(self, records: Sequence[WorkerRecord], step: float, first_probes: _FirstProbes) -> None:
         """Each worker's check, started ``step`` after the one before and once one of the round's slots is free
         (taken here, for the check's first probe): one waiter for the slots, and no timer per probe. A worker
-        whose check is still under way (confirming a failure, or out of turn) is left to it. Returns the checks;
-        ``first_probes`` follows each one's first probe."""
+        whose check is still under way (confirming a failure, or out of turn) is left to it. ``first_probes``
+        follows each check's first probe."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        checks: list[asyncio.Task[None]] = []
-        try:
-            for i, record in enumerate(records):
-                if record.id in self._checking:
-                    continue
-                if (ahead := started + i * step - loop.time()) > PACE_AHEAD_S:
-                    await asyncio.sleep(ahead)
-                if not self._slots.take():
-                    await self._slots.acquire()
-                first_probes.add(record.id)
-                checks.append(asyncio.create_task(self._check_in_round(record, first_probes)))
-                checks[-1].add_done_callback(self._check_ended)
-        except BaseException:  # the round cancelled (a shutdown): so are the checks it started
-            for check in checks:
-                check.cancel()
-            raise
-        return checks
+        for i, record in enumerate(records):
+            if record.id in self._checking:
+                continue
+            if (ahead := started + i * step - loop.time()) > PACE_AHEAD_S:
+                await asyncio.sleep(ahead)
+            if not self._slots.take():
+                await self._slots.acquire()
+            if record.id in self._checking:  # (begun out of turn while this waited)
+                self._slots.release()
+                continue
+            first_probes.add(record.id)
+            self._start_check(record, self._slots, first_probes)
 
-    async def _check_in_round(self, record: WorkerRecord, first_probes: _FirstProbes) -> None:
+    def _start_check(self, record: WorkerRecord, slots: _Slots, first_probes: _FirstProbes | None) -> None:
+        """Check one worker, its first probe in one of ``slots`` (taken already) with no task of its own: the
+        answer is judged as it comes (``_first_answered``); only a failure to confirm goes on in a task.
+        ``first_probes`` is told once that probe is in."""
+        self._checking.add(record.id)
+        held = self._hold(record, slots)
         try:
-            verdict = await self._check(record, self._slots, slot_taken=True, first_probes=first_probes)
+            self._ask(record, functools.partial(self._first_answered, record, held, first_probes))
+        except Exception:
+            log.exception("probe of worker %s failed to start", record.id)
+            self._first_answered(record, held, first_probes, None)
+
+    def _first_answered(self, record: WorkerRecord, held: _Held, first_probes: _FirstProbes | None,
+                        result: ProbeResult | None) -> None:
+        """A check's first probe is in (None: it has no result, and the check no verdict). Judged here, at once,
+        unless it is a serving worker's failure to confirm (``_confirm``, in a task)."""
+        try:
+            self._release(held, result)
+            needed = 1 if result is None or result.ok else self._confirmations_needed(record)
+            if needed > 1:
+                assert result is not None
+                self._run(self._confirm(record, result, needed))
+                return
+            self._end_check(record)
+            if result is not None and (verdict := self._judge(record, [result])).remedy is not Remedy.NONE:
+                self._run(self._remedy(record, verdict))
+        except Exception:  # (in a loop's callback: an error must not leave the round waiting for this probe)
+            log.exception("health check of worker %s failed", record.id)  # it is checked again next round
+            self._end_check(record)
         finally:
-            first_probes.done(record.id)
+            if first_probes is not None:
+                first_probes.done(record.id)
+
+    async def _confirm(self, record: WorkerRecord, first: ProbeResult, needed: int) -> None:
+        """The probes that confirm a serving worker's failed first probe, then its verdict and remedy."""
+        try:
+            verdict = self._judge(record, await self._confirmations(record, first, needed))
+        finally:
+            self._end_check(record)
         await self._remedy(record, verdict)
 
-    def _check_ended(self, check: asyncio.Task[None]) -> None:
-        self._confirming.discard(check)
-        if not check.cancelled() and (error := check.exception()) is not None:
-            log.warning("health check failed: %r", error)  # its worker is checked again next round
+    def _end_check(self, record: WorkerRecord) -> None:
+        self._checking.discard(record.id)
+        if (planned := self._early.pop(record.id, None)) is not None:
+            planned.cancel()  # the probes still out once one passed, and any not yet started
 
-    async def _check(self, record: WorkerRecord, slots: _Slots, slot_taken: bool = False,
-                     first_probes: _FirstProbes | None = None) -> Verdict:
-        """Probe one worker in one of ``slots`` (its first probe's already taken: ``slot_taken``; ``first_probes``
-        is told once that probe is in) and judge it; a state change joins the next batch write."""
-        self._checking.add(record.id)
-        try:
-            return self._judge(record, await self._probe(record, slots, slot_taken, first_probes))
-        finally:
-            self._checking.discard(record.id)
+    def _run(self, check: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(check)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.warning("health check failed: %r", error)  # its worker is checked again next round
 
     def _judge(self, record: WorkerRecord, probes: Sequence[ProbeResult | None]) -> Verdict:
         """The verdict after ``probes`` (None: judged on the data path's failures alone)."""
@@ -350,39 +397,27 @@ class HealthMonitor:
             self._pending[record.id] = (record, verdict)
         return verdict
 
-    async def _probe(self, record: WorkerRecord, slots: _Slots, slot_taken: bool,
-                     first_probes: _FirstProbes | None) -> list[ProbeResult]:
-        """The worker's probe, and when a serving worker fails it or is slow to answer, the probes that confirm
-        the failure, each started ``CONFIRM_SHARE`` of the interval after the one before (while the first is
-        still out, too): a dead or hung worker is ejected right after the probe that first finds it, not
-        ``failures_to_fail`` rounds later (at 10,000 workers a round takes 1.3 s or more). The results in the
-        order the probes started; those still out once one passed are cancelled. No confirmation where the
-        data path's failures already decide. ``first_probes`` is told once the first is in."""
-        try:
-            results = [await self._probe_once(record, slots, slot_taken)]
-            if first_probes is not None:
-                first_probes.done(record.id)
-            if results[0].ok or (needed := self._confirmations_needed(record)) == 1:
+    async def _confirmations(self, record: WorkerRecord, first: ProbeResult, needed: int) -> list[ProbeResult]:
+        """A serving worker failed its ``first`` probe: the probes that confirm the failure, until ``needed`` failed
+        in a row or one passed, each started ``CONFIRM_SHARE`` of the interval after the one before (those
+        planned while the first was still out, ``_plan_early``, have started already): a dead or hung worker is
+        ejected right after the probe that first finds it, not ``failures_to_fail`` rounds later (at 10,000
+        workers a round takes 1.3 s or more). The results in the order the probes started, the first's first."""
+        results = [first]
+        early = self._early.get(record.id)
+        if early is not None:
+            early.stop_starting()
+        last_start = asyncio.get_running_loop().time() - first.latency_s
+        for started, confirmation in early.started if early is not None else ():
+            results.append(await confirmation)
+            last_start = started
+            if results[-1].ok:
                 return results
-            early = self._early.get(record.id)
-            if early is not None:
-                early.stop_starting()
-            last_start = asyncio.get_running_loop().time() - results[0].latency_s
-            for started, confirmation in early.started if early is not None else ():
-                results.append(await confirmation)
-                last_start = started
-                if results[-1].ok:
-                    return results
-            while len(results) < needed and not results[-1].ok:
-                await asyncio.sleep(max(0.0, last_start + self._spacing - asyncio.get_running_loop().time()))
-                last_start = asyncio.get_running_loop().time()
-                results.append(await self._prober.probe(record))  # no slot: see CONFIRM_SHARE
-            return results
-        finally:
-            if first_probes is not None:
-                first_probes.done(record.id)
-            if (planned := self._early.pop(record.id, None)) is not None:
-                planned.cancel()  # the probes still out once one passed, and any not yet started
+        while len(results) < needed and not results[-1].ok:
+            await asyncio.sleep(max(0.0, last_start + self._spacing - asyncio.get_running_loop().time()))
+            last_start = asyncio.get_running_loop().time()
+            results.append(await self._prober.probe(record))  # no slot: see CONFIRM_SHARE
+        return results
 
     def _plan_early(self, record: WorkerRecord, first_started: float) -> None:
         """The worker's probe is slow: plan the probes that would confirm its failure, to start while it is out."""
@@ -402,45 +437,42 @@ class HealthMonitor:
             return 1
         return max(1, self._settings.failures_to_fail - seen.memory.failures)
 
-    async def _probe_once(self, record: WorkerRecord, slots: _Slots,
-                          slot_taken: bool = False) -> ProbeResult:
-        """One probe in one of ``slots`` (taken already: ``slot_taken``), given back once it is slow
-        (``SLOT_HOLD_S``: then its early confirmations are planned, ``_plan_early``) and the wait is the worker's:
-        the loop kept time, or a probe started after it has been answered. Otherwise it looks again every
-        ``SLOT_HOLD_S``. A probe answered sooner costs one coarse timer (a heap entry), and nothing more."""
-        if not slot_taken and not slots.take():
-            await slots.acquire()
+    def _hold(self, record: WorkerRecord, slots: _Slots) -> _Held:
+        """A probe starts in one of ``slots`` (taken already): it holds the slot until it is in (``_release``) or
+        slow (``_look_at_slot``). A probe answered sooner costs one coarse timer (a heap entry), and nothing more."""
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        holding = True
-        timer: CoarseTimer
-
-        def give_back(due: float, first: bool) -> None:
-            nonlocal holding, timer
-            if first:
-                self._plan_early(record, started)
-            now = loop.time()
-            if self._lingering < LINGER_LIMIT and (now - due <= LOOP_LATE_S or self._answered > started):
-                holding = False
-                self._lingering += 1
-                self.stats.slots_given_back += 1
-                slots.release()
-            else:
-                timer = timers.call_at(now + SLOT_HOLD_S, give_back, now + SLOT_HOLD_S, False)
-
         timers = self._timers[1] if self._timers is not None and self._timers[0] is loop else self._own_timers(loop)
-        timer = timers.call_at(started + SLOT_HOLD_S, give_back, started + SLOT_HOLD_S, True)
-        try:
-            result = await self._prober.probe(record)
-            if result.latency_s < self._settings.probe_timeout_s:  # an answer (a timeout shows nothing of the loop)
-                self._answered = max(self._answered, started)
-            return result
-        finally:
-            timer.cancel()
-            if holding:
-                slots.release()
-            else:
-                self._lingering -= 1
+        held = _Held(record, slots, loop.time())
+        due = held.started + SLOT_HOLD_S
+        held.timer = timers.call_at(due, self._look_at_slot, held, due, True)
+        return held
+
+    def _look_at_slot(self, held: _Held, due: float, first: bool) -> None:
+        """The probe is still out at ``due``: its early confirmations are planned (the first look,
+        ``_plan_early``), and it gives its slot back where the wait is the worker's: the loop kept time, or a probe
+        started after it has been answered. Otherwise it looks again ``SLOT_HOLD_S`` later."""
+        if first:
+            self._plan_early(held.record, held.started)
+        assert self._timers is not None
+        now = self._timers[0].time()
+        if self._lingering < LINGER_LIMIT and (now - due <= LOOP_LATE_S or self._answered > held.started):
+            held.holding = False
+            self._lingering += 1
+            self.stats.slots_given_back += 1
+            held.slots.release()
+        else:
+            held.timer = self._timers[1].call_at(now + SLOT_HOLD_S, self._look_at_slot, held, now + SLOT_HOLD_S,
+                                                 False)
+
+    def _release(self, held: _Held, result: ProbeResult | None) -> None:
+        """The probe is in: the slot it still holds goes back."""
+        held.timer.cancel()
+        if result is not None and result.latency_s < self._settings.probe_timeout_s:
+            self._answered = max(self._answered, held.started)  # an answer (a timeout shows nothing of the loop)
+        if held.holding:
+            held.slots.release()
+        else:
+            self._lingering -= 1
 
     def _own_timers(self, loop: asyncio.AbstractEventLoop) -> CoarseTimers:
         self._timers = loop, coarse_timers()
@@ -476,6 +508,19 @@ class HealthMonitor:
             log.warning("worker %s: %s (%s)", record.id, verdict.remedy.value, verdict.reason)
             if self._remediator is not None:
                 await self._remediator.remedy(record.id, verdict.remedy, verdict.reason)
+
+
+class _Held:
+    """A probe's hold on its round's slot (``HealthMonitor._hold``)."""
+
+    __slots__ = ("holding", "record", "slots", "started", "timer")
+
+    def __init__(self, record: WorkerRecord, slots: _Slots, started: float) -> None:
+        self.record = record
+        self.slots = slots
+        self.started = started
+        self.holding = True
+        self.timer: CoarseTimer
 
 
 class _Budget:

@@ -135,6 +135,38 @@ async def test_a_serving_workers_failed_probe_is_confirmed_at_once_not_rounds_la
     assert prober.calls == 1 + len(answers)
 
 
+class BrokenProber:
+    """Its probe raises, as a prober with a bug would, for the workers in ``broken``."""
+
+    def __init__(self) -> None:
+        self.broken: set[str] = set()
+
+    async def probe(self, record: WorkerRecord) -> ProbeResult:
+        if record.id in self.broken:
+            raise RuntimeError("prober bug")
+        return ProbeResult(True, 0.01)
+
+    def hung_up(self) -> list[str]:
+        return []
+
+
+async def test_a_probe_that_raises_ends_its_check_with_no_verdict_and_the_round_goes_on(
+        redis_client: aioredis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    await register(redis_client, "w1")
+    await register(redis_client, "w2")
+    prober = BrokenProber()
+    monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, prober, clock=ManualClock())
+    await monitor.round()  # both known and serving
+    prober.broken = {"w1"}
+    for _ in range(4):  # more rounds than failures_to_fail
+        await asyncio.wait_for(monitor.round(), 5)
+    await monitor.settle()
+    assert {r.id: r.state for r in await fleet(redis_client).read_fleet()} == {"w1": WorkerState.READY,
+                                                                               "w2": WorkerState.READY}
+    assert "prober bug" in caplog.text
+    assert monitor.stats.probes == 2 + 4  # w2's probes judged; w1's no verdict at all
+
+
 async def test_passive_failures_reported_through_redis_eject_at_once(redis_client: aioredis.Redis) -> None:
     await register(redis_client)
     monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, ScriptedProber(), clock=ManualClock())
