@@ -196,6 +196,9 @@ async def test_a_state_change_does_not_wait_for_the_routine_batch_in_flight() ->
     await asyncio.sleep(0.05)
     assert {"w4": {"state": "Draining"}} in store.written  # a node's state change leaves at once too
     assert not routine.done() and not mixed.done()  # the node's answer waits for its routine part
+    ready = asyncio.create_task(heartbeats.beat("w6", {"state": "Ready"}))
+    await asyncio.sleep(0)  # one turn of the loop: on a busy API process each turn waits behind hundreds of calls
+    assert {"w6": {"state": "Ready"}} in store.written and await ready  # written in its caller's first turn
     store.release.set()
     assert await routine == [] and await mixed == []
     assert {"w1": {}, "w2": {"kv_usage": 0.5}} in store.written and {"w5": {}} in store.written
