@@ -64,6 +64,16 @@ def initial_memory(record: WorkerRecord) -> HealthMemory:
     return HealthMemory(state=record.state)
 
 
+def settled(memory: HealthMemory) -> bool:
+    """A Ready worker with nothing under way: no failed probe counted, no leak timed, no data-path hold, no
+    remedy sent. Judged again on the same record after a passed probe and no new data-path failure, it stays
+    Ready with the same memory but one more success, whenever that is: stale facts make no worker Busy, and a
+    leak needs fresh facts too. So the monitor keeps such a verdict instead of judging it again."""
+    return (memory.state is WorkerState.READY and memory.failures == 0 and memory.failed_since is None
+            and memory.leak_since is None and not memory.remedy_sent and memory.passive_ejections == 0
+            and memory.held_until is None)
+
+
 def _saturated(record: WorkerRecord, settings: HealthSettings, live_fresh: bool) -> bool:
     return live_fresh and record.waiting > 0 and record.kv_usage >= settings.busy_kv_usage
 

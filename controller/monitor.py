@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from controller.health import HEALTHY, HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
+from controller.health import HEALTHY, HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge, settled
 from controller.periodic import every
 from controller.probe import Answered, ProbesInTasks
 from poolgate.kernel.coarse_timers import CoarseTimer, CoarseTimers, coarse_timers
@@ -149,6 +149,10 @@ class _Seen:
     registration: tuple[str, float]
     memory: HealthMemory
     passive_total: int
+    settled: tuple[WorkerRecord, Verdict] | None = None
+    """The record and verdict of its last judgement, where that verdict holds for every passed probe of the same
+    record while no data-path failure is reported (``controller.health.settled``): a steady fleet's probes cost
+    no judging (a fifth of the monitor's CPU per probe went to it)."""
 
 
 class HealthMonitor:
@@ -381,6 +385,18 @@ class HealthMonitor:
         if seen is None or seen.registration != registration:
             seen = _Seen(registration, initial_memory(record), passive_total)
             self._seen[record.id] = seen
+        if (seen.settled is not None and seen.settled[0] is record and passive_total == seen.passive_total
+                and len(probes) == 1 and probes[0] is not None and probes[0].ok):
+            self.stats.probes += 1
+            verdict = seen.settled[1]
+        else:
+            verdict = self._judge_anew(record, probes, seen, passive_total)
+        if verdict.state != self._written.get(record.id, record.state):
+            self._pending[record.id] = (record, verdict)
+        return verdict
+
+    def _judge_anew(self, record: WorkerRecord, probes: Sequence[ProbeResult | None], seen: _Seen,
+                    passive_total: int) -> Verdict:
         new_failures = max(0, passive_total - seen.passive_total)
         seen.passive_total = passive_total
         fresh = record.metrics_at > 0 and self._wall_clock() - record.metrics_at <= self._stale_after_s
@@ -393,8 +409,7 @@ class HealthMonitor:
             verdict = judge(seen.memory, record, probe, new_failures, self._settings, now, fresh)
             seen.memory, new_failures = verdict.memory, 0
         assert verdict is not None  # one probe at least
-        if verdict.state != self._written.get(record.id, record.state):
-            self._pending[record.id] = (record, verdict)
+        seen.settled = (record, verdict) if verdict.remedy is Remedy.NONE and settled(verdict.memory) else None
         return verdict
 
     async def _confirmations(self, record: WorkerRecord, first: ProbeResult, needed: int) -> list[ProbeResult]:

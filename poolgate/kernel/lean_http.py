@@ -110,6 +110,8 @@ class _Connection(asyncio.Protocol):
         self.idle = False
         self._on_idle_loss = on_idle_loss
         self._buffer = bytearray()
+        self.requests: dict[tuple[bytes, bytes], bytes] = {}
+        """(method, path) → the request asked on this connection with no body (``ask_kept``), encoded once."""
         self._reply: Reply | None = None
         self._max_body = 0
         self._timer: CoarseTimer | None = None
@@ -228,8 +230,10 @@ class LeanHttpClient:
         kept.idle = False
         if kept.lost:
             return False
-        kept.ask(self._encode(method, address, path, b""), max_body, deadline,
-                 functools.partial(self._kept_answered, kept, reply))
+        request = kept.requests.get((method, path))
+        if request is None:
+            request = kept.requests[(method, path)] = self._encode(method, address, path, b"")
+        kept.ask(request, max_body, deadline, functools.partial(self._kept_answered, kept, reply))
         return True
 
     def _kept_answered(self, connection: _Connection, reply: Callable[[tuple[int, bytes] | BaseException], None],

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from controller.health import HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge
+from controller.health import HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge, settled
 from poolgate.kernel.config import HealthSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
@@ -129,3 +131,29 @@ def test_draining_is_left_alone_even_when_probes_fail() -> None:
 def test_a_worker_registered_starting_needs_successes() -> None:
     verdicts = run([OK, OK], record(WorkerState.STARTING))
     assert [v.state for v in verdicts] == [WorkerState.STARTING, WorkerState.READY]
+
+
+@pytest.mark.parametrize(("rec", "settles_when_fresh"), [
+    (record(), True),
+    (record(kv_usage=0.97, waiting=3, running=5), False),  # Busy while its facts are fresh
+    (record(kv_usage=0.93, running=0, waiting=0), False),  # a leak timed while its facts are fresh
+])
+def test_a_settled_verdict_holds_for_every_passed_probe_of_the_same_record(rec: WorkerRecord,
+                                                                           settles_when_fresh: bool) -> None:
+    """What lets the monitor keep a settled verdict instead of judging again: the same record, a passed probe and no
+    data-path failure give the same state and memory (but the count of successes), fresh facts or stale."""
+    for fresh in (True, False):
+        first = judge(HealthMemory(WorkerState.READY), rec, OK, 0, SETTINGS, 0.0, fresh)
+        assert settled(first.memory) is (settles_when_fresh or not fresh)
+        if not settled(first.memory):
+            continue
+        for fresh_later in ((True, False) if fresh else (False,)):  # facts only go stale while the record stays
+            later = judge(first.memory, rec, OK, 0, SETTINGS, 100.0, fresh_later)
+            assert (later.state, later.remedy) == (WorkerState.READY, Remedy.NONE)
+            assert replace(later.memory, successes=first.memory.successes) == first.memory
+
+
+def test_a_worker_with_failures_counted_or_held_out_is_not_settled() -> None:
+    assert not settled(run([OK, BAD])[-1].memory)
+    assert not settled(run([OK, None], passive=[0, 3])[-1].memory)
+    assert settled(run([OK, BAD, OK])[-1].memory)
