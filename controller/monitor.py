@@ -56,6 +56,12 @@ a loaded controller whose loop ran late kept the slots of 1,000 hung workers for
 verdicts came in waves 3 s apart.)"""
 LOOP_LATE_S = 0.05
 """The loop keeps time when the slot's give-back timer fires at most this late."""
+MAX_LOOKS = 3
+"""A slow probe looks whether to give its slot back at most this many times (every ``SLOT_HOLD_S``); at the last
+it gives the slot back whatever the loop did. A loop late at every look had held the slots of 1,000 workers that
+hung at the head of a round for a whole timeout each, and they left in waves a timeout apart (6.9 s to take them
+all out of Envoy on a busy 2-core host); now a wave lasts three looks. ``LINGER_LIMIT`` still bounds the probes
+out without a slot."""
 LINGER_LIMIT = 2048
 """Probes waiting without a slot at most (each costs a socket and a timer, no CPU)."""
 EARLY_LIMIT = 2048
@@ -459,25 +465,27 @@ class HealthMonitor:
         timers = self._timers[1] if self._timers is not None and self._timers[0] is loop else self._own_timers(loop)
         held = _Held(record, slots, loop.time())
         due = held.started + SLOT_HOLD_S
-        held.timer = timers.call_at(due, self._look_at_slot, held, due, True)
+        held.timer = timers.call_at(due, self._look_at_slot, held, due, 1)
         return held
 
-    def _look_at_slot(self, held: _Held, due: float, first: bool) -> None:
+    def _look_at_slot(self, held: _Held, due: float, look: int) -> None:
         """The probe is still out at ``due``: its early confirmations are planned (the first look,
         ``_plan_early``), and it gives its slot back where the wait is the worker's: the loop kept time, or a probe
-        started after it has been answered. Otherwise it looks again ``SLOT_HOLD_S`` later."""
-        if first:
+        started after it has been answered; or at the last look (``MAX_LOOKS``). Otherwise it looks again
+        ``SLOT_HOLD_S`` later."""
+        if look == 1:
             self._plan_early(held.record, held.started)
         assert self._timers is not None
         now = self._timers[0].time()
-        if self._lingering < LINGER_LIMIT and (now - due <= LOOP_LATE_S or self._answered > held.started):
+        if self._lingering < LINGER_LIMIT and (now - due <= LOOP_LATE_S or self._answered > held.started
+                                               or look >= MAX_LOOKS):
             held.holding = False
             self._lingering += 1
             self.stats.slots_given_back += 1
             held.slots.release()
         else:
             held.timer = self._timers[1].call_at(now + SLOT_HOLD_S, self._look_at_slot, held, now + SLOT_HOLD_S,
-                                                 False)
+                                                 look + 1)
 
     def _release(self, held: _Held, result: ProbeResult | None) -> None:
         """The probe is in: the slot it still holds goes back."""

@@ -36,6 +36,9 @@ MAX_LOST_REPORTED = MAX_IDLE
 """Idle connections lost and not yet collected by ``closed_idle`` that are remembered at most (a client whose
 owner never asks, such as a heartbeat sender, keeps the latest only; a reused connection is checked anyway)."""
 
+MAX_KEPT_REQUESTS = 8
+"""Encoded requests a connection keeps at most (``ask_kept``: a prober asks one, a node agent one per workers set)."""
+
 Address = tuple[str, int, bool]
 """(host, port, https)."""
 Answer = tuple[int, bytes, bool]
@@ -110,8 +113,8 @@ class _Connection(asyncio.Protocol):
         self.idle = False
         self._on_idle_loss = on_idle_loss
         self._buffer = bytearray()
-        self.requests: dict[tuple[bytes, bytes], bytes] = {}
-        """(method, path) → the request asked on this connection with no body (``ask_kept``), encoded once."""
+        self.requests: dict[tuple[bytes, bytes, bytes], bytes] = {}
+        """(method, path, body) → the request asked on this connection (``ask_kept``), encoded once."""
         self._reply: Reply | None = None
         self._max_body = 0
         self._timer: CoarseTimer | None = None
@@ -219,20 +222,24 @@ class LeanHttpClient:
         return head + b"\r\n" + body
 
     def ask_kept(self, method: bytes, address: Address, path: bytes, deadline: float | None,
-                 reply: Callable[[tuple[int, bytes] | BaseException], None], max_body: int = 64 * 1024) -> bool:
+                 reply: Callable[[tuple[int, bytes] | BaseException], None], body: bytes = b"",
+                 max_body: int = 64 * 1024) -> bool:
         """Send the request on the address's kept-alive connection and return True; ``reply`` is told the
         answer's status and body, or the error ``request`` would raise (``PeerClosed`` where the peer closed the
         connection as it was asked: ``request`` would then ask on a new one), from within the loop's callback
-        that parsed it. False, and nothing sent, where no connection to it is kept."""
+        that parsed it. False, and nothing sent, where no connection to it is kept. A request asked again on the
+        same connection (the same method, path and body) is not encoded again."""
         kept = self._idle.pop(address, None)
         if kept is None:
             return False
         kept.idle = False
         if kept.lost:
             return False
-        request = kept.requests.get((method, path))
+        request = kept.requests.get((method, path, body))
         if request is None:
-            request = kept.requests[(method, path)] = self._encode(method, address, path, b"")
+            if len(kept.requests) >= MAX_KEPT_REQUESTS:
+                kept.requests.clear()
+            request = kept.requests[(method, path, body)] = self._encode(method, address, path, body)
         kept.ask(request, max_body, deadline, functools.partial(self._kept_answered, kept, reply))
         return True
 

@@ -370,18 +370,19 @@ async def tcp_workers(count: int, answer: bool) -> AsyncIterator[list[int]]:
 
 
 class StartsProber:
-    """An ``HttpProber`` that records when each worker's probe started; the first is followed by ``busy_s`` in
-    which the controller's loop is busy."""
+    """An ``HttpProber`` that records when each worker's probe started; ``busy_after_s`` after the first, the
+    controller's loop is busy for ``busy_s``."""
 
-    def __init__(self, timeout_s: float, busy_s: float) -> None:
+    def __init__(self, timeout_s: float, busy_s: float, busy_after_s: float = 0.02) -> None:
         self.prober = HttpProber(timeout_s, False)
         self.started: dict[str, float] = {}
         self._busy_s = busy_s
+        self._busy_after_s = busy_after_s
 
     async def probe(self, record: WorkerRecord) -> ProbeResult:
         loop = asyncio.get_running_loop()
         if not self.started:
-            loop.call_later(0.02, time.sleep, self._busy_s)
+            loop.call_later(self._busy_after_s, time.sleep, self._busy_s)
         self.started.setdefault(record.id, loop.time())
         return await self.prober.probe(record)
 
@@ -391,13 +392,14 @@ class StartsProber:
 
 async def test_on_a_late_loop_a_slow_probe_gives_its_slot_back_once_a_later_probe_was_answered(
         redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two slots; a hung, b answers at once, c and d hung. The loop is busy from 0.02 to 0.82 s, so a's slot
-    timer (due at 0.5 s) fires late: b, started after a, was answered, so the wait is a's worker's and a gives
-    its slot back then, and d starts. (Looking at the loop alone, a kept its slot another hold: d at 1.3 s.)"""
+    """Two slots; a hung, b answers at once, c and d hung. The loop is busy from 0.25 to 1.05 s (b has answered
+    by then, and c taken its slot), so a's slot timer (due at 0.5 s) fires late: b, started after a, was
+    answered, so the wait is a's worker's and a gives its slot back then, and d starts. (Looking at the loop
+    alone, a kept its slot another hold: d at 1.55 s.)"""
     monkeypatch.setattr(monitor_module, "SLOT_HOLD_S", 0.5)
     store = FleetStore(redis_client, PREFIX)
     settings = HealthSettings(probe_interval_s=1.0, probe_timeout_s=3.0, failures_to_fail=1, check_models=False)
-    prober = StartsProber(3.0, 0.8)
+    prober = StartsProber(3.0, 0.8, busy_after_s=0.25)
     monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0, probe_concurrency=2)
     async with tcp_workers(3, answer=False) as hung, tcp_workers(1, answer=True) as answering:
         for worker_id, port in zip(("a", "c", "d"), hung, strict=True):
@@ -410,7 +412,7 @@ async def test_on_a_late_loop_a_slow_probe_gives_its_slot_back_once_a_later_prob
     started = {worker_id: at - prober.started["a"] for worker_id, at in prober.started.items()}
     print("probes started at " + ", ".join(f"{w} {at:.2f} s" for w, at in sorted(started.items())))
     assert started["c"] < 0.5  # b was answered at once, and c took its slot
-    assert 0.8 <= started["d"] < 1.15  # a's slot: given back when the late timer fired, not a hold later
+    assert 1.05 <= started["d"] < 1.4  # a's slot: given back when the late timer fired, not a hold later
 
 
 async def test_hung_workers_do_not_hold_a_rounds_probe_slots(redis_client: aioredis.Redis) -> None:
@@ -606,3 +608,25 @@ async def test_a_slow_probe_keeps_its_slot_while_the_controller_is_late(redis_cl
     print(f"second probe started {second - first:.2f} s after the first (busy loop 0.02-0.22 s, timeout 1 s)")
     assert second - first >= 0.3  # kept through the busy loop, and one hold after it (0.1 s)
     assert second - first < 0.8  # given back once the loop kept time, not held until the timeout
+
+
+async def test_on_a_loop_late_at_every_look_a_slow_probe_gives_its_slot_back_at_the_last_look(
+        redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers that hang at the head of a round, on a controller late at every look: each probe keeps its slot
+    only ``MAX_LOOKS`` holds (0.3 s), not its whole timeout (hung workers would leave in waves a timeout apart)."""
+    monkeypatch.setattr(monitor_module, "LOOP_LATE_S", -1.0)  # every look finds the loop late
+    store = FleetStore(redis_client, PREFIX)
+    settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=2.0, failures_to_fail=2, check_models=False)
+    prober = StartsProber(2.0, 0.0)
+    monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0, probe_concurrency=1)
+    async with tcp_workers(3, answer=False) as hung:
+        for i, port in enumerate(hung):
+            await store.register(WorkerRecord(id=f"hung{i}", pool="p0", model="llama", host="127.0.0.1",
+                                              port=port), 60)
+        try:
+            await monitor.round()
+        finally:
+            prober.prober.close()
+    starts = sorted(prober.started.values())
+    print("probes started at " + ", ".join(f"{at - starts[0]:.2f} s" for at in starts) + " (timeout 2 s)")
+    assert 0.25 <= starts[1] - starts[0] < 1.0 and 0.25 <= starts[2] - starts[1] < 1.0
