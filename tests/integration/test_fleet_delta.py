@@ -588,22 +588,29 @@ class BusyLoopProber:
         return []
 
 
-async def test_a_slow_probe_keeps_its_slot_while_the_controller_is_late(redis_client: aioredis.Redis) -> None:
-    """On a loop running late, a probe's wait may be the controller's own: it keeps its slot (more probes in
-    flight would only make the controller later). Once the loop keeps time again, the slow probe gives it back,
-    long before its timeout."""
+async def round_on_one_slot(redis_client: aioredis.Redis, prober: BusyLoopProber | StartsProber, hung: int,
+                            probe_timeout_s: float) -> None:
+    """One round of a monitor with one probe slot over ``hung`` workers that never answer."""
     store = FleetStore(redis_client, PREFIX)
-    settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=1.0, failures_to_fail=2, check_models=False)
-    prober = BusyLoopProber()
+    settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=probe_timeout_s, failures_to_fail=2,
+                              check_models=False)
     monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0, probe_concurrency=1)
-    async with tcp_workers(2, answer=False) as hung:
-        for i, port in enumerate(hung):
+    async with tcp_workers(hung, answer=False) as ports:
+        for i, port in enumerate(ports):
             await store.register(WorkerRecord(id=f"hung{i}", pool="p0", model="llama", host="127.0.0.1",
                                               port=port), 60)
         try:
             await monitor.round()
         finally:
             prober.prober.close()
+
+
+async def test_a_slow_probe_keeps_its_slot_while_the_controller_is_late(redis_client: aioredis.Redis) -> None:
+    """On a loop running late, a probe's wait may be the controller's own: it keeps its slot (more probes in
+    flight would only make the controller later). Once the loop keeps time again, the slow probe gives it back,
+    long before its timeout."""
+    prober = BusyLoopProber()
+    await round_on_one_slot(redis_client, prober, hung=2, probe_timeout_s=1.0)
     first, second = prober.started
     print(f"second probe started {second - first:.2f} s after the first (busy loop 0.02-0.22 s, timeout 1 s)")
     assert second - first >= 0.3  # kept through the busy loop, and one hold after it (0.1 s)
@@ -615,18 +622,8 @@ async def test_on_a_loop_late_at_every_look_a_slow_probe_gives_its_slot_back_at_
     """Workers that hang at the head of a round, on a controller late at every look: each probe keeps its slot
     only ``MAX_LOOKS`` holds (0.3 s), not its whole timeout (hung workers would leave in waves a timeout apart)."""
     monkeypatch.setattr(monitor_module, "LOOP_LATE_S", -1.0)  # every look finds the loop late
-    store = FleetStore(redis_client, PREFIX)
-    settings = HealthSettings(probe_interval_s=0.2, probe_timeout_s=2.0, failures_to_fail=2, check_models=False)
     prober = StartsProber(2.0, 0.0)
-    monitor = HealthMonitor(store, settings, 3.0, prober, spread_s=0.0, probe_concurrency=1)
-    async with tcp_workers(3, answer=False) as hung:
-        for i, port in enumerate(hung):
-            await store.register(WorkerRecord(id=f"hung{i}", pool="p0", model="llama", host="127.0.0.1",
-                                              port=port), 60)
-        try:
-            await monitor.round()
-        finally:
-            prober.prober.close()
+    await round_on_one_slot(redis_client, prober, hung=3, probe_timeout_s=2.0)
     starts = sorted(prober.started.values())
     print("probes started at " + ", ".join(f"{at - starts[0]:.2f} s" for at in starts) + " (timeout 2 s)")
     assert 0.25 <= starts[1] - starts[0] < 1.0 and 0.25 <= starts[2] - starts[1] < 1.0
