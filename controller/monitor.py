@@ -58,10 +58,9 @@ LOOP_LATE_S = 0.05
 """The loop keeps time when the slot's give-back timer fires at most this late."""
 MAX_LOOKS = 3
 """A slow probe looks whether to give its slot back at most this many times (every ``SLOT_HOLD_S``); at the last
-it gives the slot back whatever the loop did. A loop late at every look had held the slots of 1,000 workers that
-hung at the head of a round for a whole timeout each, and they left in waves a timeout apart (6.9 s to take them
-all out of Envoy on a busy 2-core host); now a wave lasts three looks. ``LINGER_LIMIT`` still bounds the probes
-out without a slot."""
+it gives the slot back whatever the loop did. Workers that hang at the head of a round have no later probe to vouch
+for them: on a loop late at every look they held their slots for whole timeouts, and would leave in waves a
+timeout apart; now a wave lasts three looks. ``LINGER_LIMIT`` still bounds the probes out without a slot."""
 LINGER_LIMIT = 2048
 """Probes waiting without a slot at most (each costs a socket and a timer, no CPU)."""
 EARLY_LIMIT = 2048
