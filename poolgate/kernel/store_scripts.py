@@ -172,11 +172,15 @@ if with_live then
 end
 local records = false
 if #changed + #live <= read_up_to then
+  local read = {}
   records = {}
   for _, ids in ipairs({changed, live}) do
     for _, id in ipairs(ids) do
-      records[#records + 1] = id
-      records[#records + 1] = redis.call('HGETALL', P .. ':worker:' .. id)
+      if not read[id] then  -- a worker in both logs is read once
+        read[id] = true
+        records[#records + 1] = id
+        records[#records + 1] = redis.call('HGETALL', P .. ':worker:' .. id)
+      end
     end
   end
 end
