@@ -120,7 +120,8 @@ class Snapshot:
 
     def select(self, names: frozenset[str] | None) -> list[Message]:
         """The resources a subscriber asked for, sorted by name, as messages; ``None`` means all (wildcard)."""
-        return [self.resources[n] for n in self.selected_names(names)]
+        resources = self.resources
+        return [resources[n] for n in self.selected_names(names)]
 
     def selected_names(self, names: frozenset[str] | None) -> list[str]:
         return sorted(self.wires) if names is None else sorted(n for n in names if n in self.wires)
