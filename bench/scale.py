@@ -221,25 +221,27 @@ def auto_shards(workers_per_pool: int) -> int:
     return 1 if workers_per_pool <= LARGE_CLUSTER else suggested_shards(workers_per_pool)
 
 
+async def envoy_gauges(http: aiohttp.ClientSession, admin: str, pattern: str) -> str:
+    """The gauges whose names match ``pattern`` in the Envoy whose admin is at ``admin``, as its ``/stats`` text."""
+    async with http.get(f"{admin}/stats", params={"filter": pattern, "type": "Gauges"}) as r:
+        return await r.text()
+
+
 async def envoy_healthy(http: aiohttp.ClientSession, admin: str, clusters: Sequence[str]) -> int:
     """Healthy endpoints over ``clusters`` in the Envoy whose admin is at ``admin``. Asked for gauges only, and
     for a few clusters by name: Envoy walks every stat it has for each call (~15 ms at 200 pools), which would
     blur what is measured and take CPU from what is."""
     wanted = set(clusters)
     named = "|".join(re.escape(name) for name in sorted(wanted))
-    query = {"filter": rf"^cluster\.({named})\.membership_healthy$" if len(wanted) <= 8 else "membership_healthy",
-             "type": "Gauges"}
-    async with http.get(f"{admin}/stats", params=query) as r:
-        text = await r.text()
+    text = await envoy_gauges(http, admin, rf"^cluster\.({named})\.membership_healthy$" if len(wanted) <= 8
+                              else "membership_healthy")
     return sum(int(n) for name, n in _MEMBERSHIP.findall(text) if name in wanted)
 
 
 async def envoy_cluster(http: aiohttp.ClientSession, admin: str, cluster: str) -> tuple[int, float]:
     """One cluster's healthy endpoints in the Envoy whose admin is at ``admin``, and when (wall clock, s) that
-        Envoy last applied an update of it."""
-    query = {"filter": rf"^cluster\.{re.escape(cluster)}\.(membership_healthy|update_time)$", "type": "Gauges"}
-    async with http.get(f"{admin}/stats", params=query) as r:
-        text = await r.text()
+    Envoy last applied an update of it."""
+    text = await envoy_gauges(http, admin, rf"^cluster\.{re.escape(cluster)}\.(membership_healthy|update_time)$")
     updated = [int(ms) / 1000 for name, ms in _UPDATE_TIME.findall(text) if name == cluster]
     return (sum(int(n) for name, n in _MEMBERSHIP.findall(text) if name == cluster),
             updated[0] if updated else float("nan"))
