@@ -2,7 +2,7 @@
 
 Pure and synchronous (the monitor does the I/O). Hysteresis on both sides: ``failures_to_fail`` bad probes
 in a row eject a worker, ``successes_to_ready`` good ones bring it back, so one slow answer never flaps
-Envoy's endpoints. A burst of data-path failures ejects at once and holds the worker out for
+Envoy's endpoints. Enough data-path failures within a window eject at once and hold the worker out for
 ``passive_hold_s``, doubled with each such ejection in a row (a worker that fails its requests but answers
 its probes would otherwise be back, and failing requests, within a second); then probes decide the way back.
 Draining is the drainer's state: health never leaves it, never enters it.
@@ -66,7 +66,7 @@ def initial_memory(record: WorkerRecord) -> HealthMemory:
 
 def settled(memory: HealthMemory) -> bool:
     """A Ready worker with nothing under way: no failed probe counted, no leak timed, no data-path hold, no
-    remedy sent. Judged again on the same record after a passed probe and no new data-path failure, it stays
+    remedy sent. Judged again on the same record after a passed probe and no recent data-path failure, it stays
     Ready with the same memory but one more success, whenever that is: stale facts make no worker Busy, and a
     leak needs fresh facts too. So the monitor keeps such a verdict instead of judging it again."""
     return (memory.state is WorkerState.READY and memory.failures == 0 and memory.failed_since is None
@@ -94,7 +94,8 @@ def judge(memory: HealthMemory, record: WorkerRecord, probe: ProbeResult | None,
     """The worker's next state and whether it needs a remedy.
 
     ``probe`` is None for a judgement on the data path's failures alone (the probes' counts stand as they were);
-    ``passive_failures`` is the number of data-path failures reported since the previous judgement;
+    ``passive_failures`` is the number of data-path failures reported within ``passive_window_s`` and not acted
+    on (the monitor counts them; ``controller.recent_failures``);
     ``live_fresh`` says whether the record's KV/queue facts are recent enough to act on.
     """
     if record.state is WorkerState.DRAINING:

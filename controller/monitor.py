@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 from controller.health import HEALTHY, HealthMemory, ProbeResult, Remedy, Verdict, initial_memory, judge, settled
 from controller.periodic import every
 from controller.probe import Answered, ProbesInTasks
+from controller.recent_failures import RecentFailures
 from poolgate.kernel.coarse_timers import CoarseTimer, CoarseTimers, coarse_timers
 from poolgate.kernel.config import HealthSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -153,10 +154,9 @@ class MonitorStats:
 class _Seen:
     registration: tuple[str, float]
     memory: HealthMemory
-    passive_total: int
     settled: tuple[WorkerRecord, Verdict] | None = None
     """The record and verdict of its last judgement, where that verdict holds for every passed probe of the same
-    record while no data-path failure is reported (``controller.health.settled``): a steady fleet's probes cost
+    record while no data-path failure is recent (``controller.health.settled``): a steady fleet's probes cost
     no judging (a fifth of the monitor's CPU per probe went to it)."""
 
 
@@ -190,8 +190,8 @@ class HealthMonitor:
         self._write_every_s = write_every_s
         self._pending: dict[str, tuple[WorkerRecord, Verdict]] = {}
         """State changes judged and not written yet."""
-        self._passive: dict[str, int] = {}
-        """The data path's failure counts as last read (cumulative per worker)."""
+        self._recent = RecentFailures(settings.passive_window_s)
+        """The data path's failures per worker within ``passive_window_s``."""
         self._checking: set[str] = set()
         """Workers whose check is under way: the watcher and the next round leave them to its verdict."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -224,7 +224,7 @@ class HealthMonitor:
         await self._view.sync()
         self._written.clear()
         records = self._view.workers()
-        self._passive = await self._store.read_passive_failures(prune_to=self._view.records)
+        self._recent.read(await self._store.read_passive_failures(prune_to=self._view.records), self._clock())
         step = max(self._spread_s / len(records), 1 / self._settings.max_probes_per_s) if records else 0.0
         done = asyncio.Event()
         writer = asyncio.create_task(self._write_until(done))
@@ -292,13 +292,15 @@ class HealthMonitor:
         self._start_check(record, self._out_of_turn_slots, None)
 
     async def _watch_passive(self) -> None:
-        """Read the data path's failure counts and judge, out of turn, every serving worker whose failures since
-        its last judgement reached ``passive_failures_to_fail`` (``watch`` writes the verdicts)."""
-        self._passive = await self._store.read_passive_failures()
+        """Read the data path's failure counts and judge, out of turn, every serving worker whose failures within
+        ``passive_window_s`` reached ``passive_failures_to_fail`` (``watch`` writes the verdicts)."""
+        totals = await self._store.read_passive_failures()
+        now = self._clock()
+        self._recent.read(totals, now)
         threshold = self._settings.passive_failures_to_fail
-        suspects = [serving[0] for worker_id, total in self._passive.items()
+        suspects = [serving[0] for worker_id in self._recent.workers()
                     if (serving := self._serving(worker_id)) is not None
-                    and total - serving[1].passive_total >= threshold]
+                    and self._recent.recent(worker_id, now) >= threshold]
         if not suspects:
             return
         self.stats.out_of_turn += len(suspects)
@@ -384,28 +386,31 @@ class HealthMonitor:
 
     def _judge(self, record: WorkerRecord, probes: Sequence[ProbeResult | None]) -> Verdict:
         """The verdict after ``probes`` (None: judged on the data path's failures alone)."""
-        passive_total = self._passive.get(record.id, 0)
         registration = (record.address, record.registered_at)
         seen = self._seen.get(record.id)
         if seen is None or seen.registration != registration:
-            seen = _Seen(registration, initial_memory(record), passive_total)
+            seen = _Seen(registration, initial_memory(record))
             self._seen[record.id] = seen
-        if (seen.settled is not None and seen.settled[0] is record and passive_total == seen.passive_total
+            self._recent.acted_on(record.id)  # failures from before it was first judged are not its own
+        now = self._clock()
+        recent = self._recent.recent(record.id, now)
+        if (seen.settled is not None and seen.settled[0] is record and recent == 0
                 and len(probes) == 1 and probes[0] is not None and probes[0].ok):
             self.stats.probes += 1
             verdict = seen.settled[1]
         else:
-            verdict = self._judge_anew(record, probes, seen, passive_total)
+            verdict = self._judge_anew(record, probes, seen, recent, now)
         if verdict.state != self._written.get(record.id, record.state):
             self._pending[record.id] = (record, verdict)
         return verdict
 
-    def _judge_anew(self, record: WorkerRecord, probes: Sequence[ProbeResult | None], seen: _Seen,
-                    passive_total: int) -> Verdict:
-        new_failures = max(0, passive_total - seen.passive_total)
-        seen.passive_total = passive_total
+    def _judge_anew(self, record: WorkerRecord, probes: Sequence[ProbeResult | None], seen: _Seen, recent: int,
+                    now: float) -> Verdict:
+        """``recent``: the worker's data-path failures within the window; once they decide, they count no more."""
+        new_failures = recent
+        if recent >= self._settings.passive_failures_to_fail:
+            self._recent.acted_on(record.id)
         fresh = record.metrics_at > 0 and self._wall_clock() - record.metrics_at <= self._stale_after_s
-        now = self._clock()
         verdict = None
         for probe in probes:
             if probe is not None:
@@ -453,7 +458,7 @@ class HealthMonitor:
         seen = self._seen.get(record.id)
         if seen is None or seen.memory.state not in HEALTHY or seen.registration[1] != record.registered_at:
             return 1
-        if self._passive.get(record.id, 0) - seen.passive_total >= self._settings.passive_failures_to_fail:
+        if self._recent.recent(record.id, self._clock()) >= self._settings.passive_failures_to_fail:
             return 1
         return max(1, self._settings.failures_to_fail - seen.memory.failures)
 

@@ -206,6 +206,40 @@ async def test_a_worker_the_data_path_reports_failing_is_failed_out_of_turn(redi
     assert (await states(redis_client))["w1"] is WorkerState.READY  # the hold over, its probes bring it back
 
 
+async def test_failures_a_passed_probe_came_between_still_add_up_within_the_window(
+        redis_client: aioredis.Redis) -> None:
+    """A worker that fails every request it gets, but gets few, leaves though it passes every probe."""
+    await register(redis_client)
+    clock = ManualClock()
+    monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, SequenceProber([]), clock=clock)
+    await monitor.round()
+    await fleet(redis_client).record_passive_failures({"w1": 1})  # below passive_failures_to_fail (2)
+    await monitor.watch()
+    clock.now += 1.0
+    await monitor.round()  # a passed probe
+    assert await state(redis_client) is WorkerState.READY
+    clock.now += 1.0
+    await fleet(redis_client).record_passive_failures({"w1": 1})
+    await monitor.watch()
+    assert await state(redis_client) is WorkerState.FAILED
+    assert monitor.stats.out_of_turn == 1
+
+
+async def test_failures_further_apart_than_the_window_do_not_add_up(redis_client: aioredis.Redis) -> None:
+    await register(redis_client)
+    clock = ManualClock()
+    monitor = HealthMonitor(fleet(redis_client), CONFIG.health, STALE_AFTER_S, SequenceProber([]), clock=clock)
+    await monitor.round()
+    await fleet(redis_client).record_passive_failures({"w1": 1})
+    await monitor.watch()
+    clock.now += CONFIG.health.passive_window_s + 0.5
+    await fleet(redis_client).record_passive_failures({"w1": 1})
+    await monitor.watch()
+    await monitor.round()
+    assert await state(redis_client) is WorkerState.READY
+    assert monitor.stats.out_of_turn == 0
+
+
 async def test_a_reported_worker_leaves_while_a_long_round_waits_to_probe_it(redis_client: aioredis.Redis) -> None:
     for worker_id in ("w1", "w2"):
         await register(redis_client, worker_id)

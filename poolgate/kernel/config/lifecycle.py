@@ -17,7 +17,7 @@ class HealthSettings(Section):
     """The controller's health monitor: active probes of every registered worker plus passive failure reports.
 
     A worker turns Failed after ``failures_to_fail`` bad probes in a row (or ``passive_failures_to_fail``
-    failures reported by the data path since its last verdict) and Ready again after
+    failures reported by the data path within ``passive_window_s``) and Ready again after
     ``successes_to_ready`` good ones; Busy while saturated. One bad probe never ejects a worker."""
 
     probe_interval_s: float = Field(0.5, gt=0, le=30)
@@ -38,9 +38,14 @@ class HealthSettings(Section):
     failures_to_fail: int = Field(3, ge=1)
     successes_to_ready: int = Field(2, ge=1)
     passive_failures_to_fail: int = Field(3, ge=1)
-    """Data-path failures since the worker's last verdict (5xx, timeouts, resets: every Envoy reports its
-    failed upstream attempts to the controllers) that make it Failed at once: the monitor reads them every
-    0.25 s and fails such a worker out of turn, whatever its round."""
+    """Data-path failures within ``passive_window_s`` (5xx, timeouts, resets: every Envoy reports its failed
+    upstream attempts to the controllers) that make a worker Failed at once: the monitor reads them every 0.25 s
+    and fails such a worker out of turn, whatever its round and its probes. The failures it was failed on count
+    no more."""
+    passive_window_s: float = Field(10.0, gt=0)
+    """How far back data-path failures count: a worker that fails every request it gets leaves once it got
+    ``passive_failures_to_fail`` within this long, however few requests reach it; one that fails rarely
+    (fewer than that many within it) stays."""
     passive_hold_s: float = Field(5.0, ge=0)
     """A worker failed on data-path failures stays Failed at least this long, whatever its probes say; each
     such ejection in a row doubles it (a worker that fails its requests but answers its probes would
