@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extproc import errors
-from extproc.scheduling.kv import kv_footprint, kv_free_tokens
+from extproc.scheduling.kv import kv_footprint, kv_free_tokens, kv_room_after
 from extproc.scheduling.plugins import NoCapacity, PickContext, PickRequest, Refusal
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
@@ -161,20 +161,17 @@ class KvFits:
     def filter(
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[WorkerRecord]:
-        reserved = context.reserved_kv_tokens.get
-        usable = 1.0 - self.reserve_fraction
+        reserved = context.reserved_kv_tokens
         total = request.total_tokens
-        kept = []
-        for w in candidates:
-            capacity = w.kv_capacity_tokens
-            if capacity <= 0:
-                kept.append(w)
-                continue
-            need = kv_footprint(total, w.kv_block_size)
-            free = kv_free_tokens(w, self.reserve_fraction, reserved(w.id, 0))
-            if need <= free or (need > capacity * usable and free >= capacity * usable):
-                kept.append(w)
-        return kept
+        room = kv_room_after(candidates, total, self.reserve_fraction, reserved)
+        return [w for w, left in zip(candidates, room, strict=True)
+                if left >= 0 or self._fits_only_empty(w, total, reserved.get(w.id, 0))]
+
+    def _fits_only_empty(self, worker: WorkerRecord, tokens: int, reserved_tokens: int) -> bool:
+        """A footprint larger than the whole usable cache fits only an empty worker."""
+        usable = worker.kv_capacity_tokens * (1.0 - self.reserve_fraction)
+        return (kv_footprint(tokens, worker.kv_block_size) > usable
+                and kv_free_tokens(worker, self.reserve_fraction, reserved_tokens) >= usable)
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
         return NoCapacity(request.model, self.reason, self.retry_after_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from poolgate.kernel.fleet import WorkerRecord
 
 
@@ -15,3 +17,23 @@ def kv_free_tokens(worker: WorkerRecord, reserve_fraction: float, reserved_token
     """Free KV tokens the worker can promise now: capacity × (1 − reserve − usage) minus what extproc has
     already placed there since the agent's last reading."""
     return worker.kv_capacity_tokens * (1.0 - reserve_fraction - worker.kv_usage) - reserved_tokens
+
+
+def kv_room_after(candidates: Sequence[WorkerRecord], tokens: int, reserve_fraction: float,
+                  reserved: Mapping[str, int]) -> list[float]:
+    """Each candidate's free KV tokens once a request of ``tokens`` is placed there (``kv_free_tokens`` less
+    ``kv_footprint``), as a share of its capacity: negative where it does not fit, 0.0 where the capacity is
+    unknown. The arithmetic is inline: two calls per candidate in the filter and in the scorer were a third of
+    a pick over 40 candidates."""
+    usable = 1.0 - reserve_fraction
+    held = reserved.get
+    room = []
+    for w in candidates:
+        capacity = w.kv_capacity_tokens
+        if capacity <= 0:
+            room.append(0.0)
+            continue
+        block = w.kv_block_size or 1
+        room.append((capacity * (usable - w.kv_usage) - held(w.id, 0) - (tokens + block - 1) // block * block)
+                    / capacity)
+    return room

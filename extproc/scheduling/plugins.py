@@ -8,10 +8,11 @@ nothing else: no clock, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from types import MappingProxyType
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, overload
 
 from extproc.errors import ApiError
 from extproc.kvcache.blocks import PrefixCacheView, PromptBlocks
@@ -125,8 +126,40 @@ class Filter(Protocol):
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal: ...
 
 
+class SameScore(Sequence[float]):
+    """One score for every candidate: what a scorer with no opinion on this request returns (no adapter asked
+    for, no affinity known, every candidate alike). The scheduler adds nothing for it, since the same amount on
+    every total changes no choice, and nothing is allocated per candidate."""
+
+    __slots__ = ("_count", "value")
+
+    def __init__(self, count: int, value: float = 0.0) -> None:
+        self._count = count
+        self.value = value
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> float: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[float]: ...
+
+    def __getitem__(self, index: int | slice) -> float | Sequence[float]:
+        if isinstance(index, slice):
+            return [self.value] * len(range(*index.indices(self._count)))
+        if not -self._count <= index < self._count:
+            raise IndexError(index)
+        return self.value
+
+    def __iter__(self) -> Iterator[float]:
+        return repeat(self.value, self._count)
+
+
 class Scorer(Protocol):
-    """Rates each candidate in [0, 1] (higher is better), returned in the candidates' order."""
+    """Rates each candidate in [0, 1] (higher is better), returned in the candidates' order (``SameScore``
+    where it rates them all alike)."""
 
     name: str
 

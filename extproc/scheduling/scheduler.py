@@ -13,7 +13,7 @@ from itertools import islice
 
 from extproc import errors
 from extproc.scheduling.picker import MaxScore
-from extproc.scheduling.plugins import Decision, Filter, Outcome, PickContext, Picker, PickRequest, Scorer
+from extproc.scheduling.plugins import Decision, Filter, Outcome, PickContext, Picker, PickRequest, SameScore, Scorer
 from extproc.scheduling.sampling import sample, should_sample
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.routing import worker_cluster
@@ -62,9 +62,7 @@ class Scheduler:
         if len(candidates) == 1:
             return self._decision(candidates[0], _cluster_of(candidates[0], context), (), request, context)
         scored = [(scorer.score(request, candidates, context), weight) for scorer, weight in self.scorers]
-        totals = [0.0] * len(candidates)
-        for scores, weight in scored:
-            totals = [total + weight * score for total, score in zip(totals, scores)]  # noqa: B905 (hot path)
+        totals = _weighted_totals(scored, len(candidates))
         first = self.picker.choose(totals, self._full_score)
         best = candidates[first]
         shards = _shards(context, best.pool)
@@ -90,6 +88,20 @@ class Scheduler:
             explained = tuple((scorer.name, scorer.score(request, (best,), context)[0]) for scorer, _ in self.scorers)
         return Decision(worker_id=best.id, pool=best.pool, cluster=cluster, endpoint=best.address,
                         fallbacks=fallbacks, scores=explained)
+
+
+def _weighted_totals(scored: Sequence[tuple[Sequence[float], float]], count: int) -> list[float]:
+    """Each candidate's weighted sum of its scores, less what every candidate got alike (``SameScore``: it changes
+    no choice, and skipping it saves a pass over the candidates)."""
+    totals: list[float] | None = None
+    for scores, weight in scored:
+        if isinstance(scores, SameScore):
+            continue
+        if totals is None:
+            totals = [weight * score for score in scores]
+        else:
+            totals = [total + weight * score for total, score in zip(totals, scores)]  # noqa: B905 (hot path)
+    return totals if totals is not None else [0.0] * count
 
 
 def _cluster_of(worker: WorkerRecord, context: PickContext) -> str:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
 from extproc.errors import ApiError
 from extproc.request import RequestFacts
 from extproc.scheduling import Decision, PickContext, PickRequest, RequestProfiler, default_scheduler
+from extproc.scheduling.picker import MaxScore
+from extproc.scheduling.plugins import SameScore
+from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings
@@ -142,3 +146,41 @@ def test_least_inflight_formula(counts: list[int], expected: list[float]) -> Non
     workers = [worker(str(i)) for i in range(len(counts))]
     context = PickContext(snapshot(*workers), {str(i): n for i, n in enumerate(counts)})
     assert list(LeastInflight().score(facts(), workers, context)) == expected
+
+
+class _Constant:
+    """A scorer that rates every candidate alike, as a list or as ``SameScore``."""
+
+    name = "constant"
+
+    def __init__(self, same: bool) -> None:
+        self.same = same
+
+    def score(self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext) -> (
+            Sequence[float]):
+        return SameScore(len(candidates), 0.7) if self.same else [0.7] * len(candidates)
+
+
+def test_a_score_every_candidate_gets_alike_changes_no_pick() -> None:
+    rng = random.Random(3)
+    workers = [worker(f"w{i}", pool="chat" if i % 2 else "chat-big", port=8000 + i) for i in range(12)]
+    snap = snapshot(*workers)
+    picked = {}
+    for same in (False, True):
+        scheduler = Scheduler([], [(_Constant(same), 2.0), (LeastInflight(), 1.0)], rng=random.Random(5),
+                              picker=MaxScore(random.Random(5)))
+        decisions = []
+        for _ in range(200):
+            inflight = {w.id: rng.randrange(4) for w in workers}
+            decisions.append(scheduler.pick(facts(), PickContext(snap, inflight)))
+        picked[same] = decisions
+        rng.seed(3)
+    assert picked[True] == picked[False]
+    assert len({d.worker_id for d in picked[True] if isinstance(d, Decision)}) > 3  # the picks do vary
+
+
+def test_same_score_reads_as_the_list_it_stands_for() -> None:
+    same = SameScore(3, 0.5)
+    assert list(same) == [0.5] * 3 and len(same) == 3 and same[-1] == 0.5 and list(same[1:]) == [0.5] * 2
+    with pytest.raises(IndexError):
+        same[3]

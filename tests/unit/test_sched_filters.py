@@ -14,7 +14,7 @@ from extproc.scheduling.filters import (
     ReadyAndFresh,
     TaskClassPools,
 )
-from extproc.scheduling.kv import kv_footprint, kv_free_tokens
+from extproc.scheduling.kv import kv_footprint, kv_free_tokens, kv_room_after
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, TaskClass
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -118,6 +118,18 @@ def test_kv_footprint_is_whole_blocks(tokens: int, block: int, expected: int) ->
 
 def test_kv_free_tokens_formula() -> None:
     assert kv_free_tokens(worker("w", kv_capacity_tokens=10_000, kv_usage=0.5), 0.1, 1000) == pytest.approx(3000)
+
+
+def test_kv_room_after_is_the_free_tokens_less_the_footprint_as_a_share_of_capacity() -> None:
+    workers = [worker(f"w{i}", kv_capacity_tokens=capacity, kv_usage=usage, kv_block_size=block)
+               for i, (capacity, usage, block) in enumerate([(10_000, 0.5, 16), (8_000, 0.9, 32), (50_000, 0.0, 0),
+                                                              (0, 0.3, 16)])]
+    reserved = {"w0": 1000, "w2": 7}
+    room = kv_room_after(workers, 1_001, 0.1, reserved)
+    expected = [(kv_free_tokens(w, 0.1, reserved.get(w.id, 0)) - kv_footprint(1_001, w.kv_block_size))
+                / w.kv_capacity_tokens for w in workers[:3]]
+    assert room == pytest.approx([*expected, 0.0])  # unknown capacity: 0.0
+    assert room[1] < 0 <= room[0]  # the second does not fit
 
 
 @pytest.mark.parametrize(("usage", "reserved", "prompt", "keep"), [

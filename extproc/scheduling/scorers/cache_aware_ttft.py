@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import PickContext, PickRequest
+from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
 from poolgate.kernel.fleet import WorkerRecord
 
@@ -45,10 +45,10 @@ class CacheAwareTtft:
     ) -> Sequence[float]:
         blocks, view = request.prompt_blocks, context.prefix_cache
         if blocks is None or view is None:
-            return [0.0] * len(candidates)
+            return SameScore(len(candidates))
         cached = view.cached_tokens(blocks, candidates)
         if not cached:
-            return [0.0] * len(candidates)
+            return SameScore(len(candidates))
         prompt = blocks.token_count
         affinity = self._affinity.score(request, candidates, context)
         pending = context.pending_prefill_tokens.get

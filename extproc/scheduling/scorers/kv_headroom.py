@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.kv import kv_footprint, kv_free_tokens
+from extproc.scheduling.kv import kv_room_after
 from extproc.scheduling.plugins import PickContext, PickRequest
 from poolgate.kernel.fleet import WorkerRecord
 
@@ -23,14 +23,5 @@ class KvHeadroom:
     def score(
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[float]:
-        reserved = context.reserved_kv_tokens.get
-        total = request.total_tokens
-        scores = []
-        for w in candidates:
-            capacity = w.kv_capacity_tokens
-            if capacity <= 0:
-                scores.append(0.0)
-                continue
-            after = kv_free_tokens(w, self.reserve_fraction, reserved(w.id, 0)) - kv_footprint(total, w.kv_block_size)
-            scores.append(0.0 if after <= 0 else (after / capacity if after < capacity else 1.0))
-        return scores
+        room = kv_room_after(candidates, request.total_tokens, self.reserve_fraction, context.reserved_kv_tokens)
+        return [0.0 if left <= 0 else (left if left < 1 else 1.0) for left in room]

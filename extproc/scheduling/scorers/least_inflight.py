@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import PickContext, PickRequest
+from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
 from poolgate.kernel.fleet import WorkerRecord
 
 
@@ -22,6 +22,6 @@ class LeastInflight:
         counts = [inflight.get(w.id, 0) for w in candidates]
         low, high = min(counts), max(counts)
         if high == low:
-            return [1.0] * len(counts)
+            return SameScore(len(counts), 1.0)
         span = high - low
         return [(high - n) / span for n in counts]

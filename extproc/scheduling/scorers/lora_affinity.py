@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import PickContext, PickRequest
+from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
 from poolgate.kernel.fleet import WorkerRecord
 
 IN_USE = 1.0
@@ -33,5 +33,5 @@ class LoraAffinity:
     ) -> Sequence[float]:
         adapter = request.adapter
         if adapter is None:
-            return [0.0] * len(candidates)
+            return SameScore(len(candidates))
         return [adapter_score(adapter, w) for w in candidates]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import PickContext, PickRequest
+from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
 from poolgate.kernel.fleet import WorkerRecord
 
 
@@ -24,9 +24,8 @@ class PrefixAffinity:
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
     ) -> Sequence[float]:
         keys = request.affinity_keys
-        scores = [0.0] * len(candidates)
         if not keys:
-            return scores
+            return SameScore(len(candidates))
         affinity = context.affinity
         has_session = bool(request.facts.session_id)
         prefix_count = len(keys) - has_session
@@ -40,6 +39,7 @@ class PrefixAffinity:
                 strength = (prefix_count - (position - has_session)) / prefix_count
             for index, w in enumerate(candidates):
                 if w.id == worker_id:
+                    scores = [0.0] * len(candidates)
                     scores[index] = strength
                     return scores
-        return scores
+        return SameScore(len(candidates))
