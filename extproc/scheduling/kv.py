@@ -23,8 +23,8 @@ def kv_room_after(candidates: Sequence[WorkerRecord], tokens: int, reserve_fract
                   reserved: Mapping[str, int]) -> list[float]:
     """Each candidate's free KV tokens once a request of ``tokens`` is placed there (``kv_free_tokens`` less
     ``kv_footprint``), as a share of its capacity: negative where it does not fit, 0.0 where the capacity is
-    unknown. The arithmetic is inline: two calls per candidate in the filter and in the scorer were a third of
-    a pick over 40 candidates."""
+    unknown. The KV filter keeps the candidates where it is not negative, and the KV headroom scorer rates them
+    by it: one loop for both, so they judge room alike."""
     usable = 1.0 - reserve_fraction
     held = reserved.get
     room = []
