@@ -148,6 +148,8 @@ class MonitorStats:
     remedies: dict[str, int] = field(default_factory=dict)
     last_round_s: float = 0.0
     """How long the last round took: a hung worker is found within about this long."""
+    expiry_held: int = 0
+    """Overdue workers the mass-expiry guard kept registered at the last round's start (``ChangePoll.held``)."""
 
 
 @dataclass
@@ -222,6 +224,7 @@ class HealthMonitor:
             return
         started = self._clock()
         await self._view.sync()
+        self.stats.expiry_held = self._view.held
         self._written.clear()
         records = self._view.workers()
         self._recent.read(await self._store.read_passive_failures(prune_to=self._view.records), self._clock())

@@ -28,6 +28,9 @@ class MonitorMetrics(Collector):
         yield GaugeMetricFamily("poolgate_health_round_seconds",
                                 "Duration of the last health round (every worker probed once).",
                                 value=stats.last_round_s)
+        yield GaugeMetricFamily("poolgate_fleet_expiry_held", "Workers past their heartbeat deadline kept "
+                                "registered because too many were overdue at once (the registry's trouble, not "
+                                "theirs); their probes decide whether they serve.", value=stats.expiry_held)
         yield CounterMetricFamily("poolgate_health_probes", "Health probes sent.", value=stats.probes)
         yield CounterMetricFamily("poolgate_health_probe_failures", "Health probes that failed (refused, an "
                                   "error status, no answer within the probe timeout).", value=stats.probe_failures)

@@ -21,6 +21,7 @@ from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.fleet_view import RESYNC_S, FleetDelta, FleetView
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog, ReturnGrace
 from poolgate.kernel.store import FleetStore
+from poolgate.kernel.store_scripts import EXPIRY_HOLD_MS
 
 log = logging.getLogger("poolgate.controller")
 
@@ -51,11 +52,13 @@ async def bridge_fleet_to_xds(store: FleetStore, xds: EndpointSink, *, poll_s: f
     view = FleetView(store, live=False, resync_s=resync_s)
     grace_until = float("-inf")
     pushed = look_again = False
+    held = 0
     while True:
         try:
             async with store.changes() as feed:
                 while True:
                     delta = await view.sync()
+                    held = _say_held(view.held, held)
                     now = clock()
                     if redis.up():
                         after_outage.redis_returned(now)
@@ -70,6 +73,17 @@ async def bridge_fleet_to_xds(store: FleetStore, xds: EndpointSink, *, poll_s: f
             redis.down(exc)
             after_outage.fill_in(view.workers(), clock())  # the fleet as it was, carried over if Redis lost it
             await asyncio.sleep(poll_s)
+
+
+def _say_held(held: int, before: int) -> int:
+    """Log when the mass-expiry guard starts and stops holding overdue workers; returns ``held``."""
+    if held and not before:
+        log.warning("%d workers missed their heartbeats at once: their expiry is held (up to %.0f s) while their "
+                    "probes decide whether they serve; is the registry API reachable from the agents?", held,
+                    EXPIRY_HOLD_MS / 1000)
+    elif before and not held:
+        log.info("no more overdue workers held: heartbeats are back, or the rest expired")
+    return held
 
 
 async def _push(xds: EndpointSink, view: FleetView, delta: FleetDelta, carried: list[WorkerRecord] | None,

@@ -59,6 +59,8 @@ class FleetView:
         self._synced_full_at = float("-inf")
         self.full_reads = 0
         """How many times the view read everything (first sync, gaps, periods): for tests and benchmarks."""
+        self.held = 0
+        """Overdue workers the mass-expiry guard kept registered, as of the last sync (``ChangePoll.held``)."""
 
     @property
     def records(self) -> Mapping[str, WorkerRecord]:
@@ -79,6 +81,7 @@ class FleetView:
     async def sync(self) -> FleetDelta:
         now = self._clock()
         poll = await self._store.poll(self._version, live=self._live, read_up_to=READ_WITH_POLL)
+        self.held = poll.held
         due = now - self._synced_full_at >= self._resync_s
         gap = self._version < 0 or poll.epoch != self._epoch or poll.changed is None or poll.live is None
         if gap or due:

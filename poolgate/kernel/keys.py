@@ -7,8 +7,8 @@ a single server or Sentinel's master ignores the braces. The fleet is written pe
 never per request, so one slot carries it; the per-request quota keys spread over the cluster, one slot
 per tenant. Fleet keys (``{prefix}`` below is that braced tag):
 
-- ``{prefix}:worker:{id}``  hash: one ``WorkerRecord`` (identity and live facts). It expires when heartbeats
-  stop.
+- ``{prefix}:worker:{id}``  hash: one ``WorkerRecord`` (identity and live facts). Readers remove it once its
+  heartbeats stop (``fleet:deadlines``); it expires on its own ``EXPIRY_HOLD_MS`` later.
 - ``{prefix}:workers``      set of worker ids (an index; readers prune ids whose hash has expired).
 - ``{prefix}:inflight``     hash: worker id → cross-replica count of requests extproc has in flight on it
   (a worker with none has no field, so a reader's one read costs the busy workers, not the fleet).
@@ -17,8 +17,9 @@ per tenant. Fleet keys (``{prefix}`` below is that braced tag):
 - ``{prefix}:fleet:version`` the fleet version: bumped by every change readers must see.
 - ``{prefix}:fleet:changed`` sorted set, worker id → version of its last membership, identity or state change.
 - ``{prefix}:fleet:live``   sorted set, worker id → version of its last live-facts change (KV, queue, GPUs).
-- ``{prefix}:fleet:deadlines`` sorted set, worker id → when its record expires (Redis clock, ms): the first
-  reader to look after that writes the expiry as a change.
+- ``{prefix}:fleet:deadlines`` sorted set, worker id → its heartbeat deadline (Redis clock, ms): the first
+  reader to look after that removes the record and writes the expiry as a change, unless too many workers are
+  overdue at once (the mass-expiry guard, ``poolgate.kernel.store_scripts.POLL``).
 - ``{prefix}:fleet:floor``  the version below which the change logs were trimmed (older readers read all).
 - ``{prefix}:fleet:epoch``  set with the first version: a new epoch means Redis lost its data.
 - ``{prefix}:passive``      hash: worker id → count of data-path failures (5xx, timeouts, resets before

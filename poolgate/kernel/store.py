@@ -117,6 +117,9 @@ class ChangePoll:
     records: Mapping[str, WorkerRecord | None] | None = None
     """The records of the ids in ``changed`` and ``live`` (None: not registered), read in the same step,
     when the poll was asked to read that many (``read_up_to``); else None."""
+    held: int = 0
+    """Workers past their heartbeat deadline that the mass-expiry guard keeps registered (``store_scripts.POLL``):
+    so many overdue at once is the registry's trouble, not theirs. 0 in the usual case."""
 
 
 class ChangeFeed:
@@ -167,6 +170,7 @@ class FleetStore:
         self._add_inflight = redis.register_script(store_scripts.ADD_INFLIGHT)
         self._deregister = redis.register_script(store_scripts.DEREGISTER)
         self._poll = redis.register_script(store_scripts.POLL)
+        self._expire_due = redis.register_script(store_scripts.EXPIRE_DUE)
 
     def changes(self) -> ChangeFeed:
         """A subscription to change notifications: ``async with store.changes() as feed``."""
@@ -281,7 +285,9 @@ class FleetStore:
     # Reads.
 
     async def read_fleet(self) -> list[WorkerRecord]:
-        """All registered workers, sorted by id. Ids whose hash expired are pruned from the index."""
+        """All registered workers, sorted by id, once the overdue ones have expired (as ``poll`` expires them).
+        Ids whose hash expired are pruned from the index."""
+        await self._expire_due(client=self._redis, keys=self._route, args=[self.keys.fleet])
         ids = sorted(_text(i) for i in await self._redis.smembers(self.keys.workers))
         if not ids:
             return []
@@ -306,10 +312,10 @@ class FleetStore:
         apply(await pipe.execute())
 
     async def poll(self, since: int, live: bool = True, limit: int = 5000, read_up_to: int = 0) -> ChangePoll:
-        """Ids changed since version ``since`` (expiring workers whose TTL ran out first); see ``ChangePoll``.
+        """Ids changed since version ``since`` (expiring the overdue workers first); see ``ChangePoll``.
         More than ``limit`` changes in one log also means: read everything. When ``read_up_to`` or fewer
         changed, their records come with the answer (``ChangePoll.records``): one round trip, not two."""
-        epoch, version, _, changed, changed_live, read = await self._poll(
+        epoch, version, _, changed, changed_live, read, held = await self._poll(
             client=self._redis, keys=self._route, args=[self.keys.fleet, since, int(live), limit, read_up_to])
 
         def ids(values: list[bytes] | None) -> frozenset[str] | None:
@@ -319,7 +325,7 @@ class FleetStore:
             _text(worker_id): WorkerRecord.from_redis(dict(zip(fields[::2], fields[1::2], strict=True))) if fields
             else None for worker_id, fields in zip(read[::2], read[1::2], strict=True)}
         return ChangePoll(_text(epoch), int(version), ids(changed), ids(changed_live) if live else frozenset(),
-                          records)
+                          records, int(held))
 
     async def read_workers(self, worker_ids: Sequence[str]) -> dict[str, WorkerRecord | None]:
         """The records of these workers (None for one that is not registered), in one pipeline."""

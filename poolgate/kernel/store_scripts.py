@@ -14,7 +14,17 @@ key of that slot, which only routes the call to its master on Cluster.
 
 from __future__ import annotations
 
-_COMMON = """
+EXPIRY_HOLD_MS = 30_000
+"""A worker's record outlives its heartbeat deadline by this long, for the mass-expiry guard (``POLL``): readers
+expire an overdue worker themselves, at its deadline, unless too many are overdue at once; then it stays until
+its heartbeats come back or this runs out."""
+MASS_EXPIRY_SHARE = 0.1
+"""More than this share of the fleet overdue at once (and more than ``MASS_EXPIRY_FLOOR`` workers) is the
+registry's trouble, not the workers': the API stalled, or the agents lost their way to it."""
+MASS_EXPIRY_FLOOR = 10
+
+_COMMON = (f"local HOLD_MS = {EXPIRY_HOLD_MS}\nlocal MASS_SHARE = {MASS_EXPIRY_SHARE}\n"
+           f"local MASS_FLOOR = {MASS_EXPIRY_FLOOR}\n") + """
 local P = ARGV[1]
 local function now_ms()
   local t = redis.call('TIME')
@@ -35,7 +45,7 @@ local id, ttl, quiet = ARGV[2], tonumber(ARGV[3]), ARGV[4] == 'q'
 local key = P .. ':worker:' .. id
 redis.call('DEL', key)
 redis.call('HSET', key, unpack(ARGV, 5))
-redis.call('PEXPIRE', key, ttl)
+redis.call('PEXPIRE', key, ttl + HOLD_MS)
 redis.call('SADD', P .. ':workers', id)
 redis.call('ZADD', P .. ':fleet:deadlines', now_ms() + ttl, id)
 local v = bump(id, 'changed')
@@ -60,7 +70,7 @@ end
 local function write_facts(id, ttl, announce, quiet, first, last, common_first, common_last, deadlines)
   local key = P .. ':worker:' .. id
   if ttl > 0 then
-    if redis.call('PEXPIRE', key, ttl) == 0 then return 0 end  -- 0: no such key (one call, not EXISTS too)
+    if redis.call('PEXPIRE', key, ttl + HOLD_MS) == 0 then return 0 end  -- 0: no such key (one call, not EXISTS too)
     deadlines[#deadlines + 1] = id
   elseif redis.call('EXISTS', key) == 0 then
     return 0
@@ -132,25 +142,42 @@ redis.call('PUBLISH', P .. ':events', 'deregister ' .. id .. ' ' .. v)
 return v
 """
 
-POLL = _COMMON + """
+_EXPIRE_DUE_FN = """
+local function expire_due(now)
+  local members = redis.call('SCARD', P .. ':workers')
+  local overdue = redis.call('ZCOUNT', P .. ':fleet:deadlines', '-inf', now)
+  local held = 0
+  if overdue > MASS_FLOOR and overdue > MASS_SHARE * members then held = overdue end
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':fleet:deadlines', '-inf', now, 'LIMIT', 0, 1000)) do
+    local key = P .. ':worker:' .. id
+    local pttl = redis.call('PTTL', key)
+    if pttl == -1 then
+      redis.call('ZREM', P .. ':fleet:deadlines', id)
+    elseif pttl == -2 or held == 0 then  -- its record ran out, or it is overdue alone: it leaves
+      redis.call('DEL', key)
+      redis.call('ZREM', P .. ':fleet:deadlines', id)
+      redis.call('SREM', P .. ':workers', id)
+      redis.call('HDEL', P .. ':inflight', id)
+      local v = bump(id, 'changed')
+      redis.call('PUBLISH', P .. ':events', 'expire ' .. id .. ' ' .. v)
+    end
+  end
+  return held
+end
+"""
+
+EXPIRE_DUE = _COMMON + _EXPIRE_DUE_FN + """
+return expire_due(now_ms())
+"""
+"""ARGV: fleet tag. Expires the workers whose heartbeat deadline passed, as ``POLL`` does first; returns how many
+overdue workers the mass-expiry guard held."""
+
+POLL = _COMMON + _EXPIRE_DUE_FN + """
 local since, with_live, limit, read_up_to = tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_ms()
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':fleet:deadlines', '-inf', now, 'LIMIT', 0, 1000)) do
-  local pttl = redis.call('PTTL', P .. ':worker:' .. id)
-  if pttl == -2 then
-    redis.call('ZREM', P .. ':fleet:deadlines', id)
-    redis.call('SREM', P .. ':workers', id)
-    redis.call('HDEL', P .. ':inflight', id)
-    local v = bump(id, 'changed')
-    redis.call('PUBLISH', P .. ':events', 'expire ' .. id .. ' ' .. v)
-  elseif pttl == -1 then
-    redis.call('ZREM', P .. ':fleet:deadlines', id)
-  else
-    redis.call('ZADD', P .. ':fleet:deadlines', now + pttl, id)
-  end
-end
-local floor = tonumber(redis.call('GET', P .. ':fleet:floor') or '0')
+local held = expire_due(now)
 local members = redis.call('SCARD', P .. ':workers')
+local floor = tonumber(redis.call('GET', P .. ':fleet:floor') or '0')
 for _, log in ipairs({'changed', 'live'}) do
   local excess = redis.call('ZCARD', P .. ':fleet:' .. log) - 2 * members - 1024
   if excess > 0 then
@@ -164,7 +191,7 @@ for _, log in ipairs({'changed', 'live'}) do
 end
 local epoch = redis.call('GET', P .. ':fleet:epoch') or ''
 local version = tonumber(redis.call('GET', P .. ':fleet:version') or '0')
-if since < floor or since > version then return {epoch, version, floor, false, false, false} end
+if since < floor or since > version then return {epoch, version, floor, false, false, false, held} end
 local changed = redis.call('ZRANGEBYSCORE', P .. ':fleet:changed', '(' .. since, '+inf', 'LIMIT', 0, limit)
 local live = {}
 if with_live then
@@ -184,15 +211,17 @@ if #changed + #live <= read_up_to then
     end
   end
 end
-return {epoch, version, floor, changed, live, records}
+return {epoch, version, floor, changed, live, records, held}
 """
 """ARGV: fleet tag, the reader's version, 1 to include the live log, the most ids to return per log.
 
-First expires the workers whose TTL ran out (a key expiry publishes nothing, so the first reader to look
-writes the change for everyone), trims the logs to about twice the fleet (readers older than the trimmed
-part read everything again), then answers epoch, version, floor and the ids changed since ``since``
-(false instead of the ids when ``since`` is below the floor or above the version: read everything), and, when
-they are ``read_up_to`` (ARGV[5]) or fewer, each id followed by its record's fields (empty: gone)."""
+First expires the workers whose heartbeat deadline passed (the first reader to look writes the change for
+everyone), unless more than ``MASS_EXPIRY_SHARE`` of the fleet is overdue at once: then only those whose record
+ran out (``EXPIRY_HOLD_MS`` later) leave, and the rest stay until their heartbeats come back. Then trims the
+logs to about twice the fleet (readers older than the trimmed part read everything again), and answers epoch,
+version, floor and the ids changed since ``since`` (false instead of the ids when ``since`` is below the floor
+or above the version: read everything), when they are ``read_up_to`` (ARGV[5]) or fewer each id followed by its
+record's fields (empty: gone), and how many overdue workers the guard held (0: none)."""
 
 ADD_INFLIGHT = """
 for i = 1, #ARGV, 2 do

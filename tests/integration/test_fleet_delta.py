@@ -159,6 +159,48 @@ async def test_an_expired_worker_leaves_every_reader_with_one_announcement(redis
     assert await redis_client.sismember(store.keys.workers, "w1") == 0
 
 
+async def test_when_most_of_the_fleet_misses_its_heartbeats_at_once_it_stays_until_they_come_back(
+        redis_client: aioredis.Redis) -> None:
+    """The registry API stalled (or the agents lost their way to it): expiring everyone would empty Envoy, and
+    every worker would register again at once."""
+    store = FleetStore(redis_client, PREFIX)
+    await register(store, *range(20), ttl_s=0.2)
+    view = FleetView(store)
+    await view.sync()
+    await asyncio.sleep(0.4)
+    delta = await view.sync()
+    assert not delta.changed and len(view.records) == 20 and view.held == 20
+    assert len(await store.read_fleet()) == 20
+    assert await store.heartbeat_many({f"w{i}": {} for i in range(20)}, ttl_s=60) == []  # no one registers again
+    await view.sync()
+    assert view.held == 0
+
+
+async def test_a_worker_overdue_alone_leaves_though_the_fleet_is_held_otherwise(
+        redis_client: aioredis.Redis) -> None:
+    store = FleetStore(redis_client, PREFIX)
+    await register(store, *range(20))
+    await store.register(worker(20), ttl_s=0.2)
+    view = FleetView(store)
+    await view.sync()
+    await asyncio.sleep(0.4)
+    delta = await view.sync()
+    assert delta.changed == {"w20"} and "w20" not in view.records and view.held == 0
+    assert await store.heartbeat_many({"w20": {}}, ttl_s=60) == ["w20"]  # told to register again
+
+
+async def test_a_held_worker_whose_record_ran_out_leaves(redis_client: aioredis.Redis) -> None:
+    store = FleetStore(redis_client, PREFIX)
+    await register(store, *range(20), ttl_s=0.2)
+    view = FleetView(store)
+    await view.sync()
+    await asyncio.sleep(0.4)
+    await redis_client.pexpire(store.keys.worker("w3"), 1)  # as if its hold had run out
+    await asyncio.sleep(0.05)
+    delta = await view.sync()
+    assert delta.changed == {"w3"} and len(view.records) == 19 and view.held == 20
+
+
 async def test_heartbeat_batch_reports_the_workers_that_must_register_again(redis_client: aioredis.Redis) -> None:
     store = FleetStore(redis_client, PREFIX)
     await register(store, 1, 2)
