@@ -24,6 +24,10 @@ Per size it reports:
   probes but fail every request with a 500; requests go through one Envoy until no Envoy lists them healthy
   (the other Envoy sees no traffic: only the controller's verdict takes them out of it); time from the first
   request, and requests that failed;
+- a stall of the registry API (``--stall-api-s``): its processes are stopped for that long (as a starved host
+  or a lost network would keep every heartbeat from it), more than the heartbeat TTL; how far every Envoy's
+  healthy count fell, how long from the stall's start until it was whole again, and how many workers
+  registered again;
 - mass-failure ejection: ``--fail`` workers stop answering at once while their heartbeats go on; with
   ``--fail-mode exit`` their server process exits (a crashed engine: connections close, new ones are
   refused), with ``hang`` it is stopped (a hung engine: connections stay open and nothing answers, so every
@@ -289,6 +293,38 @@ async def sick_ejection(http: aiohttp.ClientSession, stack: Stack, sick: int, ti
         await asyncio.gather(sender, return_exceptions=True)
     return {"sick_out_s": out, "sick_requests": len(statuses),
             "sick_failed_requests": sum(1 for status in statuses if status != 200)}
+
+
+async def api_stall(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, clusters: Sequence[str],
+                    stall_s: float, timeout_s: float) -> dict[str, Any]:
+    """Stop the registry API for ``stall_s`` (its processes; the controller where it serves the API itself) while
+    the fleet heartbeats on; follow every Envoy's healthy count until it is back where it was."""
+    async def lowest_count() -> int:
+        return min((await healthy_counts(http, stack.admin_ports, clusters)).values())
+
+    before = await lowest_count()
+    stopped = api_process_pids(stack.pids["controller"]) or [stack.pids["controller"]]
+    reregistered = fleet_.counters.reregistered
+    lowest, back = before, None
+    started = time.monotonic()
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        while time.monotonic() - started < stall_s:
+            lowest = min(lowest, await lowest_count())
+            await asyncio.sleep(0.05)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    while (elapsed := time.monotonic() - started) < stall_s + timeout_s:
+        count = await lowest_count()
+        lowest = min(lowest, count)
+        if count >= before:
+            back = elapsed
+            break
+        await asyncio.sleep(0.05)
+    return {"stall_lowest_share": lowest / before if before else float("nan"), "stall_back_s": back,
+            "stall_reregistered": fleet_.counters.reregistered - reregistered}
 
 
 async def wait_counts(http: aiohttp.ClientSession, admin_ports: Mapping[str, int], clusters: Sequence[str], done: Any,
@@ -756,6 +792,8 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
                 if args.sick and await wait_counts(http, stack.admin_ports, [cluster_name(SICK_POOL)],
                                                    lambda c: c >= 2 * args.sick, args.timeout_s) is not None:
                     row.update(await sick_ejection(http, stack, args.sick, args.timeout_s))
+                if args.stall_api_s > 0:
+                    row.update(await api_stall(http, stack, fleet_, measured, args.stall_api_s, args.timeout_s))
                 early = await metric(http, f"{stack.api}/metrics", "poolgate_health_early_confirmations_total")
                 row["ejection_s"] = await in_observer({
                     "phase": "ejection", "admin_ports": stack.admin_ports, "clusters": measured, "at_most": n - fail,
@@ -778,6 +816,8 @@ COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
            Column("change_in_redis_p99_s", "of which API p99 s", "{:.3f}"), Column("ejection_s", "eject s", "{:.2f}"),
            Column("health_round_s", "round s", "{:.2f}"),
            Column("sick_out_s", "sick out s", "{:.2f}"), Column("sick_failed_requests", "sick failed", "{}"),
+           Column("stall_lowest_share", "stall low", "{:.3f}"), Column("stall_back_s", "stall back s", "{:.2f}"),
+           Column("stall_reregistered", "stall rereg", "{}"),
            Column("snapshot_age_p99_s", "snap age p99", "{:.3f}"), Column("redis_ops_s", "redis ops/s", "{:.0f}"),
            Column("cpu_controller", "ctl cpu", "{:.2f}"), Column("cpu_controller_api", "api procs cpu", "{:.2f}"),
            Column("cpu_redis", "redis cpu", "{:.2f}"),
@@ -811,6 +851,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint-shards", type=int, default=0,
                         help="clusters per measured pool (PoolSpec.endpoint_shards); 0 = one per 1,000 workers of "
                              "a pool past 2,000, as the controller's warning asks")
+    parser.add_argument("--stall-api-s", type=float, default=2.5,
+                        help="stop the registry API this long, past the heartbeat TTL (0: no stall phase)")
     parser.add_argument("--changes", type=int, default=20)
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="give up waiting for Envoy after this")
