@@ -3,7 +3,8 @@
 vLLM binds its PUB socket only for ``*``, ``::``, ``ipc://`` and ``inproc://`` endpoints (any other it
 connects to), and always binds the replay socket. A worker on this machine publishes on an ``ipc://`` socket
 in the temporary directory and replays on loopback TCP, so prompts' token ids never leave the machine. A flag the
-worker's ``extra_args`` already carry wins: its endpoints go into the record as subscribers reach them.
+worker's ``extra_args`` already carry wins: its endpoints go into the record as subscribers reach them (the
+config refuses at load an endpoint vLLM would connect to: ``poolgate.kernel.config.worker_launch``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import orjson
 
-FLAG = "--kv-events-config"
+from poolgate.kernel.config.worker_launch import KV_EVENTS_FLAG, kv_events_config
+
+FLAG = KV_EVENTS_FLAG
 TOPIC = "kv-events"
 
 
@@ -47,23 +50,14 @@ def kv_socket_path(log_dir: Path, worker_id: str) -> Path:
 
 
 def _given_config(extra_args: tuple[str, ...]) -> dict[str, object] | None:
-    for index, arg in enumerate(extra_args):
-        text = None
-        if arg == FLAG and index + 1 < len(extra_args):
-            text = extra_args[index + 1]
-        elif arg.startswith(FLAG + "="):
-            text = arg.split("=", 1)[1]
-        if text is not None:
-            try:
-                parsed = orjson.loads(text)
-            except orjson.JSONDecodeError:
-                return {}
-            return parsed if isinstance(parsed, dict) and parsed.get("enable_kv_cache_events") else {}
-    return None
+    given, config = kv_events_config(extra_args)
+    if not given:
+        return None
+    return config if config is not None and config.get("enable_kv_cache_events") else {}
 
 
 def _reachable(endpoint: str, host: str) -> str:
-    """A bound ``tcp://*:P`` as a subscriber connects to it."""
-    if endpoint.startswith("tcp://*:") or endpoint.startswith("tcp://0.0.0.0:"):
+    """A bound wildcard (``tcp://*:P``, ``tcp://[::]:P``) as a subscriber connects to it."""
+    if endpoint.startswith(("tcp://*:", "tcp://[::]:", "tcp://0.0.0.0:")):
         return f"tcp://{host}:{endpoint.rpartition(':')[2]}"
     return endpoint

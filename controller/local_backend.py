@@ -1,7 +1,8 @@
 """Local process backend: starts workers on this machine as child processes and keeps them registered.
 
 A worker is a ``poolgate simworker`` process (backend ``sim``) or a real ``vllm serve`` process (backend
-``vllm``, with ``CUDA_VISIBLE_DEVICES`` from its spec or from GPU-aware placement). Each worker gets a
+``vllm``, with ``CUDA_VISIBLE_DEVICES`` from its spec or from GPU-aware placement, or on CPU with
+``VLLM_CPU_KVCACHE_SPACE`` from its ``kv_cache_gib``). Each worker gets a
 supervisor task that:
 
 1. waits for ``/health`` to answer 200 (connection refused = still loading; vLLM opens its port only when
@@ -118,17 +119,26 @@ def tls_launch(files: TlsServerFiles | None, backend: str, extra_args: tuple[str
     return args
 
 
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+"""GiB of KV cache for vLLM's CPU build; there ``--gpu-memory-utilization`` would be a share of the RAM."""
+
+
 def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[str, ...], max_model_len: int,
-                 gpu_memory_utilization: float, gpus: tuple[int, ...],
-                 extra_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
-    """``vllm serve`` for one worker, and ``CUDA_VISIBLE_DEVICES`` from its placement.
+                 gpu_memory_utilization: float, gpus: tuple[int, ...], extra_args: tuple[str, ...] = (),
+                 kv_cache_gib: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """``vllm serve`` for one worker, and its device's environment: ``CUDA_VISIBLE_DEVICES`` from its placement
+    on GPUs, ``VLLM_CPU_KVCACHE_SPACE`` on CPU (``kv_cache_gib``; no GPU share is passed then).
 
     ``--tensor-parallel-size`` follows the GPU count (a worker on two GPUs shards over both) unless the
     extra arguments set it. Never ``--disable-log-stats``: the agent needs the engine's metrics.
     """
     cmd = ["vllm", "serve", model_path, "--host", host, "--port", str(port),
-           "--served-model-name", *served_names, "--max-model-len", str(max_model_len),
-           "--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+           "--served-model-name", *served_names, "--max-model-len", str(max_model_len)]
+    if kv_cache_gib is not None:
+        env = {CPU_KV_CACHE_ENV: str(kv_cache_gib)}
+        cmd += [a for a in extra_args if a != "--disable-log-stats"]
+        return cmd, env
+    cmd += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     if len(gpus) > 1 and not any(a in ("--tensor-parallel-size", "-tp") for a in extra_args):
         cmd += ["--tensor-parallel-size", str(len(gpus))]
     cmd += [a for a in extra_args if a != "--disable-log-stats"]
@@ -155,7 +165,7 @@ def worker_command(config: Config, spec: WorkerSpec, port: int,
     assert spec.model_path is not None  # the config validator guarantees it
     cmd, env = vllm_command(spec.model_path, host=spec.host, port=port, served_names=(pool.model,),
                             max_model_len=pool.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
-                            gpus=spec.gpus, extra_args=extra_args)
+                            gpus=spec.gpus, extra_args=extra_args, kv_cache_gib=spec.kv_cache_gib)
     return cmd, {**env, **extra_env}
 
 
@@ -290,7 +300,7 @@ class LocalProcessBackend:
         started: list[str] = []
         for _ in range(count):
             gpus: tuple[int, ...] = ()
-            if template.backend == "vllm":
+            if template.backend == "vllm" and template.kv_cache_gib is None:  # a CPU worker needs no GPU
                 placement = self._placement(pool, template.gpu_count)
                 if not placement.placed:
                     event = f"pool {pool}: worker not started: {placement.reason}"
@@ -301,7 +311,7 @@ class LocalProcessBackend:
             spec = WorkerSpec(id=self._next_id(pool), pool=pool, backend=template.backend, host=template.host,
                               preset=template.preset, model_path=template.model_path, gpus=gpus,
                               gpu_memory_utilization=template.gpu_memory_utilization,
-                              extra_args=template.extra_args)
+                              kv_cache_gib=template.kv_cache_gib, extra_args=template.extra_args)
             self._start(spec)
             started.append(spec.id)
         return started

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from poolgate.kernel.config.base import Section
+from poolgate.kernel.config.worker_launch import check_cpu_worker, check_kv_events_args
 
 MAX_COLD_START_WAIT_S = 290.0
 """Longest cold-start wait allowed: Envoy's ext_proc ``max_message_timeout`` is 300 s and the hold asks for a bit
@@ -97,7 +98,23 @@ class WorkerTemplate(Section):
     model_path: str | None = None
     gpu_count: int = Field(1, ge=0, le=64)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_gib: int | None = Field(None, gt=0)
+    """KV cache in GiB for ``vllm`` workers on CPU (as ``workers[].kv_cache_gib``): they get no GPUs
+    (``gpu_count`` and ``gpu_memory_utilization`` are not used)."""
     extra_args: tuple[str, ...] = ()
+
+    @field_validator("kv_cache_gib")
+    @classmethod
+    def _cpu_worker(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None:
+            check_cpu_worker(info.data.get("backend"), ())
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _kv_events_bind(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        check_kv_events_args(value)
+        return value
 
 
 class PoolScaling(Section):

