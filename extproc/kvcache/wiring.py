@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from extproc.kvcache.index import PrefixIndex
@@ -11,6 +12,8 @@ from extproc.kvcache.tokenizer import ChatTemplate, LocalTokenizer, PromptTokeni
 from extproc.snapshot import FleetSnapshot
 from poolgate.kernel.config import ConfigError, KvEventsSettings, PoolSpec
 
+log = logging.getLogger(__name__)
+
 
 def pool_tokenizers(pools: tuple[PoolSpec, ...]) -> dict[str, PromptTokenizer]:
     """The configured tokenizers by pool; ConfigError (with the field path) if one cannot load."""
@@ -19,10 +22,15 @@ def pool_tokenizers(pools: tuple[PoolSpec, ...]) -> dict[str, PromptTokenizer]:
         spec = pool.tokenizer
         if spec is None:
             continue
+        fallback = None if spec.message is None else ChatTemplate(spec.message, spec.reply, spec.prefix)
         try:
-            tokenizers[pool.name] = LocalTokenizer(spec.path, ChatTemplate(spec.message, spec.reply, spec.prefix))
+            tokenizer = LocalTokenizer(spec.path, fallback)
         except TokenizerError as error:
             raise ConfigError(f"pools[{index}].tokenizer.path: {error}") from error
+        if fallback is not None and tokenizer.uses_model_template:
+            log.warning("pools[%d].tokenizer: the model's own chat template renders chat; message, reply and "
+                        "prefix are not used (remove them)", index)
+        tokenizers[pool.name] = tokenizer
     return tokenizers
 
 

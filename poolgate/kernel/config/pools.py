@@ -12,12 +12,14 @@ from poolgate.kernel.config.worker_launch import check_cpu_worker, check_kv_even
 
 
 class PoolTokenizer(Section):
-    """A local ``tokenizer.json`` (file or model directory; never downloaded) and the chat template as format
-    strings: ``prefix`` once, ``message`` per message with ``{role}`` and ``{content}``, ``reply`` to prime the
-    answer."""
+    """A local ``tokenizer.json`` (file or model directory; never downloaded) and the model's own Jinja chat
+    template beside it (``tokenizer_config.json`` → ``chat_template``, or ``chat_template.jinja``), rendered
+    as vLLM renders it. Only for a model without one: the template as format strings, ``prefix`` once,
+    ``message`` per message with ``{role}`` and ``{content}``, ``reply`` to prime the answer."""
 
     path: str = Field(min_length=1)
-    message: str = Field(min_length=1)
+    message: str | None = Field(None, min_length=1)
+    """Format string per message, for a model without a chat template (the model's own template wins)."""
     reply: str = ""
     prefix: str = ""
 
