@@ -40,6 +40,7 @@ import aiohttp
 import orjson
 import yaml
 
+from bench import host_quiet
 from bench.report import write_report
 from poolgate.kernel.config import load_config
 from poolgate.up import Stack, StackPorts
@@ -341,6 +342,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"trough ({report['plateaus'][-1]['end_s']:.0f} s); worker start-up {scenario['startup_s']:g} s; TTFT SLO "
         f"{scenario['slo_ttft_s']:g} s; load average {', '.join(f'{x:.1f}' for x in report['load_average'])}.",
         "",
+        host_quiet.describe(report.get("host")) + ".",
+        "",
         "| fleet | workers (min–max) | GPU-seconds | SLO attainment | TTFT p50 | TTFT p99 | requests | lost |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -384,8 +387,10 @@ def run_real(args: argparse.Namespace) -> int:
                             peak_rps=args.peak_rps, static_workers=args.static_workers,
                             max_workers=args.max_workers, slo_ttft_s=args.slo_ttft_s, seed=args.seed)
     began = time.monotonic()
-    report = asyncio.run(run(scenario, Path(tempfile.mkdtemp(prefix="poolgate-bench-autoscale-"))))
+    with host_quiet.measure() as quiet:
+        report = asyncio.run(run(scenario, Path(tempfile.mkdtemp(prefix="poolgate-bench-autoscale-"))))
     report["wall_s"] = round(time.monotonic() - began, 1)
+    report = host_quiet.attach(report, quiet.stop())
     write_report("autoscale_real", report, plot, panels=2, directory=out)
     lines = summary_lines(report)
     (out / "autoscale_real.md").write_text("\n".join(lines) + "\n")

@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import aiohttp
 
+from bench import host_quiet
 from bench.capacity import SweepPlan, pools_of, sweep_capacity
 from bench.loadgen import new_session
 from bench.peer_install import PeerVenv, default_venv_dir, ensure_peers
@@ -166,7 +167,7 @@ async def run_cell(session: aiohttp.ClientSession, fleet: BenchFleet, cell: Cell
 
 
 async def run_fleet(session: aiohttp.ClientSession, layout: str, plan: Plan, venv: PeerVenv | None,
-                    progress: Progress, report: dict[str, Any], out: Path) -> None:
+                    progress: Progress, report: dict[str, Any], out: Path, quiet: host_quiet.Sampler) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix=f"poolgate-bench-peers-{layout}-"))
     report["logs"].append(str(run_dir))
     fleet = BenchFleet(run_dir, plan.time_scale, LAYOUTS[layout])
@@ -189,7 +190,7 @@ async def run_fleet(session: aiohttp.ClientSession, layout: str, plan: Plan, ven
             summary, rows = await run_cell(session, fleet, cell, plan, venv, capacities[name], progress, run_dir)
             report["cells"].append(summary)
             report["rows"].extend(rows)
-            checkpoint(out, report)
+            checkpoint(out, report, quiet)
     finally:
         await fleet.stop()
 
@@ -202,14 +203,15 @@ def phases(plan: Plan) -> int:
     return total
 
 
-def checkpoint(out: Path, report: dict[str, Any]) -> None:
-    """Write the report as it stands (after each cell, and at the end whatever happened)."""
+def checkpoint(out: Path, report: dict[str, Any], quiet: host_quiet.Sampler) -> None:
+    """Write the report as it stands (after each cell, and at the end whatever happened), with the host's
+    quiet so far."""
     report["wall_s"] = time.monotonic() - report["started"]
     report["targets"] = evaluate_targets(report["rows"])
-    write_outputs(out, report)
+    write_outputs(out, report, quiet.summary())
 
 
-async def run(plan: Plan, venv: PeerVenv | None, out: Path) -> dict[str, Any]:
+async def run(plan: Plan, venv: PeerVenv | None, out: Path, quiet: host_quiet.Sampler) -> dict[str, Any]:
     report: dict[str, Any] = {
         "name": "peers", "commit": git_commit(), "time_scale": plan.time_scale, "seed": plan.seed,
         "window_model_s": plan.window.window_s * plan.time_scale,
@@ -224,10 +226,10 @@ async def run(plan: Plan, venv: PeerVenv | None, out: Path) -> dict[str, Any]:
     async with new_session() as session:
         try:
             for layout in plan.fleets:
-                await run_fleet(session, layout, plan, venv, progress, report, out)
+                await run_fleet(session, layout, plan, venv, progress, report, out, quiet)
         finally:
             progress.close()
-            checkpoint(out, report)
+            checkpoint(out, report, quiet)
     return report
 
 
@@ -284,10 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, out = parse_out_args(__doc__, add_arguments, argv)
     plan = make_plan(args)
     venv = None
-    if not args.no_peers:
-        print("installing the peer routers (pip, into their own venv)…", file=sys.stderr, flush=True)
-        venv = ensure_peers(args.peers_venv or default_venv_dir(), out / "peers-install.log")
-    report = asyncio.run(run(plan, venv, out))
+    with host_quiet.measure() as quiet:  # before the peers' install: "load before" means nothing started
+        if not args.no_peers:
+            print("installing the peer routers (pip, into their own venv)…", file=sys.stderr, flush=True)
+            venv = ensure_peers(args.peers_venv or default_venv_dir(), out / "peers-install.log")
+        report = asyncio.run(run(plan, venv, out, quiet))
+    report = host_quiet.attach(report, quiet.stop())
     print(markdown(report))
     print(f"peers benchmark took {report['wall_s'] / 60:.1f} min (wall)")
     return 0

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.host_quiet import HostQuiet, attach, describe
 from bench.measure import json_safe
 from bench.report import Column, format_table, plot_ttft_cdf, write_report
 
@@ -133,7 +134,9 @@ def targets_table(targets: Sequence[Mapping[str, Any]]) -> list[str]:
 def markdown(report: Mapping[str, Any]) -> str:
     lines = [
         "# poolgate against the routers users would pick instead", "",
-        f"Commit {report['commit']}. Wall time {report['wall_s'] / 60:.1f} min. Time scale "
+        f"Commit {report['commit']}. Wall time {report['wall_s'] / 60:.1f} min. {describe(report.get('host'))}.",
+        "",
+        f"Time scale "
         f"{report['time_scale']:g} (the modelled GPUs run {1 / report['time_scale']:g}× slower than real time; "
         "every control-loop interval is scaled alike); times and rates are model seconds unless marked wall.",
         "",
@@ -215,7 +218,8 @@ def save_grid(path: Path, panels: int, draw: Any, columns: int = 3) -> None:
     print("report:", path)
 
 
-def write_outputs(out: Path, report: dict[str, Any]) -> None:
+def write_outputs(out: Path, report: dict[str, Any], host: HostQuiet | None = None) -> None:
+    report = attach(report, host)
     write_report("report", json_safe(report), None, directory=out)
     cdf_panels = len(_cells_at(report, TARGET_LEVEL))
     if cdf_panels:

@@ -3,7 +3,8 @@
 Reports go to ``bench/reports/<name>.json`` and ``.png``; the JSON keeps every row and the run's
 parameters so a later run can be compared without re-running this one. ``write_report`` takes any
 JSON-shaped report and a plotting callback; ``save_rows`` is the common case of a table of rows
-plotted against one column.
+plotted against one column. Both take the run's ``host`` measurement (``bench.host_quiet``), so a figure
+never travels without how quiet the host was when it was taken.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.host_quiet import HostQuiet, attach, describe
 
 REPORTS_DIR = Path(__file__).resolve().parent / "reports"
 Row = Mapping[str, float | int | str | None]
@@ -51,11 +54,14 @@ def parse_out_args(doc: str | None, add_arguments: Callable[[argparse.ArgumentPa
 
 
 def write_report(name: str, report: Any, plot: PlotFunction | None = None, *, panels: int = 1,
-                 directory: Path = REPORTS_DIR) -> Path:
+                 directory: Path = REPORTS_DIR, host: HostQuiet | None = None) -> Path:
     """Write ``<name>.json`` and, given ``plot(report, axes)``, ``<name>.png``; returns the JSON path.
 
-    ``axes`` is one matplotlib Axes, or a list of ``panels`` Axes side by side when ``panels`` > 1.
+    ``axes`` is one matplotlib Axes, or a list of ``panels`` Axes side by side when ``panels`` > 1. The
+    report gets its ``"host"`` section here (``host_quiet.attach``: without ``host`` it says "not measured"
+    unless it holds one already), and its one-line verdict is printed.
     """
+    report = attach(report, host)
     directory.mkdir(parents=True, exist_ok=True)
     json_path = directory / f"{name}.json"
     json_path.write_text(json.dumps(report, indent=2, default=str))
@@ -75,6 +81,8 @@ def write_report(name: str, report: Any, plot: PlotFunction | None = None, *, pa
         plt.close(figure)
         written.append(png_path)
     print("report:", " and ".join(str(path) for path in written))
+    if isinstance(report, Mapping):
+        print(describe(report.get("host")))
     return json_path
 
 
@@ -88,7 +96,7 @@ def format_table(rows: Sequence[Row], columns: Sequence[Column]) -> str:
 
 
 def save_rows(name: str, rows: Sequence[Row], columns: Sequence[Column], *, x_key: str,
-              panels: Sequence[Panel], parameters: Mapping[str, object]) -> Path:
+              panels: Sequence[Panel], parameters: Mapping[str, object], host: HostQuiet | None = None) -> Path:
     """Print ``rows`` as a table and write them, with one subplot per panel against ``x_key``."""
     print(format_table(rows, columns))
 
@@ -107,7 +115,7 @@ def save_rows(name: str, rows: Sequence[Row], columns: Sequence[Column], *, x_ke
 
     report = {"name": name, "parameters": dict(parameters), "rows": [dict(row) for row in rows]}
     return write_report(name, report, plot if len(panels) > 1 else lambda r, a: plot(r, [a]),
-                        panels=max(1, len(panels)))
+                        panels=max(1, len(panels)), host=host)
 
 
 def plot_ttft_cdf(axis: Any, samples: Sequence[float], sent: int, label: str) -> None:

@@ -67,7 +67,7 @@ import orjson
 import uvloop
 import yaml
 
-from bench import fake_workers
+from bench import fake_workers, host_quiet
 from bench.harness import ProcessGroup, cpu_seconds, cpu_times
 from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
@@ -861,11 +861,12 @@ def main(argv: list[str] | None = None) -> int:
     # Stopped from outside, stop the stack too: the exit cancels the run, whose cleanup stops every process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     # uvloop, as the controller has: this process plays the whole fleet and must not be what runs out of CPU
-    rows = [uvloop.run(measure(n, p, args)) for p in args.pools for n in args.workers]
+    with host_quiet.measure() as quiet:
+        rows = [uvloop.run(measure(n, p, args)) for p in args.pools for n in args.workers]
     save_rows(args.name, rows, COLUMNS, x_key="workers",
               panels=[Panel("time to Envoy", ("all_in_envoy_s", "change_p99_s", "ejection_s"), "s"),
                       Panel("CPU", ("cpu_controller", "cpu_redis", "cpu_extproc", "cpu_envoy_a"), "cores")],
-              parameters={k: v for k, v in vars(args).items()})
+              parameters={k: v for k, v in vars(args).items()}, host=quiet.stop())
     return 0
 
 

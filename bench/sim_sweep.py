@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import aiohttp
 
+from bench import host_quiet
 from bench.harness import lag_quantile, scrape
 from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
@@ -279,15 +280,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    with host_quiet.measure() as quiet:
+        rows = asyncio.run(drift(args) if args.drift else sweep(args))
     if args.drift:
-        rows = asyncio.run(drift(args))
         save_rows("sim_drift", rows, DRIFT_COLUMNS, x_key="sequences", panels=DRIFT_PANELS,
-                    parameters={k: v for k, v in vars(args).items() if k.startswith("drift")})
+                  parameters={k: v for k, v in vars(args).items() if k.startswith("drift")}, host=quiet.stop())
     else:
-        rows = asyncio.run(sweep(args))
         save_rows("sim_sweep", rows, SWEEP_COLUMNS, x_key="rate", panels=SWEEP_PANELS,
-                    parameters={"preset": args.preset, "time_scale": args.time_scale, "rates": args.rates,
-                                "window_s": args.window_s, "drain_s": args.drain_s, "seed": args.seed})
+                  parameters={"preset": args.preset, "time_scale": args.time_scale, "rates": args.rates,
+                              "window_s": args.window_s, "drain_s": args.drain_s, "seed": args.seed},
+                  host=quiet.stop())
     return 0
 
 
