@@ -25,3 +25,7 @@ class PrefixCacheView(Protocol):
         """Worker id → prompt tokens its cache holds (the engine reuses at most ``token_count - 1``);
         candidates whose cache is unknown are absent."""
         ...
+
+    def held_tokens(self, worker: WorkerRecord) -> int | None:
+        """Tokens of every block the worker's cache holds (in use or kept for reuse); None = unknown."""
+        ...

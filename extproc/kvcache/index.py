@@ -130,6 +130,11 @@ class PrefixIndex:
         worker = self._workers.get(worker_id)
         return worker is not None and worker.known
 
+    def held_blocks(self, worker_id: str) -> int | None:
+        """Blocks the worker's cache holds as its events tell; None while its stream is not in sync."""
+        worker = self._workers.get(worker_id)
+        return len(worker.blocks) if worker is not None and worker.known else None
+
     def block_size(self, worker_id: str) -> int:
         worker = self._workers.get(worker_id)
         return worker.block_size if worker is not None else 0

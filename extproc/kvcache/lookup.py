@@ -81,6 +81,10 @@ class CacheLookup:
                 cached[worker_id] = min(depth * block_size, max(0, blocks.token_count - 1))
         return cached
 
+    def held_tokens(self, worker: WorkerRecord) -> int | None:
+        blocks = self.index.held_blocks(worker.id)
+        return None if blocks is None else blocks * self._block_size(worker)
+
     def _block_size(self, worker: WorkerRecord) -> int:
         return self.index.block_size(worker.id) or worker.kv_block_size
 

@@ -130,10 +130,9 @@ class Place:
         worker_id = decision.worker_id
         self._acquire(request, decision, prefill_only=False)
         worker = self.fleet.snapshot.by_id.get(worker_id)
-        # Prefill still to do there: a prompt the worker's cache holds costs it only its uncached part.
+        # Prefill still to do there, and new KV: a prompt the worker's cache holds costs it only its uncached part.
         uncached = request.prompt_tokens if worker is None else self._uncached_tokens(request, (worker,))
-        reservation = self.reservations.reserve(worker_id, request.prompt_tokens, request.output_tokens,
-                                                self._clock(), prefill_tokens=uncached)
+        reservation = self.reservations.reserve(worker_id, uncached, request.output_tokens, self._clock())
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
         return Placement(decision, reservation, prefill)

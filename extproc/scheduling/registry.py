@@ -37,6 +37,7 @@ from extproc.scheduling.saturation import SaturationGate
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.scorers.cache_aware_ttft import CacheAwareTtft
 from extproc.scheduling.scorers.kv_headroom import KvHeadroom
+from extproc.scheduling.scorers.latency import PredictedLatency
 from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.scheduling.scorers.lora_affinity import LoraAffinity
 from extproc.scheduling.scorers.predicted_ttft import PredictedTtft
@@ -79,6 +80,7 @@ SCORERS: Mapping[str, ScorerFactory] = MappingProxyType({
     "prefix_affinity": lambda s: PrefixAffinity(),
     "lora_affinity": lambda s: LoraAffinity(),
     "cache_aware_ttft": lambda s: CacheAwareTtft(s.default_prefill_tokens_per_s, s.ttft_reference_s),
+    "latency": lambda s: PredictedLatency(s.default_prefill_tokens_per_s),
 })
 PICKERS: Mapping[str, PickerFactory] = MappingProxyType({
     "max_score": lambda s, rng: MaxScore(rng),

@@ -22,7 +22,7 @@ class TaskClassRules(Section):
 
 
 DEFAULT_WEIGHTS = {"predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5,
-                   "lora_affinity": 2.0, "cache_aware_ttft": 4.0}
+                   "lora_affinity": 2.0, "cache_aware_ttft": 4.0, "latency": 0.0}
 SCORER_NAMES = tuple(DEFAULT_WEIGHTS)
 """The scorers extproc's plugin registry ships, by the name ``scheduling.weights`` uses: every process
 validates the file at load without importing extproc, and a unit test holds this list to the registry. A

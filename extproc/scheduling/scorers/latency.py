@@ -1,0 +1,117 @@
+"""Predicted time to first token, in seconds, from what each worker must compute before this request's
+first token: the one latency model the pick minimises.
+
+For each candidate w, with P the prompt's tokens and c_w the tokens of its leading blocks w's cache holds:
+
+    U_w = P − c_w                 this request's own prefill there
+    c_w = the KV index's cached prefix (w's event stream in sync), else s_w × P with s_w the affinity
+          strength (``prefix_affinity``: where this session or prefix went last): an unknown worker may hold
+          anything, but is never assumed empty or full
+    Q_w = max(queued_w, waiting_w × U_w)
+          queued_w: the prefill tokens of what every extproc replica placed on w and has not had its first
+          byte yet (the ledger: ``PickContext.pending_prefill_tokens``); waiting_w × U_w stands in for a queue
+          the ledger does not know (requests that reached the engine some other way)
+    R_w = the fastest prefill rate measured (``agent.rates``: computed prompt tokens per second of prefill
+          time) among the candidates of w's kind (same KV capacity and GPU memory: the same card serving the
+          same model), or ``scheduling.default_prefill_tokens_per_s`` while none is known. A request's
+          prefill shares its steps with the others' chunks and decodes, so each worker's own figure falls
+          below what its hardware does, by how busy it happened to be; the best of its kind is the
+          hardware's. Taking each worker's own would make the worker that served the most cached prompts
+          look slow and lose the cold ones it could take (measured in the lab: identical L4s read
+          730-2,700 tokens/s at once).
+    E_w = max(0, U_w + O − free_w)     the cached tokens this request would evict there: its KV (prompt
+          part not cached there, expected output O) beyond the room no block holds, free_w = capacity ×
+          (1 − usage) less what the index says the cache keeps for reuse (an unknown stream: usage only)
+    t(w) = (Q_w + U_w + λ × E_w) / R_w + n_w × d
+
+where n_w is the requests in flight on w (all replicas) and d = ``DECODE_SHARE_S``: each request already
+running there takes its share of every engine step this prefill runs in (vLLM batches decodes with the
+prefill chunks), so between two workers with the same prefill ahead the one with fewer streams answers
+sooner, and the streams there are slowed less.
+
+λ = ``EVICTION_WEIGHT``: an evicted block is a prefix some later request would have found; it costs that
+request its prefill again. Without this term a new prefix goes to any idle worker and pushes out the
+prefixes that worker is warm for, and the next requests for those find them nowhere (the lab: the
+prefix-cache hit rate falls from 0.92 to 0.63 on shared documents); with it, a new prefix goes where it
+displaces least, as the cache-aware routers' "smallest tree" rule does, but weighed against the queue.
+
+The engine is FCFS: everything queued before the request is computed before it, so the prefill ahead is the
+ledger's sum, in tokens, not the number of requests times this request's size. A warm worker's queue is then
+as long as what was really placed there.
+
+score(w) = (t_min + ε) / (t(w) + ε), with t_min the best candidate's and ε = ``FLOOR_S`` (about one engine
+step, below which predictions do not differ): 1 for the best, and the picker's tolerance (1 % of the full
+score) makes candidates within about 1 % of the best prediction equal, chosen at random.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from extproc.scheduling.plugins import PickContext, PickRequest
+from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
+from poolgate.kernel.fleet import WorkerRecord
+
+EVICTION_WEIGHT = 1.0
+"""Seconds of future prefill counted per second of prefill an eviction throws away."""
+DECODE_SHARE_S = 0.002
+"""Seconds a request in flight adds to a prefill's wait on its worker."""
+FLOOR_S = 0.02
+
+
+class PredictedLatency:
+    name = "latency"
+
+    def __init__(self, default_prefill_tokens_per_s: float, decode_share_s: float = DECODE_SHARE_S,
+                 eviction_weight: float = EVICTION_WEIGHT) -> None:
+        self.default_rate = default_prefill_tokens_per_s
+        self.decode_share_s = decode_share_s
+        self.eviction_weight = eviction_weight
+        self._affinity = PrefixAffinity()
+
+    def seconds(self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext) -> list[float]:
+        """t(w) for each candidate, in their order."""
+        blocks, view = request.prompt_blocks, context.prefix_cache
+        prompt = blocks.token_count if blocks is not None else request.prompt_tokens
+        cached = view.cached_tokens(blocks, candidates) if blocks is not None and view is not None else {}
+        strengths: Sequence[float] | None = None
+        queued = context.pending_prefill_tokens.get
+        inflight = context.inflight.get
+        share = self.decode_share_s
+        fastest: dict[tuple[int, float], float] = {}
+        for worker in candidates:
+            kind = (worker.kv_capacity_tokens, worker.gpu_memory_total_mib)
+            if worker.prefill_tokens_per_s > fastest.get(kind, 0.0):
+                fastest[kind] = worker.prefill_tokens_per_s
+        default_rate = self.default_rate
+        weight = self.eviction_weight
+        output = request.output_tokens
+        seconds: list[float] = []
+        for index, worker in enumerate(candidates):
+            hit = cached.get(worker.id)
+            if hit is None:
+                if strengths is None:
+                    strengths = self._affinity.score(request, candidates, context)
+                hit = int(strengths[index] * prompt)
+            own = prompt - hit
+            ahead = max(queued(worker.id, 0), worker.waiting * own)
+            evicted = 0.0
+            capacity = worker.kv_capacity_tokens
+            if weight and capacity:
+                occupied = capacity * worker.kv_usage
+                held = view.held_tokens(worker) if view is not None else None
+                if held is not None and held > occupied:
+                    occupied = held
+                evicted = own + output - (capacity - occupied)
+                if evicted < 0:
+                    evicted = 0.0
+            rate = fastest.get((worker.kv_capacity_tokens, worker.gpu_memory_total_mib)) or default_rate
+            seconds.append((ahead + own + weight * evicted) / rate + inflight(worker.id, 0) * share)
+        return seconds
+
+    def score(
+        self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
+    ) -> Sequence[float]:
+        seconds = self.seconds(request, candidates, context)
+        best = min(seconds) + FLOOR_S
+        return [best / (t + FLOOR_S) for t in seconds]
