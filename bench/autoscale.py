@@ -26,6 +26,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench import host_quiet
 from controller.autoscale import Action, PoolSample, decide
 from poolgate.kernel.config import AutoscaleSettings, PoolScaling
 
@@ -223,7 +224,9 @@ def static_for_peak(scenario: Scenario) -> Result:
     return best
 
 
-def run(scenario: Scenario, out: Path) -> dict[str, object]:
+def run(scenario: Scenario, out: Path, quiet: host_quiet.Sampler | None = None) -> dict[str, object]:
+    """The model run and its reports; ``quiet`` measures the host (a model's figures do not depend on it, but
+    every report says how quiet the host was)."""
     settings = SETTINGS.model_copy(update={"down_running_per_worker": 0.8 * scenario.slots})
     static = static_for_peak(scenario)
     auto = simulate(scenario, None, settings, PoolScaling(min_workers=1, max_workers=static.workers_max * 2))
@@ -237,6 +240,7 @@ def run(scenario: Scenario, out: Path) -> dict[str, object]:
         "goal_met": verdict,
     }
     out.mkdir(parents=True, exist_ok=True)
+    summary = host_quiet.attach(summary, quiet.summary() if quiet else None)
     (out / "autoscale.json").write_text(json.dumps(summary, indent=2))
     with (out / "autoscale_timeline.csv").open("w") as handle:
         handle.write("time_s,offered_rps,autoscaled_workers,static_workers\n")
@@ -281,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         return autoscale_real.run_real(args)
     scenario = QUICK if args.quick else Scenario()
     scenario = Scenario(**{**asdict(scenario), "seed": 7 if args.seed is None else args.seed})
-    run(scenario, Path(args.out))
+    with host_quiet.measure() as quiet:
+        run(scenario, Path(args.out), quiet)
     return 0
 
 

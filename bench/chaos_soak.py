@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench import host_quiet
 from bench.chaos import FAULTS, KEY_PREFIX, MODELS, POOL_MAX_MODEL_LEN, QUOTA_TENANT, REDIS_FAULT, ChaosStack, FaultPlan
 from bench.harness import answers_chat
 from bench.loadgen import Counters, Target, new_session, run_closed_loop
@@ -249,7 +250,7 @@ async def _memory_now(stack: ChaosStack, start: float, samples: list[MemorySampl
     _sample_memory(stack, start, samples)
 
 
-def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
+def report(args: argparse.Namespace, out: Path, run: dict[str, Any], host: host_quiet.HostQuiet | None = None) -> bool:
     sent: list[Sent] = run["sent"]
     classes = class_rows(sent)
     minutes = per_minute(sent)
@@ -323,12 +324,13 @@ def report(args: argparse.Namespace, out: Path, run: dict[str, Any]) -> bool:
                f"{load['end'][0]:.1f}; quota slots left {run['quota_slots_left']}; heartbeat rounds failed "
                f"{run['heartbeat_failures']}\n" + "\n".join(f"  {name}: {'yes' if ok else 'NO'}"
                                                            for name, ok in checks.items())
+               + f"\n{host_quiet.describe(host.as_dict() if host else None)}"
                + f"\n→ {'PASS' if data['passed'] else 'FAIL'}")
     text = "\n\n".join([*tables, summary])
     (out / "soak-chaos.md").write_text(f"# Chaos soak\n\n```\n{text}\n```\n")
     print(text)
     write_report("soak-chaos", data, lambda report_data, axes: _plot(report_data, run, axes), panels=2,
-                 directory=out)
+                 directory=out, host=host)
     return bool(data["passed"])
 
 
@@ -363,5 +365,6 @@ def _plot(data: dict[str, Any], run: dict[str, Any], axes: list[Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = asyncio.run(_soak(args, out))
-    return 0 if report(args, out, result) else 1
+    with host_quiet.measure() as quiet:
+        result = asyncio.run(_soak(args, out))
+    return 0 if report(args, out, result, quiet.stop()) else 1

@@ -36,6 +36,7 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import host_quiet
 from bench.loadgen import new_session
 from bench.replay import Progress, Window, replay
 from bench.report import parse_out_args
@@ -175,6 +176,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"mix at {report['rate']} req/s (model), {report['window_model_s']:.0f} model s, "
              f"time scale {report['time_scale']}, seed {report['seed']}, split from "
              f"{report['min_prompt_tokens']} prompt tokens", "",
+             host_quiet.describe(report.get("host")) + ".", "",
              "| variant | fleet | sent | errors | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p99 | goodput |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -213,7 +215,7 @@ def plot(out: Path, rows: list[dict[str, Any]]) -> None:
     plt.close(figure)
 
 
-async def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+async def run(args: argparse.Namespace, out: Path, quiet: host_quiet.Sampler) -> dict[str, Any]:
     load = "load average " + " ".join(f"{v:.1f}" for v in os.getloadavg())
     report: dict[str, Any] = {"name": "disagg", "rate": args.rate, "min_prompt_tokens": args.min_prompt_tokens,
                               "time_scale": args.time_scale, "seed": args.seed,
@@ -231,6 +233,7 @@ async def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             progress.close()
     report["wall_s"] = time.monotonic() - report.pop("started")
     report["load_after"] = "load average " + " ".join(f"{v:.1f}" for v in os.getloadavg())
+    report = host_quiet.attach(report, quiet.summary())
     (out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
                                                    default=str))
     (out / "report.md").write_text(markdown(report))
@@ -253,7 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, out = parse_out_args(__doc__, add_arguments, argv)
-    report = asyncio.run(run(args, out))
+    with host_quiet.measure() as quiet:
+        report = asyncio.run(run(args, out, quiet))
     print(markdown(report))
     print(f"disaggregation benchmark took {report['wall_s'] / 60:.1f} min (wall)")
     return 0

@@ -42,6 +42,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import host_quiet
 from bench.harness import STREAM_CHUNKS, ProcessGroup, cpu_seconds
 from bench.report import write_report
 from poolgate.envoy_bootstrap import EXTPROC_CLUSTER, render_bootstrap
@@ -410,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 2, help="N of the 'many' side")
     parser.add_argument("--body-bytes", type=int, nargs="+", default=list(BODY_SIZES))
     args = parser.parse_args(argv)
-    report = asyncio.run(bench_all(args.seconds, args.rounds, args.concurrency, args.processes, args.body_bytes))
+    with host_quiet.measure() as quiet:
+        report = asyncio.run(bench_all(args.seconds, args.rounds, args.concurrency, args.processes, args.body_bytes))
     print_report(report)
-    write_report("extproc_overhead", report, plot, panels=3)
+    write_report("extproc_overhead", report, plot, panels=3, host=quiet.stop())
     return 0
 
 

@@ -43,6 +43,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import host_quiet
 from bench.harness import ProcessGroup
 from bench.report import write_report
 from poolgate.envoy_bootstrap import render_bootstrap
@@ -179,12 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args.requests))
+    with host_quiet.measure() as quiet:
+        report = asyncio.run(run(args.requests))
     print(f"{'headers':>8} {'to chosen':>9} {'msgs/req':>8} {'hdrs in body msg':>16} {'p50 ms':>7}  reached")
     for row in report["rows"]:
         print(f"{row['mode']:>8} {row['routed_share']:>9.0%} {row['messages_per_request']:>8.2f} "
               f"{row['headers_in_body_message']:>16.2f} {row['p50_ms']:>7.2f}  {row['reached']}")
-    write_report("extproc_round_trip", report)
+    write_report("extproc_round_trip", report, host=quiet.stop())
     return 0
 
 

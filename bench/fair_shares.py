@@ -31,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import host_quiet
 from bench.report import write_report
 from extproc.flow_queue import FlowQueue
 from extproc.queue_order import QueueOrder
@@ -116,17 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--releases", type=int, default=20_000)
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
-    for load, offered in LOADS.items():
-        for order, lag in ORDERS.items():
-            for processes in (1, 2, 4, 8):
-                rows.append({"load": load, "order": order, **simulate(processes, offered, args.releases, lag)})
+    with host_quiet.measure() as quiet:
+        for load, offered in LOADS.items():
+            for order, lag in ORDERS.items():
+                for processes in (1, 2, 4, 8):
+                    rows.append({"load": load, "order": order, **simulate(processes, offered, args.releases, lag)})
     print(f"{'load':>8} {'order':>13} {'N':>2} {'gold':>6} {'silver':>6} {'bronze':>6} {'max gap':>7} "
           f"{'inversions':>10} {'class-0 wait':>12} {'room used':>9}")
     for r in rows:
         print(f"{r['load']:>8} {r['order']:>13} {r['processes']:>2} {r['share_gold']:>6.1%} "
               f"{r['share_silver']:>6.1%} {r['share_bronze']:>6.1%} {r['max_share_gap']:>7.1%} "
               f"{r['inversion_share']:>10.1%} {r['urgent_wait_releases']:>12.2f} {r['used_per_release']:>9.3f}")
-    write_report("fair_shares", {"tenants": TENANTS, "releases": args.releases, "rows": rows})
+    write_report("fair_shares", {"tenants": TENANTS, "releases": args.releases, "rows": rows}, host=quiet.stop())
     return 0
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import uvloop
 
+from bench import host_quiet
 from bench.harness import ProcessGroup
 from bench.redis_deployments import RedisServer
 from bench.report import Column, Panel, save_rows
@@ -158,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-health-rounds-"))
     freeze_startup_objects()  # the collector set as the controller sets it: its CPU per probe is what is measured
-    rows = [uvloop.run(measure(n, min(args.hung, n // 2), args.steady_s, run_dir, args.trials, args.max_probes_per_s))
-            for n in args.workers]
+    with host_quiet.measure() as quiet:
+        rows = [uvloop.run(measure(n, min(args.hung, n // 2), args.steady_s, run_dir, args.trials,
+                                   args.max_probes_per_s))
+                for n in args.workers]
     save_rows("health_rounds", rows, COLUMNS, x_key="workers",
               panels=[Panel("time", ("round_s", "hung_out_s"), "s"),
                       Panel("monitor CPU per probe", ("cpu_us_per_probe",), "µs")],
-              parameters=vars(args))
+              parameters=vars(args), host=quiet.stop())
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import host_quiet
 from bench.report import Column, Panel, save_rows
 from extproc.kvcache.index import PrefixIndex
 from extproc.kvcache.keys import prompt_keys
@@ -160,14 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    rows = [run(workers, args.blocks_per_worker, args.repeats, args.seed) for workers in args.workers]
-    request = per_request_costs(args.repeats)
+    with host_quiet.measure() as quiet:
+        rows = [run(workers, args.blocks_per_worker, args.repeats, args.seed) for workers in args.workers]
+        request = per_request_costs(args.repeats)
     save_rows("kv_index", rows, COLUMNS, x_key="workers",
               panels=(Panel("16k-token lookup", ("lookup_warm3_us", "lookup_warm_all_us"), "µs", log_y=True),
                       Panel("memory per tracked block", ("bytes_per_block",), "bytes")),
               parameters={"blocks_per_worker": args.blocks_per_worker, "block_size": BLOCK,
                           "prompt_tokens": PROMPT_TOKENS, "repeats": args.repeats, **request,
-                          "cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)})
+                          "cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)},
+              host=quiet.stop())
     print(f"per request: tokenising {request['prompt_tokens']} tokens {request['tokenise_ms']} ms "
           f"(median {request['tokenise_median_ms']} ms), block keys {request['block_keys_ms']} ms")
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; times are each case's fastest run)")

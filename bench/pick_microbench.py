@@ -35,6 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import host_quiet
 from bench.report import Column, Panel, save_rows
 from extproc.request import RequestFacts
 from extproc.scheduling import PickContext, PickRequest, RequestProfiler, build_scheduler
@@ -182,11 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--picks", type=int, default=20_000, help="picks timed per scenario")
     args = parser.parse_args(argv)
-    rows = [run(scenario, args.picks) for scenario in SCENARIOS]
+    with host_quiet.measure() as quiet:
+        rows = [run(scenario, args.picks) for scenario in SCENARIOS]
     save_rows("pick_microbench", rows, COLUMNS, x_key="candidates",
               panels=(Panel("pick time per candidate count", ("p50_us", "p99_us", "own_p99_us"), "µs", log_y=True),),
               parameters={"picks": args.picks, "cpus": os.cpu_count(),
-                          "load_average_1m": round(os.getloadavg()[0], 2)})
+                          "load_average_1m": round(os.getloadavg()[0], 2)}, host=quiet.stop())
     for row in rows:
         for key, label in (("p99_us", "p99 of all picks"), ("own_p99_us", "p99 of each request's own cost")):
             target = float(row["target_p99_us"])

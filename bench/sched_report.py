@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.host_quiet import HostQuiet, attach, describe
 from bench.measure import json_safe
 from bench.report import Column, format_table, plot_ttft_cdf, write_report
 from bench.workload import MIX
@@ -73,6 +74,8 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"{1 / report['time_scale']:g}× slower than real time); every time and rate below is in model "
         "(simulated GPU) seconds unless marked wall.",
         "",
+        describe(report.get("host")) + ".",
+        "",
         f"Capacity: **{capacity['rps']:.2f} requests/s** of the mix — {capacity['method']}",
         "",
         f"Per policy and level: a seeded Poisson trace over a {report['window_model_s']:.1f} s (model) "
@@ -130,7 +133,8 @@ def plot_cdfs(report: Mapping[str, Any], axes: Any) -> None:
         axis.legend(fontsize="small")
 
 
-def write_outputs(out: Path, report: dict[str, Any]) -> None:
+def write_outputs(out: Path, report: dict[str, Any], host: HostQuiet | None = None) -> None:
+    report = attach(report, host)
     levels = len({r["level"] for r in report["rows"]})
     write_report("report", json_safe(report), plot_cdfs if report["rows"] else None, panels=max(1, levels),
                  directory=out)

@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import aiohttp
 
+from bench import host_quiet
 from bench.loadgen import Counters, new_session, run_closed_loop
 from bench.replay import Progress, Window, replay, with_progress
 from bench.report import parse_out_args
@@ -180,8 +181,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, out = parse_out_args(__doc__, add_arguments, argv)
-    report = asyncio.run(run(make_plan(args), out))
-    write_outputs(out, report)
+    with host_quiet.measure() as quiet:
+        report = asyncio.run(run(make_plan(args), out))
+    write_outputs(out, report, quiet.stop())
     print((out / "report.md").read_text())
     return 0
 

@@ -29,6 +29,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import host_quiet
 from bench.report import Column, Panel, save_rows
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
@@ -127,12 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30, help="timed refreshes per figure")
     args = parser.parse_args(argv)
     print(f"{WORKERS:,} workers; medians in ms (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
-    rows = [{"pools": pools, "models": models, **measure(pools, models, args.repeats)}
-            for pools, models in ((1, 1), (200, 25))]
+    with host_quiet.measure() as quiet:
+        rows = [{"pools": pools, "models": models, **measure(pools, models, args.repeats)}
+                for pools, models in ((1, 1), (200, 25))]
     save_rows("snapshot_refresh", rows, COLUMNS, x_key="pools",
               panels=[Panel("refresh at 10,000 workers", ("full_build_ms", "one_change_ms", "unchanged_ms",
                                                            "half_bound_ms"), "ms", log_y=True)],
-              parameters={"workers": WORKERS, "repeats": args.repeats, "load_average": os.getloadavg()[0]})
+              parameters={"workers": WORKERS, "repeats": args.repeats, "load_average": os.getloadavg()[0]},
+              host=quiet.stop())
     return 0
 
 

@@ -35,6 +35,7 @@ import aiohttp
 import orjson
 import yaml
 
+from bench import host_quiet
 from bench.report import Column, Row, format_table
 
 MODEL = "soak-model"
@@ -251,7 +252,7 @@ def stop_stack(process: subprocess.Popen[str]) -> None:
         process.stdout.close()
 
 
-def run(args: argparse.Namespace) -> SoakReport:
+def run(args: argparse.Namespace, quiet: host_quiet.Sampler) -> SoakReport:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     process, base, run_dir = start_stack(out)
@@ -294,7 +295,8 @@ def run(args: argparse.Namespace) -> SoakReport:
     success = sum(r.ok for r in non_streaming) / len(non_streaming) if non_streaming else 0.0
     report = SoakReport(args.minutes, capacity, rate, kills, kinds, windows, memory, success,
                         passed=success >= TARGET_NON_STREAMING and rss_ok)
-    (out / "soak.json").write_text(json.dumps(asdict(report), indent=2))
+    host = quiet.summary()
+    (out / "soak.json").write_text(json.dumps(host_quiet.attach(asdict(report), host), indent=2))
     tables = [
         format_table(kinds, [Column("kind", "kind", "{}"), Column("sent", "sent", "{}"),
                              Column("succeeded", "ok", "{}"), Column("failed", "failed", "{}"),
@@ -307,7 +309,8 @@ def run(args: argparse.Namespace) -> SoakReport:
     ]
     summary = (f"soak {args.minutes:g} min at {rate:.1f} req/s ({args.load:.0%} of {capacity:.1f}), {kills} worker "
                f"kills: non-streaming success {success:.4%} (target {TARGET_NON_STREAMING:.1%}), RSS within "
-               f"±{RSS_TOLERANCE:.0%}: {'yes' if rss_ok else 'no'} → {'PASS' if report.passed else 'FAIL'}")
+               f"±{RSS_TOLERANCE:.0%}: {'yes' if rss_ok else 'no'} → {'PASS' if report.passed else 'FAIL'}\n"
+               + host_quiet.describe(host.as_dict()))
     text = "\n\n".join([*tables, summary])
     (out / "soak.md").write_text(f"# Soak\n\n```\n{text}\n```\n")
     print(text)
@@ -345,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             args.fault_every_s, args.calibrate_s, args.calibrate_warmup_s, args.sample_s = 20.0, 8.0, 3.0, 10.0
 
         return run_chaos(args)
-    report = run(args)
+    with host_quiet.measure() as quiet:
+        report = run(args, quiet)
     return 0 if report.passed else 1
 
 

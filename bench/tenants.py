@@ -40,6 +40,7 @@ import aiohttp
 import orjson
 import yaml
 
+from bench import host_quiet
 from bench.harness import lag_quantile, scrape
 from bench.measure import percentile
 from bench.report import write_report
@@ -343,8 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="short phases (about a minute in all)")
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args.quick))
-    write_report("tenants", report, plot, panels=2, directory=args.out)
+    with host_quiet.measure() as quiet:
+        report = asyncio.run(run(args.quick))
+    write_report("tenants", report, plot, panels=2, directory=args.out, host=quiet.stop())
     phases = report["phases"]
     print(f"fleet capacity {report['fleet_capacity_rps']:.1f} req/s; gold {report['gold_rate_rps']:.1f} req/s, "
           f"bronze {report['bronze_rate_rps']:.1f} req/s")

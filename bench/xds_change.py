@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from bench import host_quiet
 from bench.harness import ProcessGroup
 from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
@@ -117,11 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="clusters per pool; 0 = one per 1,000 workers of a pool past 2,000")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-xds-change-"))
-    rows = [asyncio.run(measure(n, p, args.changes, run_dir, args.endpoint_shards))
-            for p in args.pools for n in args.workers]
+    with host_quiet.measure() as quiet:
+        rows = [asyncio.run(measure(n, p, args.changes, run_dir, args.endpoint_shards))
+                for p in args.pools for n in args.workers]
     save_rows("xds_change", rows, COLUMNS, x_key="workers",
               panels=[Panel("one change, xDS server to Envoy", ("change_p50_ms", "change_p99_ms"), "ms")],
-              parameters=vars(args))
+              parameters=vars(args), host=quiet.stop())
     return 0
 
 
