@@ -2,9 +2,10 @@
 
 ``prepare`` tokenises the prompt with the served model's tokenizer (the pool's configured one, else the
 simulator's for simulated workers, else none: the scheduler estimates) and computes its block keys for
-every block size among the model's publishing workers. Bodies longer than ``inline_bytes`` are tokenised
-in a worker thread, so the event loop never stalls on a long prompt. ``placed`` marks the prompt's blocks
-pending on the chosen worker; ``cached_tokens`` is the view picks read.
+every block size among the model's publishing workers; its token count replaces the prompt estimate
+(``place``). Bodies longer than ``inline_bytes`` are tokenised in a worker thread, so the event loop never
+stalls on a long prompt. ``placed`` marks the prompt's blocks pending on the chosen worker; ``cached_tokens``
+is the view picks read.
 """
 
 from __future__ import annotations
@@ -89,15 +90,18 @@ class CacheLookup:
         return self.index.block_size(worker.id) or worker.kv_block_size
 
     def _plan(self, request: PickRequest) -> tuple[PromptTokenizer, tuple[int, ...]] | None:
-        workers = [w for w in self._snapshot().workers_for(request.model) if w.kv_events_endpoint]
-        if not workers:
-            return None
-        tokenizer = next((self._pool_tokenizers[w.pool] for w in workers if w.pool in self._pool_tokenizers), None)
-        if tokenizer is None and any(w.backend == SIMULATED_BACKEND for w in workers):
+        """The tokenizer and the publishing workers' block sizes. A pool with a configured tokenizer is always
+        tokenised (its exact count replaces the estimate, even where no worker publishes); the simulator's
+        only for simulated workers that publish."""
+        workers = self._snapshot().workers_for(request.model)
+        publishing = [w for w in workers if w.kv_events_endpoint]
+        tokenizers = self._pool_tokenizers
+        tokenizer = next((tokenizers[w.pool] for w in workers if w.pool in tokenizers), None) if tokenizers else None
+        if tokenizer is None and any(w.backend == SIMULATED_BACKEND for w in publishing):
             tokenizer = self._sim
         if tokenizer is None:
             return None
-        return tokenizer, tuple(sorted({self._block_size(w) for w in workers}))
+        return tokenizer, tuple(sorted({self._block_size(w) for w in publishing}))
 
 
 def _prompt_blocks(body: bytes, tokenizer: PromptTokenizer, block_sizes: tuple[int, ...],

@@ -23,6 +23,7 @@ from extproc.pipeline.context import Placement
 from extproc.pipeline.outcomes import Refused
 from extproc.reservations import Reservation, ReservationBook
 from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, Scheduler
+from extproc.scheduling.estimate import exact_prompt
 from extproc.snapshot import FleetSnapshot
 from extproc.tenancy import Tenant
 from poolgate.kernel.config import SchedulingSettings
@@ -59,6 +60,7 @@ class Place:
         self.disagg = disagg
         """Models whose long prompts are split over a prefill and a decode worker (None: no model)."""
         self._default_prefill_rate = settings.default_prefill_tokens_per_s
+        self._task_classes = settings.task_classes
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -80,8 +82,13 @@ class Place:
         return self.prefix_cache is not None and self.prefix_cache.wants(request)
 
     async def prepare(self, request: PickRequest, body: bytes) -> PickRequest:
-        """The request with its prompt's block keys (tokenised off the loop when long)."""
-        return request if self.prefix_cache is None else await self.prefix_cache.prepare(request, body)
+        """The request with its prompt's block keys (tokenised off the loop when long) and then its exact prompt
+        count in place of the estimate: what the decision header shows, the context limit and quotas use."""
+        if self.prefix_cache is None:
+            return request
+        prepared = await self.prefix_cache.prepare(request, body)
+        blocks = prepared.prompt_blocks
+        return prepared if blocks is None else exact_prompt(prepared, blocks.token_count, self._task_classes)
 
     def pick(self, request: PickRequest, subset: frozenset[str] | None) -> (
             Decision | PairDecision | NoCapacity | Refused):

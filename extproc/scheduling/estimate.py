@@ -10,6 +10,9 @@ Two prompt counts serve two purposes:
   and ``REPLY_PRIMING_TOKENS`` once, as Llama-3-style templates spend on role headers), or the count of a
   real tokenizer when ``scheduling.tokenizer_path`` is set.
 
+Once the prompt has been tokenised as the engine tokenises it (a pool's tokenizer with the model's chat
+template, or the simulator's: ``kvcache.lookup``), ``exact_prompt`` puts that count in place of both.
+
 Measured error of the fast estimate (``chars_per_token`` 4), median |estimate − reference| / reference per
 text, on this repository's own docstrings and README paragraphs (prose, 40 texts) and source files (code, 31):
 against the simulated worker's tokenizer 9 % on prose and 7 % on code; against a real 65k-vocabulary BPE
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -140,6 +144,20 @@ def prefix_keys(facts: RequestFacts, chunk_chars: int, max_chunks: int) -> tuple
         chained.reverse()
         keys.extend(chained)
     return tuple(keys)
+
+
+def exact_prompt(request: PickRequest, prompt_tokens: int, rules: TaskClassRules) -> PickRequest:
+    """The request with the engine's own prompt count (its tokenizer and chat template: ``kvcache.lookup``) in
+    place of the estimate: the exact count is both the best guess and the floor a context refusal may use.
+    The task class follows it where the prompt decided it (``long_context`` or not); ``streaming`` was
+    decided by the output and stays."""
+    task_class = request.task_class
+    if task_class != "streaming":
+        if prompt_tokens >= rules.long_context_min_tokens:
+            task_class = "long_context"
+        elif task_class == "long_context":
+            task_class = classify(prompt_tokens, 0, replace(request.facts, stream=False), rules)
+    return replace(request, prompt_tokens=prompt_tokens, min_prompt_tokens=prompt_tokens, task_class=task_class)
 
 
 class RequestProfiler:
