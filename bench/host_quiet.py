@@ -50,6 +50,9 @@ NOISY_LOAD_BEFORE = 0.5
 SAMPLE_INTERVAL_S = 1.0
 TOP_OTHERS = 3
 COMMAND_CHARS = 80
+PEAK_MIN_SPAN_S = 0.5
+"""Shortest interval that counts towards the busiest one: CPU time comes in 10 ms ticks, so a reading taken
+just after the previous one (a report written mid-run) would turn one tick into a core."""
 
 ProcessKey = tuple[int, int]
 """(pid, start time in ticks): a pid reused by a new process is a new key."""
@@ -101,7 +104,7 @@ class HostQuiet:
     load_max: float
     others_cores_mean: float
     others_cores_max: float
-    """The busiest sampling interval."""
+    """The busiest sampling interval (of at least ``PEAK_MIN_SPAN_S``)."""
     top_others: tuple[OtherProcess, ...]
     span_s: float
     samples: int
@@ -198,7 +201,7 @@ class QuietRecord:
         else:
             used = others_ticks(self.last, snapshot, self.own, own)
             span = snapshot.at_s - self.last.at_s
-            if span > 0:
+            if span >= PEAK_MIN_SPAN_S:
                 self.interval_cores.append(sum(used.values()) / self.ticks_per_s / span)
             self.loads.append(snapshot.load_1m)
             for key, ticks in used.items():

@@ -56,6 +56,16 @@ def test_others_cpu_excludes_the_benchmark_tree_and_counts_new_processes_whole()
     assert summary.noisy is False and summary.samples == 2
 
 
+def test_a_reading_right_after_another_does_not_make_a_peak_of_one_tick() -> None:
+    rec = record()
+    rec.add(snap(0.0, 0.0, proc(ME, 1, 0), proc(7000, 1, 0)))
+    rec.add(snap(1.0, 0.0, proc(ME, 1, 0), proc(7000, 1, 10)))
+    rec.add(snap(1.01, 0.0, proc(ME, 1, 0), proc(7000, 1, 11)))
+    summary = rec.summary()
+    assert summary.others_cores_max == pytest.approx(0.1)
+    assert summary.others_cores_mean == pytest.approx(0.11 / 1.01)
+
+
 def test_a_short_lived_child_counts_through_its_parents_reaped_time_once() -> None:
     rec = record()
     rec.add(snap(0.0, 0.0, proc(ME, 1, 0), proc(3000, 1, 10), proc(3001, 3000, 30)))
