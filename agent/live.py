@@ -38,6 +38,12 @@ def live_fields(metrics: EngineMetrics, rates: RateState, gpus: GpuSummary | Non
         fields["ttft_ewma_s"] = round(rates.ttft_ewma_s, 6)
     if rates.prefill_tokens_per_s > 0:
         fields["prefill_tokens_per_s"] = round(rates.prefill_tokens_per_s, 1)
+    if metrics.sleep_level is not None:
+        fields["sleep_level"] = metrics.sleep_level
+    if rates.prefix_cache_hit_rate >= 0:
+        fields["prefix_cache_hit_rate"] = round(rates.prefix_cache_hit_rate, 4)
+    if metrics.waiting_by_reason is not None:
+        fields["waiting_deferred"] = sum(n for reason, n in metrics.waiting_by_reason if reason != "capacity")
     if metrics.lora_adapters is not None:
         fields["lora_adapters"] = orjson.dumps(list(metrics.lora_adapters)).decode()
         fields["max_loras"] = metrics.max_loras or 0
@@ -66,7 +72,7 @@ def notable_change(announced: Mapping[str, Any] | None, current: Mapping[str, An
     """Whether ``current`` differs from the facts last announced enough to move routing decisions."""
     if announced is None:
         return True
-    for key in ("waiting", "kv_capacity_tokens"):
+    for key in ("waiting", "kv_capacity_tokens", "sleep_level"):  # a worker falling asleep or waking moves picks
         if current.get(key) != announced.get(key):
             return True
     before, now = announced.get("kv_usage"), current.get("kv_usage")

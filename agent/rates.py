@@ -1,4 +1,4 @@
-"""Rates that need two scrapes: recent time to first token and observed prefill throughput.
+"""Rates that need two scrapes: recent time to first token, observed prefill throughput, prefix-cache hit rate.
 
 Both are exponentially weighted moving averages of per-interval samples, so a single odd interval does not
 swing routing. Timestamps are passed in (no clock here). A counter that went backwards means the worker
@@ -30,6 +30,10 @@ class RateState:
     prefill_time_sum_s: float | None = None
     prefill_tokens_per_s: float = 0.0
     """0 = unknown."""
+    prefix_cache_hits: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hit_rate: float = -1.0
+    """Cached share of the prompt tokens looked up per interval; -1 = unknown (no lookup yet)."""
 
 
 def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float = DEFAULT_ALPHA) -> RateState:
@@ -48,10 +52,16 @@ def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float
     # Engines without that histogram leave the rate unknown and the scheduler uses its default.
     if prompt_delta and prefill_seconds:
         prefill = _ewma(prefill, prompt_delta / prefill_seconds, alpha, unknown=0.0)
+    hit_rate = state.prefix_cache_hit_rate
+    hits = _delta(state.prefix_cache_hits, metrics.prefix_cache_hits_total)
+    queries = _delta(state.prefix_cache_queries, metrics.prefix_cache_queries_total)
+    if hits is not None and queries:  # no prompt looked up this interval: keep the last value
+        hit_rate = _ewma(hit_rate, min(1.0, hits / queries), alpha, unknown=-1.0)
     return replace(state, at_s=now_s, ttft_sum_s=metrics.ttft_sum_s, ttft_count=metrics.ttft_count,
                    prompt_tokens=metrics.prompt_tokens_total, prefill_time_sum_s=metrics.prefill_time_sum_s,
                    busy=busy, ttft_ewma_s=ttft,
-                   prefill_tokens_per_s=prefill)
+                   prefill_tokens_per_s=prefill, prefix_cache_hits=metrics.prefix_cache_hits_total,
+                   prefix_cache_queries=metrics.prefix_cache_queries_total, prefix_cache_hit_rate=hit_rate)
 
 
 def _delta(before: float | None, after: float | None) -> float | None:

@@ -32,14 +32,26 @@ LORA_INFO = "vllm:lora_requests_info"
 """LoRA adapters in use: labels ``running_lora_adapters`` / ``waiting_lora_adapters`` (comma lists) and
 ``max_lora``; the value is a timestamp and old label sets linger, so the series with the largest value is
 the current one."""
+SLEEP_STATE = "vllm:engine_sleep_state"
+"""vLLM's sleep mode (``POST /sleep``): one series per ``sleep_state`` label, ``awake`` 1 while awake,
+``weights_offloaded`` 1 at sleep level 1, ``discard_all`` 1 at level 2. A sleeping engine still answers
+``/health`` 200 and shows an empty queue, but cannot serve until ``POST /wake_up``."""
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
+"""Prompt tokens the engine's prefix cache held, of those it looked up (V1 engines)."""
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+"""The waiting queue split by ``reason``: ``capacity`` (waiting for room) or ``deferred`` (held back by a
+transient constraint: LoRA budget, KV transfer); the reasons sum to ``vllm:num_requests_waiting``."""
 SIM_GPU_MEMORY_TOTAL = "poolgate_sim_gpu_memory_total_bytes"
 SIM_GPU_MEMORY_USED = "poolgate_sim_gpu_memory_used_bytes"
 SIM_GPU_UTILIZATION = "poolgate_sim_gpu_utilization"
 
 _SUMMED = (RUNNING, WAITING, PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, TTFT_SUM, TTFT_COUNT, PREFILL_TIME_SUM,
-           SIM_GPU_MEMORY_TOTAL, SIM_GPU_MEMORY_USED)
+           PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, SIM_GPU_MEMORY_TOTAL, SIM_GPU_MEMORY_USED)
 _AVERAGED = (KV_USAGE, KV_USAGE_LEGACY, SIM_GPU_UTILIZATION)
-_WANTED = frozenset((*_SUMMED, *_AVERAGED, CACHE_CONFIG, LORA_INFO))
+_LABELLED = (SLEEP_STATE, WAITING_BY_REASON)
+"""Families whose meaning is in a label: kept with their labels, not summed blindly."""
+_WANTED = frozenset((*_SUMMED, *_AVERAGED, *_LABELLED, CACHE_CONFIG, LORA_INFO))
 
 
 class MetricsFormatError(PoolgateError, ValueError):
@@ -69,6 +81,13 @@ class EngineMetrics:
     lora_adapters: tuple[str, ...] | None = None
     """Adapters with requests running or waiting (running first); None = LoRA metric not exported."""
     max_loras: int | None = None
+    sleep_level: int | None = None
+    """0 awake, 1 weights offloaded, 2 weights and cache discarded (the deepest of its engines); None = the
+    worker does not export ``vllm:engine_sleep_state``."""
+    prefix_cache_hits_total: float | None = None
+    prefix_cache_queries_total: float | None = None
+    waiting_by_reason: tuple[tuple[str, int], ...] | None = None
+    """(reason, requests) of the waiting queue, summed over engines, by reason name."""
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -86,12 +105,15 @@ def parse_engine_metrics(text: str, model_name: str | None = None) -> EngineMetr
         raise MetricsFormatError(f"not Prometheus text: {exc}") from exc
     values: dict[str, list[float]] = {}
     cache_configs: list[Mapping[str, str]] = []
+    labelled: dict[str, list[Sample]] = {}
     lora: Sample | None = None
     for sample in samples:
         if model_name is not None and sample.labels.get("model_name", model_name) != model_name:
             continue
         if sample.name == CACHE_CONFIG:
             cache_configs.append(sample.labels)
+        elif sample.name in _LABELLED:
+            labelled.setdefault(sample.name, []).append(sample)
         elif sample.name == LORA_INFO:
             lora = sample if lora is None or sample.value >= lora.value else lora
         else:
@@ -125,7 +147,34 @@ def parse_engine_metrics(text: str, model_name: str | None = None) -> EngineMetr
         sim_gpu_utilization=mean(SIM_GPU_UTILIZATION),
         lora_adapters=None if lora is None else _adapters(lora.labels),
         max_loras=None if lora is None else _positive_int(lora.labels.get("max_lora")) or 0,
+        sleep_level=_sleep_level(labelled.get(SLEEP_STATE, [])),
+        prefix_cache_hits_total=total(PREFIX_CACHE_HITS), prefix_cache_queries_total=total(PREFIX_CACHE_QUERIES),
+        waiting_by_reason=_by_reason(labelled.get(WAITING_BY_REASON, [])),
     )
+
+
+def _sleep_level(samples: list[Sample]) -> int | None:
+    """The deepest sleep of the worker's engines: 2 when ``discard_all``, 1 when ``weights_offloaded`` or not
+    ``awake``, else 0; None when the family is absent."""
+    if not samples:
+        return None
+    engines: dict[str, dict[str, float]] = {}
+    for sample in samples:
+        engines.setdefault(sample.labels.get("engine", ""), {})[sample.labels.get("sleep_state", "")] = sample.value
+    levels = [2 if states.get("discard_all", 0) >= 1 else
+              1 if states.get("weights_offloaded", 0) >= 1 or states.get("awake", 1) < 1 else 0
+              for states in engines.values()]
+    return max(levels)
+
+
+def _by_reason(samples: list[Sample]) -> tuple[tuple[str, int], ...] | None:
+    if not samples:
+        return None
+    counts: dict[str, float] = {}
+    for sample in samples:
+        reason = sample.labels.get("reason", "")
+        counts[reason] = counts.get(reason, 0.0) + sample.value
+    return tuple(sorted((reason, int(count)) for reason, count in counts.items()))
 
 
 def _adapters(labels: Mapping[str, str]) -> tuple[str, ...]:

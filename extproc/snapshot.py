@@ -333,7 +333,7 @@ class FleetIndex:
         if before is None:
             self._count += 1
         shard[worker_id] = after
-        ready = after.state is _READY and not stale
+        ready = after.state is _READY and not stale and not after.sleep_level  # a sleeping engine cannot serve
         restricted = after.pool in self._pool_task_classes
         for name in names_after:
             served = self._served.get(name)

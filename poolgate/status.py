@@ -16,7 +16,8 @@ from poolgate.kernel.redaction import redact_url
 from poolgate.kernel.redis_client import parse_redis_url
 from poolgate.kernel.store import FleetStore, connect
 
-COLUMNS = ("worker", "model", "pool", "state", "address", "in-flight", "kv", "running", "waiting", "age")
+COLUMNS = ("worker", "model", "pool", "state", "address", "in-flight", "kv", "running", "waiting", "prefix hits",
+           "age")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 SERVING = (WorkerState.READY, WorkerState.BUSY)
 
@@ -24,8 +25,9 @@ SERVING = (WorkerState.READY, WorkerState.BUSY)
 def format_table(workers: Sequence[WorkerRecord], inflight: dict[str, int], now: float) -> str:
     rows = [COLUMNS]
     for w in workers:
-        rows.append((w.id, w.model, w.pool, str(w.state), w.address, str(inflight.get(w.id, 0)),
-                     f"{w.kv_usage:.0%}", str(w.running), str(w.waiting), f"{max(0.0, now - w.updated_at):.1f}s"))
+        rows.append((w.id, w.model, w.pool, _state(w), w.address, str(inflight.get(w.id, 0)),
+                     f"{w.kv_usage:.0%}", str(w.running), _waiting(w), _hit_rate(w),
+                     f"{max(0.0, now - w.updated_at):.1f}s"))
     if len(rows) == 1:
         return "no workers registered"
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
@@ -33,12 +35,26 @@ def format_table(workers: Sequence[WorkerRecord], inflight: dict[str, int], now:
                      for row in rows)
 
 
+def _state(worker: WorkerRecord) -> str:
+    """The state, and vLLM's sleep level when the engine sleeps (it then gets no requests)."""
+    return f"{worker.state} (asleep, level {worker.sleep_level})" if worker.sleep_level else str(worker.state)
+
+
+def _waiting(worker: WorkerRecord) -> str:
+    """The engine's queue, with the part held back by LoRA budget or KV transfer rather than by capacity."""
+    return f"{worker.waiting} ({worker.waiting_deferred} deferred)" if worker.waiting_deferred else str(worker.waiting)
+
+
+def _hit_rate(worker: WorkerRecord) -> str:
+    return "-" if worker.prefix_cache_hit_rate < 0 else f"{worker.prefix_cache_hit_rate:.0%}"
+
+
 def format_pools(workers: Sequence[WorkerRecord], inflight: dict[str, int]) -> str:
     """One line per pool: what serves, what waits, how full the KV caches are (the watch view's summary)."""
     lines = []
     for pool in sorted({w.pool for w in workers}):
         members = [w for w in workers if w.pool == pool]
-        serving = [w for w in members if w.state in SERVING]
+        serving = [w for w in members if w.state in SERVING and not w.sleep_level]
         kv = sum(w.kv_usage for w in serving) / len(serving) if serving else 0.0
         lines.append(f"pool {pool}: {len(serving)}/{len(members)} serving, "
                      f"in-flight {sum(inflight.get(w.id, 0) for w in members)}, "

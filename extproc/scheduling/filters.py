@@ -65,8 +65,9 @@ class TaskClassPools:
 
 
 class ReadyAndFresh:
-    """Keeps workers that are Ready and were seen recently (``taken_at - seen_at <= stale_after``).
-    Envoy honours a pin even to a draining or unhealthy host, so only Ready workers may ever be pinned."""
+    """Keeps workers that are Ready, awake and were seen recently (``taken_at - seen_at <= stale_after``).
+    Envoy honours a pin even to a draining or unhealthy host, so only Ready workers may ever be pinned; a
+    sleeping vLLM engine (``sleep_level``) still answers its health probe but cannot serve."""
 
     name = "ready_and_fresh"
 
@@ -81,9 +82,9 @@ class ReadyAndFresh:
             return snapshot.ready_workers_for(request.model)
         ready = WorkerState.READY
         if snapshot.vouched:  # every worker was seen at ``taken_at``
-            return [w for w in candidates if w.state is ready]
+            return [w for w in candidates if w.state is ready and not w.sleep_level]
         oldest = snapshot.taken_at - snapshot.stale_after_s
-        return [w for w in candidates if w.state is ready and w.updated_at >= oldest]
+        return [w for w in candidates if w.state is ready and not w.sleep_level and w.updated_at >= oldest]
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
         return errors.no_worker(request.model, self.retry_after_s)

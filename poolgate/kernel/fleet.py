@@ -57,6 +57,16 @@ class WorkerRecord:
     gpu_memory_free_mib: float = -1.0
     gpu_utilization: float = -1.0
     """0..1 across the worker's GPUs; -1 = unknown (no NVML and no simulated GPU)."""
+    sleep_level: int = 0
+    """vLLM's sleep mode (``vllm:engine_sleep_state``): 0 awake (or not reported), 1 weights offloaded, 2 weights
+    and KV cache discarded. A sleeping engine answers ``/health`` and looks idle, but extproc routes nothing to it
+    until it wakes (the ``ready_and_fresh`` filter)."""
+    prefix_cache_hit_rate: float = -1.0
+    """Share of looked-up prompt tokens the engine's prefix cache held, recently (``vllm:prefix_cache_hits_total``
+    over ``…_queries_total``, a moving average of scrape intervals); -1 = unknown."""
+    waiting_deferred: int = 0
+    """Of ``waiting``, requests held back by a transient constraint (LoRA budget, KV transfer) rather than by
+    capacity (``vllm:num_requests_waiting_by_reason``)."""
     updated_at: float = field(default_factory=time.time)
     """Last liveness report (registration or heartbeat)."""
     metrics_at: float = 0.0
@@ -97,7 +107,8 @@ class WorkerRecord:
 
 
 AGENT_FACTS = ("kv_capacity_tokens", "kv_usage", "running", "waiting", "preemptions_total", "ttft_ewma_s",
-               "prefill_tokens_per_s", "gpu_memory_total_mib", "gpu_memory_free_mib", "gpu_utilization")
+               "prefill_tokens_per_s", "gpu_memory_total_mib", "gpu_memory_free_mib", "gpu_utilization",
+               "sleep_level", "prefix_cache_hit_rate", "waiting_deferred")
 """The agent's observations that lose their meaning with age: readers reset them to ``UNKNOWN_AGENT_FACTS``
 when ``metrics_at`` is older than their staleness bound."""
 UNKNOWN_AGENT_FACTS: Mapping[str, Any] = MappingProxyType(

@@ -15,16 +15,19 @@ from poolgate.kernel.fleet import LIVE_FIELDS
 FULL = EngineMetrics(running=3, waiting=1, kv_usage=0.41234, kv_block_size=16, num_gpu_blocks=1000,
                      preemptions_total=2.0, sim_gpu_memory_total_bytes=8192 * MIB,
                      sim_gpu_memory_used_bytes=6144 * MIB, sim_gpu_utilization=0.5,
-                     lora_adapters=("sql", "chat"), max_loras=2)
+                     lora_adapters=("sql", "chat"), max_loras=2, sleep_level=0,
+                     waiting_by_reason=(("capacity", 1),))
 
 
 def test_full_scrape_fills_every_live_field_but_state() -> None:
-    fields = live_fields(FULL, RateState(ttft_ewma_s=0.125, prefill_tokens_per_s=5000.0), None)
+    rates = RateState(ttft_ewma_s=0.125, prefill_tokens_per_s=5000.0, prefix_cache_hit_rate=0.25)
+    fields = live_fields(FULL, rates, None)
     assert fields == {
         "kv_capacity_tokens": 16000, "kv_block_size": 16, "kv_usage": 0.4123, "running": 3, "waiting": 1,
         "preemptions_total": 2, "ttft_ewma_s": 0.125, "prefill_tokens_per_s": 5000.0,
         "gpu_memory_total_mib": 8192.0, "gpu_memory_free_mib": 2048.0, "gpu_utilization": 0.5,
-        "lora_adapters": '["sql","chat"]', "max_loras": 2,
+        "lora_adapters": '["sql","chat"]', "max_loras": 2, "sleep_level": 0, "prefix_cache_hit_rate": 0.25,
+        "waiting_deferred": 0,
     }
     assert set(fields) == set(LIVE_FIELDS) - {"state", "updated_at", "metrics_at"}
 

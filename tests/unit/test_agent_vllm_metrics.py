@@ -127,7 +127,8 @@ def test_v1_page() -> None:
     metrics = parse_engine_metrics(V1_PAGE)
     assert metrics == EngineMetrics(
         running=3, waiting=2, kv_usage=0.4375, kv_block_size=32, num_gpu_blocks=2000, preemptions_total=4.0,
-        prompt_tokens_total=9100.0, generation_tokens_total=777.0, ttft_sum_s=2.5, ttft_count=10.0)
+        prompt_tokens_total=9100.0, generation_tokens_total=777.0, ttft_sum_s=2.5, ttft_count=10.0,
+        waiting_by_reason=(("capacity", 2),))
     assert metrics.kv_capacity_tokens == 64000
 
 
