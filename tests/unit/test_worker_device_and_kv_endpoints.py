@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,13 @@ async def test_the_autoscaler_starts_cpu_workers_without_asking_for_gpus(tmp_pat
     spec = started[0]
     cmd, env = worker_command(config, spec, 8001)  # type: ignore[arg-type]
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "1"} and "--gpu-memory-utilization" not in cmd
+
+
+def test_the_cpu_example_of_the_docs_is_what_the_controller_runs() -> None:
+    config = parse_config({"pools": [{"name": "chat", "model": "tiny", "max_model_len": 2048}], "workers": [
+        {"id": "cpu", "pool": "chat", "backend": "vllm", "model_path": "/models/tiny", "kv_cache_gib": 2}]})
+    command, env = worker_command(config, config.workers[0], 8001)
+    line = " ".join([f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}", *command])
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "gpu-workers.md").read_text()
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", doc, re.M | re.S)
+    assert line in [" ".join(block.replace("\\\n", " ").split()) for block in blocks]
