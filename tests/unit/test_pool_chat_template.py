@@ -147,3 +147,12 @@ def test_a_template_that_refuses_a_role_raises_its_message() -> None:
                                  "{% endif %}ok", {})
     with pytest.raises(jinja2.exceptions.TemplateError, match="user first"):
         template.render([{"role": "assistant", "content": "x"}])
+
+
+def test_generation_blocks_and_tojson_render_as_in_transformers() -> None:
+    template = JinjaChatTemplate("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+                                 "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}|"
+                                 "{% endfor %}{{ extra | tojson }}", {})
+    rendered = template.render([{"role": "user", "content": "é"}, {"role": "assistant", "content": "b"}],
+                               template_kwargs={"extra": {"k": "é"}})
+    assert rendered == 'é|b|{"k": "é"}'  # tojson keeps non-ASCII text, as transformers' filter does
