@@ -141,8 +141,9 @@ class PeerExchange:
     def queue_reads(self, pipe: Any, known: Container[str]) -> Callable[[list[Any]], None]:
         """Queue the reads of the replicas, the workers' reservations, the new affinity records and the queue
         reports; the callback takes the pipeline's results for them (in order), hands the other replicas'
-        totals on ``known`` workers to the book, their affinity records to the map and their best classes
-        waiting to the order."""
+        totals on ``known`` workers to the book (with this replica's rank among the live ones, which decides
+        its turns on the workers, and the time of the read), their affinity records to the map and their best
+        classes waiting to the order."""
         pipe.hgetall(self._keys.replicas)
         pipe.hgetall(self._keys.reserved)
         if self._affinity is not None:
@@ -173,7 +174,8 @@ class PeerExchange:
                     prefill[worker_id] = prefill.get(worker_id, 0) + parsed[1]
             self._dead_fields = dead
             self.replicas = len(replicas)
-            self._book.apply_peers(kv, prefill, self.replicas)
+            self._book.apply_peers(kv, prefill, self.replicas, rank=sorted(replicas).index(self.replica_id),
+                                   at=self._clock())
         return apply
 
     def _best_elsewhere(self, reports: Any) -> dict[str, int]:

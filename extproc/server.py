@@ -149,6 +149,7 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
     director = service.director
     watcher.publish_queue(director.hold_stage.queue.held_by_domain)
     director.hold_stage.on_queue_change(watcher.flush_soon)
+    director.place.reservations.exchange_s = watcher.exchange_s
     watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
                                             director.place.reservations, affinity=director.place.affinity,
                                             queue_order=director.queue_order))

@@ -36,6 +36,10 @@ from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger(__name__)
 
+FLUSH_BATCH_S = 0.02
+"""The flush loop writes at most this often (one pipeline for many requests' changes)."""
+ROUND_TRIPS_S = 0.02
+"""Margin for the write's and the read's Redis round trips in ``FleetWatcher.exchange_s``."""
 QUEUED_REFRESH_S = 1.0
 """A replica's queue count is rewritten at least this often while non-zero (and at once when it changes);
 well inside the store's ``QUEUED_TTL_S``."""
@@ -159,6 +163,12 @@ class FleetWatcher:
             self._on_refresh()
         return True
 
+    @property
+    def exchange_s(self) -> float:
+        """How long a placement here may stay unseen by another replica: it is written within one flush batch
+        and read at the other's next refresh (``snapshot_refresh_s``), plus the round trips."""
+        return FLUSH_BATCH_S + self._settings.snapshot_refresh_s + ROUND_TRIPS_S
+
     def flush_soon(self) -> None:
         """Something to publish changed besides in-flight counts (the queue): flush within the batch window."""
         self._flush_wake.set()
@@ -254,7 +264,7 @@ class FleetWatcher:
             for wait in waits:
                 wait.cancel()
 
-    async def _flush_loop(self, batch_window_s: float = 0.02) -> None:
+    async def _flush_loop(self, batch_window_s: float = FLUSH_BATCH_S) -> None:
         """Write in-flight deltas at most every ``batch_window_s``: at high request rates one pipeline carries
         many requests' changes instead of one Redis round trip per request (measured: that round trip was
         the largest CPU cost of a request), and other replicas still see the load within 20 ms."""

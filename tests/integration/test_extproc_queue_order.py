@@ -3,9 +3,10 @@ small worker saturated, a high-class request sent after low-class ones are alrea
 every one of them, wherever Envoy sent each stream; and the running streams' in-flight count in Redis adds
 up over the processes that placed them.
 
-The blockers end one by one, so room grows in steps: the low-class requests would fit a process's share of
-it a few steps before the larger high-class one does. Without the shared order the processes holding them
-place them then, seconds before the high-class request."""
+The blockers end one by one, so room grows in steps: the low-class requests would fit the worker's free room
+a step before the larger high-class one does (each larger than what is free while the blockers run, and than
+a process's share of it, so each waits for its process's turn on the worker). Without the shared order the
+processes holding them place them then, before the high-class request."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ from tests.conftest import RedisServer
 from tests.e2e.conftest import RunningStack, poolgate_up
 
 PROCESSES = 4
-KV_BLOCKS, BLOCK = 256, 16  # 4,096 tokens; each process may take a quarter of the room nobody reserved
+KV_BLOCKS, BLOCK = 256, 16  # 4,096 tokens, ~1,500 of them free while the blockers run
 TIME_SCALE = 0.2  # the simulated engine runs five times slower than real time: blockers last seconds
 BLOCKERS, BLOCKER_WORDS = 8, 80  # ~100 prompt tokens (5 characters a word, 4 a token) …
 BLOCKER_OUTPUTS = [190 + 5 * i for i in range(BLOCKERS)]  # … and 190 to 225 output: ending ~0.2 s apart
-LOW_REQUESTS, LOW_WORDS, VIP_WORDS, HELD_OUTPUT = 8, 400, 560, 20  # ~520 and ~720 tokens: neither fits now
+LOW_REQUESTS, LOW_WORDS, VIP_WORDS, HELD_OUTPUT = 8, 1360, 1520, 20  # ~1,720 and ~1,920 tokens: neither fits now
 VIP_KEY, BULK_KEY = "pg-vip-key", "pg-bulk-key"
 ORDER_TOLERANCE_MS = 20
 """Two requests placed a moment apart may reach the worker in either order (Envoy, the worker's loop)."""

@@ -1,17 +1,21 @@
-"""KV reservations shared between extproc replicas: the book's view with the others' share held back, and
-the exchange through a real Redis (what one replica publishes, another reads; a dead one's fades), and the
-affinity records that make a session or prompt prefix follow one worker across replicas."""
+"""KV reservations shared between extproc replicas: the book's view (the others' share of the free room held
+back, except for one request past its share in a replica's turn on a worker), the exchange through a real
+Redis (what one replica publishes, another reads; a dead one's fades), and the affinity records that make a
+session or prompt prefix follow one worker across replicas."""
 
 from __future__ import annotations
 
+import math
+import zlib
 from dataclasses import replace
 
+import pytest
 import redis.asyncio as aioredis
 
 from extproc.affinity import AffinityMap
 from extproc.peers import PRESENCE_REFRESH_S, PRESENCE_TTL_S, PeerExchange, PeerKeys
 from extproc.request import RequestFacts
-from extproc.reservations import ReservationBook
+from extproc.reservations import EXCHANGE_S, TURNS_PER_EXCHANGE, ReservationBook
 from extproc.scheduling.estimate import prefix_keys
 from extproc.snapshot import FleetIndex, FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec
@@ -32,16 +36,81 @@ def test_alone_a_replica_may_use_all_the_free_room() -> None:
     assert book.kv_tokens == {}
 
 
-def test_each_of_four_replicas_may_take_a_quarter_of_the_unreserved_room() -> None:
+def next_turn(worker_id: str, replicas: int, rank: int, after: float) -> float:
+    """A moment inside the next claim window of ``rank`` on the worker after ``after`` (the documented rule:
+    turns of ``4 × exchange_s``, rank (turn + crc32(worker)) mod replicas holds the first half)."""
+    turn_s = TURNS_PER_EXCHANGE * EXCHANGE_S
+    index = math.floor(after / turn_s) + 1
+    while (index + zlib.crc32(worker_id.encode())) % replicas != rank:
+        index += 1
+    return index * turn_s + 0.01
+
+
+def outside_turns(after: float) -> float:
+    """A moment after ``after`` in the second half of a turn, where nobody holds any worker's turn."""
+    turn_s = TURNS_PER_EXCHANGE * EXCHANGE_S
+    return (math.floor(after / turn_s) + 1) * turn_s + turn_s * 0.75
+
+
+def room(book: ReservationBook, free: int = 10_000) -> int:
+    return free - book.kv_tokens.get("w", 0)
+
+
+def test_a_prompt_needing_most_of_the_free_room_fits_either_of_two_replicas_in_its_turn() -> None:
+    books = [ReservationBook(settle_s=0.5) for _ in range(2)]
+    accepted_at: list[list[float]] = [[], []]
+    turn_s = TURNS_PER_EXCHANGE * EXCHANGE_S
+    for step in range(int(2 * 2 * turn_s / 0.01)):  # two replicas' turns, twice over
+        now = 100.0 + step * 0.01
+        for rank, book in enumerate(books):
+            book.apply_peers({}, {}, replicas=2, rank=rank, at=now)
+            book.settle(snapshot(at=now))  # free 10,000, nothing reserved anywhere
+            if room(book) >= 7_000:
+                accepted_at[rank].append(now)
+            else:
+                assert room(book) == 5_000  # outside its turn, its half
+        assert not (accepted_at[0][-1:] == accepted_at[1][-1:] == [now])  # never both at the same moment
+    assert accepted_at[0] and accepted_at[1]  # each replica takes it in its turn (1/2 split: never)
+    for times in accepted_at:
+        assert max(b - a for a, b in zip([100.0, *times], [*times, 100.0 + 4 * turn_s], strict=True)) <= 2 * turn_s
+
+
+def test_alone_a_replica_takes_the_whole_room_at_any_time() -> None:
+    book = ReservationBook(settle_s=0.5)
+    book.apply_peers({}, {}, replicas=1, at=outside_turns(100.0))
+    book.settle(snapshot(at=outside_turns(100.0)))
+    book.reserve("w", 9_000, 500, placed_at=outside_turns(100.0))
+    assert book.kv_tokens == {"w": 9_500}
+
+
+def test_outside_its_turn_each_of_four_replicas_may_take_a_quarter_of_the_unreserved_room() -> None:
     book = ReservationBook(settle_s=0.5)
     book.apply_peers({"w": 2_000}, {"w": 500}, replicas=4)
-    book.settle(snapshot(usage=0.2))  # free 8,000, of which others reserved 2,000: 6,000 unclaimed
-    assert book.kv_tokens == {"w": 2_000 + 4_500}  # the other three replicas' share is held back
+    book.settle(snapshot(usage=0.2))  # free 8,000, of which others reserved 2,000: 6,000 unclaimed (at 100.0
+    assert book.kv_tokens == {"w": 2_000 + 4_500}  # and 100.1 nobody holds a turn): the others' share held back
     assert book.prefill_tokens == {"w": 500}
     book.reserve("w", prompt_tokens=1_000, output_tokens=500, placed_at=100.0)  # 1,500 of its own 1,500
     assert book.kv_tokens == {"w": 8_000} and book.own_kv_tokens == {"w": 1_500}
     book.settle(snapshot(usage=0.2, at=100.1))  # next snapshot: a quarter of what is left unclaimed
     assert book.kv_tokens == {"w": 1_500 + 2_000 + 3_375}
+
+
+def test_in_its_turn_a_replica_may_take_the_whole_room_for_one_request_past_its_share() -> None:
+    now = next_turn("w", 4, 2, 100.0)
+    book = ReservationBook(settle_s=5.0)
+    book.apply_peers({"w": 2_000}, {}, replicas=4, rank=2, at=now)
+    book.settle(snapshot(at=now))  # 8,000 free
+    assert book.kv_tokens == {"w": 2_000}
+    book.reserve("w", 1_000, 500, placed_at=now)  # within its share (2,000): the whole room still
+    assert book.kv_tokens == {"w": 3_500}
+    book.reserve("w", 5_000, 500, placed_at=now)  # past its share: nothing more until the others saw it
+    assert book.kv_tokens == {"w": 10_000}
+    book.apply_peers({"w": 2_000}, {}, replicas=4, rank=2, at=now + 0.05)
+    assert not book.peers_moved
+    book.apply_peers({"w": 2_000}, {}, replicas=4, rank=2, at=now + EXCHANGE_S)
+    assert book.peers_moved  # seen by now: the pick settles again
+    book.settle(snapshot(at=now + 0.05))
+    assert book.kv_tokens == {"w": 2_000 + 7_000}  # still its turn: the 1,000 left
 
 
 def test_a_settle_on_a_changed_snapshot_gives_the_view_a_settle_from_scratch_gives() -> None:
@@ -50,7 +119,7 @@ def test_a_settle_on_a_changed_snapshot_gives_the_view_a_settle_from_scratch_giv
                                      kv_capacity_tokens=10_000, kv_usage=0.1 * i) for i in range(1, 4)}
     book = ReservationBook(settle_s=0.5)
     book.apply_peers({"w1": 1_000}, {}, replicas=2)
-    book.settle(index.replace(records.values(), 100.0))
+    book.settle(index.replace(records.values(), 100.0))  # 100.0 and 100.1: no turn open
     book.reserve("w3", 500, 500, placed_at=100.0)
     records["w2"] = replace(records["w2"], kv_usage=0.5)  # one worker's facts changed
     book.apply_peers({"w1": 2_000}, {}, replicas=2)  # and another replica placed more on w1
@@ -65,17 +134,24 @@ def test_a_settle_on_a_changed_snapshot_gives_the_view_a_settle_from_scratch_giv
         "w3": 1_000 + int((10_000 * (1 - 0.1 * 3) - 1_000) / 2)}
 
 
-def test_four_replicas_picking_at_once_never_promise_more_than_the_free_room() -> None:
+@pytest.mark.parametrize(("usage", "bound"), [(0.0, 10_000 + 600), (0.84, 1_600)])
+def test_four_replicas_picking_at_once_promise_at_most_the_free_room_and_one_request(
+        usage: float, bound: int) -> None:
+    """Every replica fills what its view allows, none seeing the others' placements yet: the shares add up
+    to the free room, and only the replica holding the worker's turn may cross its share, by one request."""
+    now = next_turn("w", 4, 0, 100.0)
     books = [ReservationBook(settle_s=0.5) for _ in range(4)]
-    for book in books:
-        book.apply_peers({}, {}, replicas=4)
-        book.settle(snapshot())
+    for rank, book in enumerate(books):
+        book.apply_peers({}, {}, replicas=4, rank=rank, at=now)
+        book.settle(snapshot(usage=usage, at=now))
     placed = 0
-    for book in books:  # each fills what its view allows, none seeing the others' placements yet
-        while 10_000 - book.kv_tokens.get("w", 0) >= 600:
-            book.reserve("w", 400, 200, placed_at=100.0)
+    for book in books:
+        while room(book, int(10_000 * (1 - usage))) >= 600:
+            book.reserve("w", 400, 200, placed_at=now)
             placed += 600
-    assert placed <= 10_000
+    assert 0 < placed <= bound
+    if usage:  # 1,600 free, a request more than a share (400): the turn holder alone places one
+        assert [book.own_kv_tokens.get("w", 0) for book in books] == [600, 0, 0, 0]
 
 
 async def exchange(redis_client: aioredis.Redis, peer: PeerExchange, worker_ids: list[str] | None = None) -> None:
@@ -88,6 +164,33 @@ async def exchange(redis_client: aioredis.Redis, peer: PeerExchange, worker_ids:
     pipe = redis_client.pipeline(transaction=False)
     apply = peer.queue_reads(pipe, worker_ids or [])
     apply(await pipe.execute())
+
+
+async def test_once_one_replica_placed_the_large_prompt_and_the_exchange_ran_the_other_does_not_promise_it(
+        redis_client: aioredis.Redis) -> None:
+    keys = PeerKeys("peers-claim-test")
+    now = [next_turn("w", 2, 0, 1_000.0)]  # a's turn on w (ranks: "a" 0, "b" 1)
+    books = {name: ReservationBook(settle_s=5.0) for name in ("a", "b")}  # the snapshots never show it
+    peers = {name: PeerExchange(keys, name, book, clock=lambda: now[0]) for name, book in books.items()}
+    for name in ("a", "b", "a", "b"):  # both know there are two of them
+        await exchange(redis_client, peers[name], ["w"])
+        books[name].settle(snapshot(at=now[0]))
+    assert room(books["a"]) == 10_000 and room(books["b"]) == 5_000
+
+    books["a"].reserve("w", 6_000, 1_000, placed_at=now[0])  # 70 % of the free room, in a's turn
+    assert room(books["a"]) == 0  # past its half until the others have seen it
+    now[0] += 0.05
+    await exchange(redis_client, peers["a"], ["w"])
+    await exchange(redis_client, peers["b"], ["w"])
+    books["b"].settle(snapshot(at=now[0]))
+    assert books["b"].kv_tokens["w"] >= 7_000 and room(books["b"]) < 7_000  # b counts a's claim
+    now[0] = next_turn("w", 2, 1, now[0])  # even in b's own turn: the whole room left is 3,000
+    await exchange(redis_client, peers["b"], ["w"])
+    books["b"].settle(snapshot(at=now[0]))
+    assert room(books["b"]) == 3_000
+    await exchange(redis_client, peers["a"], ["w"])
+    books["a"].settle(snapshot(at=now[0]))  # a's claim is old enough to be seen: a's half of what is left
+    assert room(books["a"]) == 1_500
 
 
 async def test_one_replica_reads_what_another_published_and_a_dead_ones_fades(redis_client: aioredis.Redis) -> None:
