@@ -70,6 +70,15 @@ def test_a_kv_events_endpoint_vllm_would_connect_to_is_refused_with_the_fix(endp
         parse_config({"pools": POOLS, "autoscale": {"pools": {"chat": {"template": template}}}})
 
 
+@pytest.mark.parametrize(("endpoint", "replay", "field"), [("tcp://*:0", "tcp://*:5558", "endpoint"),
+                                                         ("tcp://*:5557", "tcp://*:0", "replay_endpoint")])
+def test_a_port_vllm_would_choose_itself_is_refused(endpoint: str, replay: str, field: str) -> None:
+    spec = {"id": "w", "pool": "chat", "backend": "vllm", "model_path": "/models/tiny",
+            "extra_args": _kv_events(endpoint, replay)}
+    with pytest.raises(ConfigError, match=rf"workers.0.extra_args: --kv-events-config: {field} .* give a fixed port"):
+        parse_config({"pools": POOLS, "workers": [spec]})
+
+
 @pytest.mark.parametrize("endpoint", ["tcp://*:5557", "ipc:///tmp/kv.sock", "inproc://kv", "tcp://[::]:5557"])
 def test_endpoints_vllm_binds_are_accepted_and_reach_the_record(endpoint: str) -> None:
     args = _kv_events(endpoint, replay="tcp://*:5558")

@@ -6,7 +6,8 @@ CPU worker given GPU settings is a mistake worth stopping at load.
 
 vLLM's KV-event publisher (``--kv-events-config``) binds its PUB socket only when the ``endpoint`` contains
 ``*`` or ``::`` or is ``ipc://`` / ``inproc://``; any other ``tcp://HOST:P`` it *connects* to. Subscribers
-connect too, so no event ever arrives and nothing reports an error. Its replay socket always binds.
+connect too, so no event ever arrives and nothing reports an error. Its replay socket always binds. Port 0
+(``tcp://*:0``) makes vLLM pick a port it reports only on ``GET /kv_event_sources``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def check_kv_events_args(extra_args: tuple[str, ...]) -> None:
     _, config = kv_events_config(extra_args)
     if not config or not config.get("enable_kv_cache_events"):
         return
+    for field in ("endpoint", "replay_endpoint"):
+        value = config.get(field)
+        if isinstance(value, str) and value.startswith("tcp://") and value.rpartition(":")[2] == "0":
+            raise ValueError(f"{KV_EVENTS_FLAG}: {field} {value!r} lets vLLM choose a port that only its "
+                             f"/kv_event_sources tells, and the worker's record could not name it; give a fixed port")
     endpoint = config.get("endpoint")
     if not isinstance(endpoint, str) or publisher_binds(endpoint):
         return
