@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -61,12 +62,13 @@ def worker_metric(stack: RunningStack, name: str) -> float:
 
 
 async def large_prompts(base_url: str, count: int) -> list[tuple[int, float]]:
-    """``count`` large prompts sent at once: each one's status and seconds to its answer."""
-    body = {"model": "small-model",
-            "messages": [{"role": "user", "content": "word " * (PROMPT_TOKENS * CHARS_PER_TOKEN // 5)}],
-            "max_tokens": OUTPUT_TOKENS, "ignore_eos": True}
+    """``count`` large prompts sent at once: each one's status and seconds to its answer. Each prompt differs
+    from its first block on, so no worker's cache holds any of it: each needs its whole footprint."""
 
     async def one(http: httpx.AsyncClient) -> tuple[int, float]:
+        words = f"{uuid.uuid4().hex} " + "word " * (PROMPT_TOKENS * CHARS_PER_TOKEN // 5 - 7)
+        body = {"model": "small-model", "messages": [{"role": "user", "content": words}],
+                "max_tokens": OUTPUT_TOKENS, "ignore_eos": True}
         started = time.monotonic()
         response = await http.post(f"{base_url}/chat/completions", json=body)
         return response.status_code, time.monotonic() - started
