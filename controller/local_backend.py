@@ -125,14 +125,14 @@ CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 def vllm_command(model_path: str, *, host: str, port: int, served_names: tuple[str, ...], max_model_len: int,
                  gpu_memory_utilization: float, gpus: tuple[int, ...], extra_args: tuple[str, ...] = (),
-                 kv_cache_gib: int | None = None) -> tuple[list[str], dict[str, str]]:
+                 kv_cache_gib: int | None = None, executable: str = "vllm") -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` for one worker, and its device's environment: ``CUDA_VISIBLE_DEVICES`` from its placement
     on GPUs, ``VLLM_CPU_KVCACHE_SPACE`` on CPU (``kv_cache_gib``; no GPU share is passed then).
 
     ``--tensor-parallel-size`` follows the GPU count (a worker on two GPUs shards over both) unless the
     extra arguments set it. Never ``--disable-log-stats``: the agent needs the engine's metrics.
     """
-    cmd = ["vllm", "serve", model_path, "--host", host, "--port", str(port),
+    cmd = [executable, "serve", model_path, "--host", host, "--port", str(port),
            "--served-model-name", *served_names, "--max-model-len", str(max_model_len)]
     if kv_cache_gib is not None:
         env = {CPU_KV_CACHE_ENV: str(kv_cache_gib)}
@@ -165,7 +165,8 @@ def worker_command(config: Config, spec: WorkerSpec, port: int,
     assert spec.model_path is not None  # the config validator guarantees it
     cmd, env = vllm_command(spec.model_path, host=spec.host, port=port, served_names=(pool.model,),
                             max_model_len=pool.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
-                            gpus=spec.gpus, extra_args=extra_args, kv_cache_gib=spec.kv_cache_gib)
+                            gpus=spec.gpus, extra_args=extra_args, kv_cache_gib=spec.kv_cache_gib,
+                            executable=spec.vllm_executable)
     return cmd, {**env, **extra_env}
 
 

@@ -35,6 +35,14 @@ from poolgate.procs import envoy_binary, free_port, wait_port
 from poolgate.status import fleet_table, redis_url_argument
 
 READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_VLLM_S = 600.0
+"""With real ``vllm serve`` workers: an engine imports, loads its weights and compiles before its port opens
+(a minute for a tiny model on two CPU cores, several with two at once; more for large models on GPUs)."""
+
+
+def ready_timeout(config: Config) -> float:
+    """How long ``up`` waits for its pools to serve: longer when a configured worker is a real vLLM."""
+    return READY_TIMEOUT_VLLM_S if any(w.backend == "vllm" for w in config.workers) else READY_TIMEOUT_S
 
 
 def _die_with_parent() -> None:
@@ -444,7 +452,7 @@ async def supervise(stack: Stack, stop: asyncio.Event, max_restarts: int = 5) ->
 
 async def _start_and_wait(stack: Stack) -> None:
     await stack.start()
-    await stack.wait_until_serving()
+    await stack.wait_until_serving(ready_timeout(stack.config))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

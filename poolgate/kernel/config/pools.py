@@ -84,6 +84,9 @@ class WorkerSpec(Section):
     """Simulated GPU preset (``sim`` only)."""
     model_path: str | None = None
     """Hugging Face id or local path (``vllm`` only)."""
+    vllm_executable: str = Field("vllm", min_length=1)
+    """The ``vllm`` command that starts the engine (``vllm`` only): found on ``PATH`` by default, or a path such
+    as a separate venv's ``.venv-vllm/bin/vllm`` (relative paths from the directory ``poolgate up`` runs in)."""
     gpus: tuple[int, ...] = ()
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Share of each GPU's memory vLLM may take (``--gpu-memory-utilization``); GPU workers only."""
