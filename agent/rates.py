@@ -44,19 +44,23 @@ def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float
     first_tokens = _delta(state.ttft_count, metrics.ttft_count)
     if ttft_seconds is not None and first_tokens:  # else no request got its first token: keep the last value
         ttft = _ewma(ttft, ttft_seconds / first_tokens, alpha, unknown=-1.0)
-    prefill = state.prefill_tokens_per_s
-    prompt_delta = _delta(state.prompt_tokens, metrics.prompt_tokens_total)
-    prefill_seconds = _delta(state.prefill_time_sum_s, metrics.prefill_time_sum_s)
-    # Prompt tokens per second of prefill time (vLLM's prefill-phase histogram): the worker's real prompt
-    # speed under its current batching, unlike tokens per wall second, which idle and decode time dilute.
-    # Engines without that histogram leave the rate unknown and the scheduler uses its default.
-    if prompt_delta and prefill_seconds:
-        prefill = _ewma(prefill, prompt_delta / prefill_seconds, alpha, unknown=0.0)
     hit_rate = state.prefix_cache_hit_rate
     hits = _delta(state.prefix_cache_hits, metrics.prefix_cache_hits_total)
     queries = _delta(state.prefix_cache_queries, metrics.prefix_cache_queries_total)
     if hits is not None and queries:  # no prompt looked up this interval: keep the last value
         hit_rate = _ewma(hit_rate, min(1.0, hits / queries), alpha, unknown=-1.0)
+    prefill = state.prefill_tokens_per_s
+    prompt_delta = _delta(state.prompt_tokens, metrics.prompt_tokens_total)
+    prefill_seconds = _delta(state.prefill_time_sum_s, metrics.prefill_time_sum_s)
+    # Prompt tokens computed per second of prefill time (vLLM's prefill-phase histogram): the worker's real
+    # prompt speed under its current batching, unlike tokens per wall second, which idle and decode time
+    # dilute. The prefix cache's hits were not computed: counted in, a worker serving cached prompts would
+    # read tens of times faster than it is (a 6k-token cached document "prefilled" in one step). Engines
+    # without that histogram leave the rate unknown and the scheduler uses its default.
+    if prompt_delta and prefill_seconds:
+        computed = prompt_delta - (hits or 0.0)
+        if computed > 0:
+            prefill = _ewma(prefill, computed / prefill_seconds, alpha, unknown=0.0)
     return replace(state, at_s=now_s, ttft_sum_s=metrics.ttft_sum_s, ttft_count=metrics.ttft_count,
                    prompt_tokens=metrics.prompt_tokens_total, prefill_time_sum_s=metrics.prefill_time_sum_s,
                    busy=busy, ttft_ewma_s=ttft,

@@ -21,6 +21,7 @@ counts it (hit tokens / queried tokens at admission), refusals, and the spread o
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -35,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import orjson
 
+from bench import host_quiet
 from bench.lab_fleet import BLOCK_SIZE, SCRAPE_INTERVAL_S, START_TIME, LabFleet, LabWorker, VirtualLoop, WorkerPlan
 from bench.lab_routers import (
     HOLD,
@@ -77,7 +79,10 @@ HOLD_RETRY_S = 0.05
 DRAIN_LIMIT_S = 600.0
 """Model seconds after the last arrival before the remaining requests are cut (counted as misses)."""
 CAPACITY_WINDOW_S = 240.0
-CAPACITY_PROBES = 8
+CAPACITY_PROBES = 11
+CAPACITY_FILE = Path(__file__).resolve().parent / "lab_capacity.json"
+"""Capacities found by ``--calibrate`` (fleet/scenario/seed → requests per model second): the search costs
+minutes, and its answer only changes with the simulator's model or the scenarios."""
 CAPACITY_CEILING_RPS = 1000.0
 SERVED_WITHIN_S = 5.0
 SERVED_SHARE = 0.95
@@ -336,7 +341,7 @@ class CellSpec:
     scenario: str
     bursty: bool
     level: float
-    duration_s: float
+    requests: int
 
     @property
     def name(self) -> str:
@@ -345,7 +350,8 @@ class CellSpec:
 
 def run_cell(cell: CellSpec, routers: Iterable[tuple[str, RouterFactory]], rate: float, seed: int,
              profiler: RequestProfiler) -> list[dict[str, Any]]:
-    trace = SCENARIOS[cell.scenario].trace(rate * cell.level, cell.duration_s, seed, MODELS, bursty=cell.bursty)
+    offered = rate * cell.level
+    trace = SCENARIOS[cell.scenario].trace(offered, cell.requests / offered, seed, MODELS, bursty=cell.bursty)
     requests = lab_requests(trace, profiler)
     rows = []
     for label, make in routers:
@@ -409,7 +415,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", default="1", help="poolgate's extproc processes, e.g. 1,2,4")
     parser.add_argument("--exchange-s", type=float, default=0.05,
                         help="how often poolgate's processes see each other's placements (model s)")
-    parser.add_argument("--duration-s", type=float, default=600.0, help="arrival window per cell (model s)")
+    parser.add_argument("--requests", type=int, default=2000,
+                        help="about this many requests per cell (the arrival window follows from the rate)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="search each fleet's capacity again and store it (else the stored one is used)")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=SETTINGS",
                         help="also run poolgate with these scheduling settings, a JSON object "
                              '(e.g. \'latency={"weights": {"latency": 1}}\'); repeatable')
@@ -423,6 +432,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.fleets, args.scenarios, args.arrivals, args.levels = "l4", "shared-docs", "poisson", "0.85"
+        args.requests = min(args.requests, 500)
+    with host_quiet.measure() as quiet:
+        rows, capacities, wall = sweep(args)
+    print(f"\nlab wall time {wall:.0f} s")
+    write_report(args.name, {"name": args.name, "parameters": {**vars(args), "capacities": capacities,
+                                                               "wall_s": round(wall, 1)},
+                             "rows": rows}, plot, host=quiet.stop())
+    return 0
+
+
+def sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float], float]:
+    """Every cell the arguments name, each router of them on it: the rows, the capacities used, the wall time."""
     settings = SchedulingSettings()
     profiler = RequestProfiler(settings)
     started = time.perf_counter()
@@ -441,22 +462,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             routers.append((name, router_factory(name, args.seed, settings)))
     rows: list[dict[str, Any]] = []
     capacities: dict[str, float] = {}
+    stored = json.loads(CAPACITY_FILE.read_text()) if CAPACITY_FILE.exists() else {}
     for fleet in args.fleets.split(","):
         for scenario in args.scenarios.split(","):
-            rate = capacity(fleet, scenario, args.seed, settings, profiler)
-            capacities[f"{fleet}/{scenario}"] = round(rate, 3)
+            key = f"{fleet}/{scenario}/{args.seed}"
+            if args.calibrate or key not in stored:
+                stored[key] = round(capacity(fleet, scenario, args.seed, settings, profiler), 3)
+                CAPACITY_FILE.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+            rate = capacities[key] = stored[key]
             for arrivals in args.arrivals.split(","):
                 for level in (float(x) for x in args.levels.split(",")):
-                    cell = CellSpec(fleet, scenario, arrivals == "bursty", level, args.duration_s)
+                    cell = CellSpec(fleet, scenario, arrivals == "bursty", level, args.requests)
                     cell_rows = run_cell(cell, routers, rate, args.seed, profiler)
                     print_rows(cell_rows)
                     rows.extend(cell_rows)
-    wall = time.perf_counter() - started
-    print(f"\nlab wall time {wall:.0f} s")
-    write_report(args.name, {"name": args.name, "parameters": {**vars(args), "capacities": capacities,
-                                                               "wall_s": round(wall, 1)},
-                             "rows": rows}, plot)
-    return 0
+    return rows, capacities, time.perf_counter() - started
 
 
 if __name__ == "__main__":

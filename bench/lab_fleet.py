@@ -75,13 +75,15 @@ class WorkerPlan:
 
 @dataclass
 class _Rates:
-    """The agent's prefill rate, from the counters it reads (``agent.rates``): prompt tokens less prefix-cache
-    hits, per second of the requests' prefill phase (first scheduled to first token)."""
+    """The agent's rates, from the counters it reads (``agent.rates``): prompt tokens less prefix-cache hits
+    per second of the requests' prefill phase (first scheduled to first token), and the hit rate."""
 
     prompt_tokens: float = 0.0
     cache_hits: float = 0.0
     prefill_seconds: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    queries: float = 0.0
+    prefix_cache_hit_rate: float = -1.0
     queued_for: dict[str, float] = field(default_factory=dict)
 
 
@@ -120,7 +122,11 @@ class LabWorker:
             sample = computed / rates.prefill_seconds
             rates.prefill_tokens_per_s = (sample if rates.prefill_tokens_per_s <= 0 else
                                           RATE_ALPHA * sample + (1 - RATE_ALPHA) * rates.prefill_tokens_per_s)
-            rates.prompt_tokens = rates.cache_hits = rates.prefill_seconds = 0.0
+        if rates.queries > 0:
+            sample = min(1.0, rates.cache_hits / rates.queries)
+            rates.prefix_cache_hit_rate = (sample if rates.prefix_cache_hit_rate < 0 else
+                                           RATE_ALPHA * sample + (1 - RATE_ALPHA) * rates.prefix_cache_hit_rate)
+        rates.prompt_tokens = rates.prefill_seconds = rates.queries = rates.cache_hits = 0.0
         kv = self.engine.kv
         return WorkerRecord(
             id=self.plan.id, pool=self.plan.pool, model=self.plan.model, host="10.0.0.1",
@@ -128,7 +134,8 @@ class LabWorker:
             state=WorkerState.READY, kv_capacity_tokens=self.kv_capacity_tokens, kv_block_size=BLOCK_SIZE,
             kv_usage=1.0 - kv.free_blocks / kv.num_blocks if kv.num_blocks else 0.0,
             running=self.engine.num_running, waiting=self.engine.num_waiting,
-            prefill_tokens_per_s=rates.prefill_tokens_per_s, updated_at=now, metrics_at=now,
+            prefill_tokens_per_s=rates.prefill_tokens_per_s, prefix_cache_hit_rate=rates.prefix_cache_hit_rate,
+            updated_at=now, metrics_at=now,
             registered_at=START_TIME, kv_events_endpoint=f"ipc://lab/{self.plan.id}")
 
     def note_step(self, outcome: StepOutcome) -> None:
@@ -136,6 +143,7 @@ class LabWorker:
         self.prefix_cache_hits += outcome.prefix_cache_hits
         rates = self._rates
         rates.cache_hits += outcome.prefix_cache_hits
+        rates.queries += outcome.prefix_cache_queries
         rates.prompt_tokens += outcome.prompt_tokens
         for request_id, queue_s in outcome.queue_times:
             rates.queued_for[request_id] = queue_s

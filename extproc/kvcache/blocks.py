@@ -21,9 +21,12 @@ class PromptBlocks:
 class PrefixCacheView(Protocol):
     """The index as a pick reads it: exact cached-prefix lengths of the workers whose streams are in sync."""
 
-    def cached_tokens(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord]) -> Mapping[str, int]:
+    def cached_tokens(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord],
+                      pending: bool = True) -> Mapping[str, int]:
         """Worker id → prompt tokens its cache holds (the engine reuses at most ``token_count - 1``);
-        candidates whose cache is unknown are absent."""
+        candidates whose cache is unknown are absent. ``pending``: count the blocks of prompts this replica
+        just placed there as held (where the next request will find them once computed); False: only what
+        the worker's events confirmed (what a request can share now, so need not allocate)."""
         ...
 
     def held_tokens(self, worker: WorkerRecord) -> int | None:

@@ -35,6 +35,10 @@ from poolgate.kernel.kv_event_shapes import MEDIUM_GPU
 _NONE: frozenset[str] = frozenset()
 
 
+def _no_pending(key: int) -> dict[str, float] | None:
+    return None
+
+
 @dataclass
 class _Worker:
     blocks: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
@@ -139,21 +143,22 @@ class PrefixIndex:
         worker = self._workers.get(worker_id)
         return worker.block_size if worker is not None else 0
 
-    def cached_blocks(self, keys: Sequence[int], workers: Iterable[str], now: float) -> dict[str, int]:
-        """Leading blocks of ``keys`` each known worker among ``workers`` holds (pending ones included);
-        unknown workers are absent from the answer."""
+    def cached_blocks(self, keys: Sequence[int], workers: Iterable[str], now: float,
+                      pending: bool = True) -> dict[str, int]:
+        """Leading blocks of ``keys`` each known worker among ``workers`` holds (pending ones included unless
+        ``pending`` is False); unknown workers are absent from the answer."""
         active = {w for w in workers if self.is_known(w)}
         depth: dict[str, int] = {}
         position = 0
         holders_of = self._holders.get
-        pending_of = self._pending.get
+        pending_of = self._pending.get if pending else _no_pending
         for key in keys:
             if not active:
                 break
             holders: set[str] | frozenset[str] = holders_of(key, _NONE)
-            pending = pending_of(key)
-            if pending:
-                holders = holders | {w for w, until in pending.items() if until > now}
+            placed = pending_of(key)
+            if placed:
+                holders = holders | {w for w, until in placed.items() if until > now}
             if not active.issubset(holders):
                 for worker_id in active - holders:
                     depth[worker_id] = position

@@ -68,7 +68,8 @@ class CacheLookup:
         if keys:
             self.index.add_pending(worker.id, keys, self._clock())
 
-    def cached_tokens(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord]) -> Mapping[str, int]:
+    def cached_tokens(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord],
+                      pending: bool = True) -> Mapping[str, int]:
         now = self._clock()
         by_size: dict[int, list[str]] = {}
         for worker in candidates:
@@ -78,7 +79,7 @@ class CacheLookup:
             keys = blocks.keys.get(block_size)
             if keys is None:
                 continue
-            for worker_id, depth in self.index.cached_blocks(keys, worker_ids, now).items():
+            for worker_id, depth in self.index.cached_blocks(keys, worker_ids, now, pending).items():
                 cached[worker_id] = min(depth * block_size, max(0, blocks.token_count - 1))
         return cached
 

@@ -21,6 +21,7 @@ from extproc.kvcache.lookup import CacheLookup
 from extproc.metrics import Metrics
 from extproc.pipeline.context import Placement
 from extproc.pipeline.outcomes import Refused
+from extproc.prefill_ledger import PrefillLedger
 from extproc.reservations import Reservation, ReservationBook
 from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, Scheduler
 from extproc.scheduling.estimate import exact_prompt
@@ -60,6 +61,8 @@ class Place:
         self.disagg = disagg
         """Models whose long prompts are split over a prefill and a decode worker (None: no model)."""
         self._default_prefill_rate = settings.default_prefill_tokens_per_s
+        self.ledger = PrefillLedger(settings.default_prefill_tokens_per_s)
+        """The prefill this replica placed on each worker that its engine has not done yet."""
         self._task_classes = settings.task_classes
 
     @property
@@ -74,8 +77,9 @@ class Place:
             self.reservations.settle(snapshot)
             self._settled_for = snapshot
         reservations = self.reservations
-        return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, reservations.prefill_tokens,
-                           self.affinity.entries, self.prefix_cache)
+        ahead = self.ledger.at(self._clock(), reservations.prefill_tokens, reservations.own_prefill_tokens)
+        return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, ahead, self.affinity.entries,
+                           self.prefix_cache)
 
     def wants_prompt(self, request: PickRequest) -> bool:
         """Tokenise this request's prompt first: some worker that may take it reports its cache."""
@@ -116,11 +120,11 @@ class Place:
         rate = max((w.prefill_tokens_per_s for w in workers), default=0.0) or self._default_prefill_rate
         return self._uncached_tokens(request, workers) / rate
 
-    def _uncached_tokens(self, request: PickRequest, workers: tuple[WorkerRecord, ...]) -> int:
+    def _uncached_tokens(self, request: PickRequest, workers: tuple[WorkerRecord, ...], pending: bool = True) -> int:
         blocks = request.prompt_blocks
         if blocks is None or self.prefix_cache is None or not workers:
             return request.prompt_tokens
-        cached = self.prefix_cache.cached_tokens(blocks, workers)
+        cached = self.prefix_cache.cached_tokens(blocks, workers, pending)
         return max(0, blocks.token_count - max(cached.values(), default=0))
 
     def count_no_capacity(self, request: PickRequest, outcome: NoCapacity) -> None:
@@ -137,9 +141,18 @@ class Place:
         worker_id = decision.worker_id
         self._acquire(request, decision, prefill_only=False)
         worker = self.fleet.snapshot.by_id.get(worker_id)
-        # Prefill still to do there, and new KV: a prompt the worker's cache holds costs it only its uncached part.
-        uncached = request.prompt_tokens if worker is None else self._uncached_tokens(request, (worker,))
-        reservation = self.reservations.reserve(worker_id, uncached, request.output_tokens, self._clock())
+        now = self._clock()
+        if worker is None:
+            reservation = self.reservations.reserve(worker_id, request.prompt_tokens, request.output_tokens, now)
+        else:
+            # New KV there: the prompt less what the worker's cache holds now (blocks pending from a request
+            # just placed are not shared by one admitted beside it). Prefill still to do: less the pending
+            # blocks too, which the engine computes first and this request then finds.
+            new_kv = self._uncached_tokens(request, (worker,), pending=False)
+            to_compute = self._uncached_tokens(request, (worker,))
+            reservation = self.reservations.reserve(worker_id, new_kv, request.output_tokens, now,
+                                                    prefill_tokens=to_compute)
+            self.ledger.placed(worker, to_compute, now)
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
         return Placement(decision, reservation, prefill)

@@ -190,5 +190,7 @@ class RequestProfiler:
 def build_profiler(settings: SchedulingSettings) -> RequestProfiler:
     """The profiler the settings ask for; raises ``ConfigError`` at start-up if the tokenizer cannot load."""
     counter = tokenizer_counter(settings.tokenizer_path) if settings.tokenizer_path else None
-    return RequestProfiler(settings, counter, with_prefix_keys=settings.weights.get("prefix_affinity", 0) > 0)
+    # The latency scorer falls back on the affinity map where a worker's cache is not known from its events.
+    affinity = settings.weights.get("prefix_affinity", 0) > 0 or settings.weights.get("latency", 0) > 0
+    return RequestProfiler(settings, counter, with_prefix_keys=affinity)
 

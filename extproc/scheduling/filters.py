@@ -144,8 +144,9 @@ class GpuMemoryWatermark:
 
 class KvFits:
     """Keeps workers whose free KV tokens hold the request's footprint (prompt plus expected output in whole
-    KV blocks: ``kv.kv_footprint``), less the prompt's blocks the worker's cache already holds (the KV-event
-    index; ``kv.kv_room_after``).
+    KV blocks: ``kv.kv_footprint``), less the prompt's blocks the worker's cache already holds as its events
+    confirmed (the KV-event index; ``kv.kv_room_after``). Blocks only pending there (a prompt just placed,
+    not computed yet) are not counted: requests admitted together each allocate their own copy.
 
     free = capacity × (1 − usage − kv_reserve_fraction) − reserved, where reserved is extproc's optimistic
     count of what it placed on the worker since the record was written plus the decode room of its open
@@ -166,7 +167,8 @@ class KvFits:
         reserved = context.reserved_kv_tokens
         total = request.total_tokens
         blocks, view = request.prompt_blocks, context.prefix_cache
-        cached = view.cached_tokens(blocks, candidates) if blocks is not None and view is not None else None
+        cached = (view.cached_tokens(blocks, candidates, pending=False) if blocks is not None and view is not None
+                  else None)
         room = kv_room_after(candidates, total, self.reserve_fraction, reserved, cached)
         return [w for w, left in zip(candidates, room, strict=True)
                 if left >= 0 or self._fits_only_empty(w, total, reserved.get(w.id, 0))]

@@ -33,7 +33,6 @@ class Scheduler:
         self.filters = tuple(filters)
         self.scorers = tuple((scorer, weight) for scorer, weight in scorers if weight > 0)
         self.picker = picker or MaxScore()
-        self._full_score = sum(weight for _, weight in self.scorers)
         self.max_fallbacks = max_fallbacks
         self.explain = explain
         """Fill ``Decision.scores`` (for the debug header); off, a pick allocates nothing for it."""
@@ -62,8 +61,8 @@ class Scheduler:
         if len(candidates) == 1:
             return self._decision(candidates[0], _cluster_of(candidates[0], context), (), request, context)
         scored = [(scorer.score(request, candidates, context), weight) for scorer, weight in self.scorers]
-        totals = _weighted_totals(scored, len(candidates))
-        first = self.picker.choose(totals, self._full_score)
+        totals, full_score = _weighted_totals(scored, len(candidates))
+        first = self.picker.choose(totals, full_score)
         best = candidates[first]
         shards = _shards(context, best.pool)
         cluster = worker_cluster(best.pool, best.id, shards)
@@ -90,18 +89,21 @@ class Scheduler:
                         fallbacks=fallbacks, scores=explained)
 
 
-def _weighted_totals(scored: Sequence[tuple[Sequence[float], float]], count: int) -> list[float]:
+def _weighted_totals(scored: Sequence[tuple[Sequence[float], float]], count: int) -> tuple[list[float], float]:
     """Each candidate's weighted sum of its scores, less what every candidate got alike (``SameScore``: it changes
-    no choice, and skipping it saves a pass over the candidates)."""
+    no choice, and skipping it saves a pass over the candidates); and the full score of the scorers that spoke,
+    the scale of the picker's tie band (a scorer with no opinion on this request must not widen it)."""
     totals: list[float] | None = None
+    full_score = 0.0
     for scores, weight in scored:
         if isinstance(scores, SameScore):
             continue
+        full_score += weight
         if totals is None:
             totals = [weight * score for score in scores]
         else:
             totals = [total + weight * score for total, score in zip(totals, scores)]  # noqa: B905 (hot path)
-    return totals if totals is not None else [0.0] * count
+    return (totals, full_score) if totals is not None else ([0.0] * count, 0.0)
 
 
 def _cluster_of(worker: WorkerRecord, context: PickContext) -> str:

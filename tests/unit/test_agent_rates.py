@@ -73,3 +73,15 @@ def test_prefill_rate_is_smoothed() -> None:
 def test_prefill_rate_unchanged_without_evidence(state: RateState, after: EngineMetrics, now_s: float) -> None:
     state = replace(state, prefill_tokens_per_s=123.0)
     assert advance(state, after, now_s).prefill_tokens_per_s == 123.0
+
+
+def test_prefill_rate_counts_only_the_prompt_tokens_the_cache_did_not_hold() -> None:
+    """6,000 prompt tokens in a second of prefill, 5,000 of them prefix-cache hits: 1,000 computed per second,
+    not 6,000 (a worker serving cached documents must not read as six times faster than it is)."""
+    before = replace(scrape(prompt=0.0, prefill_time=0.0), prefix_cache_hits_total=0.0,
+                     prefix_cache_queries_total=0.0)
+    after = replace(scrape(prompt=6000.0, prefill_time=1.0), prefix_cache_hits_total=5000.0,
+                    prefix_cache_queries_total=6000.0)
+    state = advance(advance(RateState(), before, 0.0), after, 1.0)
+    assert state.prefill_tokens_per_s == pytest.approx(1000.0)
+    assert state.prefix_cache_hit_rate == pytest.approx(5000 / 6000)

@@ -277,19 +277,31 @@ def test_debug_header(enabled: bool) -> None:
     if enabled:
         value = sent[DECISION_HEADER]
         assert value.startswith("worker=w1 pool=chat class=short_chat prompt_tokens=9 output_tokens=256 ")
-        assert "kv_headroom=0." in value and "predicted_ttft=" in value
+        assert "latency=1.000" in value
     assert metrics.registry.get_sample_value("poolgate_extproc_picks_total", {"pool": "chat", "worker": "w1"}) == 1
 
 
+SESSION_TURN = {"model": "llama", "messages": [
+    {"role": "system", "content": "You answer questions about the attached report. " * 60},
+    {"role": "user", "content": "What changed in the second quarter?"}]}
+"""A conversation whose history (~2,400 characters) the session's worker holds: worth more than a few requests
+in flight there."""
+
+
 def test_session_requests_follow_their_worker() -> None:
-    service, _, _ = make_service(ready("a", 9001), ready("b", 9002))
+    now = [NOW]
+    settings = SchedulingSettings()
+    fleet = Fleet(build_snapshot([ready("a", 9001), ready("b", 9002)], POOLS, taken_at=NOW, stale_after_s=3))
+    service = rig(default_scheduler(random.Random(0), settings), fleet, InflightTracker(), Metrics(),
+                  max_request_bytes=LIMIT, scheduling=settings, clock=lambda: now[0])
     state = RequestState()
     service.handle(state, headers("POST", "/v1/chat/completions", x_session_id="s1"))
-    first = pin_of(service.handle(state, body(CHAT)))
-    for _ in range(5):  # the first request is still in flight: least-inflight alone would alternate
+    first = pin_of(service.handle(state, body(SESSION_TURN)))
+    for _ in range(5):  # the first requests are still in flight: balance alone would alternate
+        now[0] += 1.0  # their prefill is done; their streams go on
         other = RequestState()
         service.handle(other, headers("POST", "/v1/chat/completions", x_session_id="s1"))
-        assert pin_of(service.handle(other, body(CHAT))) == first
+        assert pin_of(service.handle(other, body(SESSION_TURN))) == first
 
 
 def pin_of(answer: ProcessingResponse) -> str:

@@ -60,7 +60,7 @@ def test_the_labs_tokeniser_is_the_simulated_workers(scenario: str) -> None:
 def test_a_cell_replays_exactly_by_seed() -> None:
     settings = SchedulingSettings()
     profiler = RequestProfiler(settings)
-    cell = lab.CellSpec("h100", "sessions", bursty=False, level=1.0, duration_s=40.0)
+    cell = lab.CellSpec("h100", "sessions", bursty=False, level=1.0, requests=160)
     routers = [(name, lab.router_factory(name, 3, settings)) for name in ("poolgate", "cache_aware")]
     first = lab.run_cell(cell, routers, rate=4.0, seed=3, profiler=profiler)
     second = lab.run_cell(cell, routers, rate=4.0, seed=3, profiler=profiler)

@@ -17,6 +17,8 @@ from poolgate.kernel.routing import worker_cluster
 
 NOW = 1_000.0
 SETTINGS = SchedulingSettings(task_classes=TaskClassRules(streaming_min_output_tokens=500))
+KV_WEIGHTED = SchedulingSettings(weights={"predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0})
+"""The weighted sum that rates KV headroom (the latency default rates KV only by what a request would evict)."""
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="streams", model="llama", task_classes=("streaming",)))
 
 
@@ -38,15 +40,16 @@ def pick(*workers: WorkerRecord, settings: SchedulingSettings = SETTINGS, chars:
 def test_the_fuller_worker_is_avoided() -> None:
     chosen = Counter()
     for seed in range(50):
-        decision = pick(worker("empty", kv_usage=0.2), worker("full", kv_usage=0.7), seed=seed)
+        decision = pick(worker("empty", kv_usage=0.2), worker("full", kv_usage=0.7), seed=seed, settings=KV_WEIGHTED)
         assert isinstance(decision, Decision)
         chosen[decision.worker_id] += 1
     assert chosen == {"empty": 50}
 
 
 def test_a_shorter_queue_outweighs_a_little_kv() -> None:
-    decision = pick(worker("queued", kv_usage=0.1, waiting=8), worker("free", kv_usage=0.3))
-    assert isinstance(decision, Decision) and decision.worker_id == "free"
+    for settings in (SETTINGS, KV_WEIGHTED):
+        decision = pick(worker("queued", kv_usage=0.1, waiting=8), worker("free", kv_usage=0.3), settings=settings)
+        assert isinstance(decision, Decision) and decision.worker_id == "free"
 
 
 def test_no_room_anywhere_is_no_capacity_not_a_full_worker() -> None:
@@ -70,7 +73,7 @@ def test_no_ready_worker_is_503_not_a_wait() -> None:
 
 
 def test_unknown_capacity_is_used_only_when_nothing_better_is_known() -> None:
-    decision = pick(worker("unknown", kv_capacity_tokens=0), worker("known", kv_usage=0.3))
+    decision = pick(worker("unknown", kv_capacity_tokens=0), worker("known", kv_usage=0.3), settings=KV_WEIGHTED)
     assert isinstance(decision, Decision) and decision.worker_id == "known"
     decision = pick(worker("unknown", kv_capacity_tokens=0), worker("full", kv_usage=0.99), chars=40_000)
     assert isinstance(decision, Decision) and decision.worker_id == "unknown"

@@ -15,7 +15,10 @@ from poolgate.kernel.config import PoolSpec, SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 NOW = 1_000.0
-SETTINGS = SchedulingSettings()
+SETTINGS = SchedulingSettings(weights={"predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0,
+                                       "prefix_affinity": 1.5})
+"""A weighted sum that rates KV headroom: the workers here differ in KV use only, so the quality of a sampled
+pick shows as the rank of the worker's KV use."""
 POOLS = (PoolSpec(name="big", model="llama"),)
 
 

@@ -21,8 +21,8 @@ class TaskClassRules(Section):
     code_models: tuple[str, ...] = ()
 
 
-DEFAULT_WEIGHTS = {"predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0, "prefix_affinity": 1.5,
-                   "lora_affinity": 2.0, "cache_aware_ttft": 4.0, "latency": 0.0}
+DEFAULT_WEIGHTS = {"predicted_ttft": 0.0, "kv_headroom": 0.0, "inflight": 0.0, "prefix_affinity": 0.0,
+                   "lora_affinity": 2.0, "cache_aware_ttft": 0.0, "latency": 1.0}
 SCORER_NAMES = tuple(DEFAULT_WEIGHTS)
 """The scorers extproc's plugin registry ships, by the name ``scheduling.weights`` uses: every process
 validates the file at load without importing extproc, and a unit test holds this list to the registry. A
@@ -54,8 +54,10 @@ class SchedulingSettings(Section):
 
     weights: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     """Scorer name → weight; scores are in [0, 1] and combine as a weighted sum. A missing name weighs 0.
-    Affinity outweighs in-flight balance (a cached prefix skips its prefill) but not a longer queue or less KV.
-    ``lora_affinity`` scores only requests that name a LoRA adapter (an adapter swap stalls the batch)."""
+    By default one scorer decides, ``latency`` (each worker's predicted time to first token: prefill queued
+    there, this prompt's uncached part, what it would evict, requests in flight), and ``lora_affinity``
+    speaks only for requests that name a LoRA adapter (an adapter swap stalls the batch). The older scorers
+    stay available by name, at weight 0."""
     default_prefill_tokens_per_s: float = Field(8000.0, gt=0)
     """Prefill rate assumed for a worker that has not reported one yet."""
     default_output_tokens: int = Field(256, gt=0)

@@ -1,0 +1,40 @@
+"""The prefill ledger: what a replica placed on a worker drains at the worker's prefill rate, and a pick reads
+it with the other replicas' unseen placements."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.prefill_ledger import PrefillLedger
+from poolgate.kernel.fleet import WorkerRecord
+
+
+def worker(worker_id: str, rate: float = 1000.0) -> WorkerRecord:
+    return WorkerRecord(id=worker_id, pool="chat", model="llama", host="h", port=1, prefill_tokens_per_s=rate)
+
+
+def test_placements_queue_up_and_drain_at_the_workers_rate() -> None:
+    ledger = PrefillLedger(default_rate=8000.0)
+    ledger.placed(worker("a"), 3000, now=10.0)
+    ledger.placed(worker("a"), 1000, now=11.0)  # 2,000 left of the first, then this one
+    assert ledger.left("a", 11.0) == pytest.approx(3000)
+    assert ledger.left("a", 13.5) == pytest.approx(500)
+    assert ledger.left("a", 20.0) == 0.0
+    assert ledger.left("b", 11.0) == 0.0
+
+
+def test_an_unknown_rate_drains_at_the_default() -> None:
+    ledger = PrefillLedger(default_rate=8000.0)
+    ledger.placed(worker("a", rate=0.0), 8000, now=0.0)
+    assert ledger.left("a", 0.5) == pytest.approx(4000)
+
+
+def test_a_pick_reads_this_replicas_backlog_and_the_others_unseen_placements() -> None:
+    ledger = PrefillLedger(default_rate=8000.0)
+    ledger.placed(worker("a"), 2000, now=0.0)
+    reserved = {"a": 2000 + 700, "b": 300}  # every replica's prefill reservations, this one's included
+    own = {"a": 2000}
+    ahead = ledger.at(1.0, reserved, own)
+    assert ahead.get("a", 0) == 1000 + 700
+    assert ahead.get("b", 0) == 300
+    assert ahead.get("c", 0) == 0
