@@ -8,6 +8,7 @@ mode). The simulated worker is told vLLM's CPU block size (128), so block-level 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -46,14 +47,20 @@ class Engine:
         return httpx.get(f"{self.url}{path}", headers=self.headers, timeout=timeout)
 
 
-@pytest.fixture(scope="package")
-def sim_engine() -> Iterator[Engine]:
+EMBED_MODEL = "tiny-embed"
+EMBED_ARGS = ("--runner", "pooling", "--convert", "embed")
+"""vLLM's flags for an embedding model (the local backend passes them for a pool with ``task: embed``)."""
+
+
+@contextlib.contextmanager
+def _sim(model: str, args: tuple[str, ...] = ()) -> Iterator[Engine]:
     port, pub, replay = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(port), "--model", MODEL,
+    cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(port), "--model", model,
            "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--time-scale", "20",
-           "--kv-events-config", kv_events_config(pub, replay), "--api-key", API_KEY]
+           "--kv-events-config", kv_events_config(pub, replay), "--api-key", API_KEY, *args]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    engine = Engine("sim", f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    engine = Engine("sim", f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}",
+                    model=model)
     try:
         _wait_health(engine, process)
         yield engine
@@ -61,19 +68,49 @@ def sim_engine() -> Iterator[Engine]:
         stop_process(process)
 
 
-@pytest.fixture(scope="package")
-def vllm_engine() -> Iterator[Engine]:
+@contextlib.contextmanager
+def _vllm(model: str, args: tuple[str, ...] = ()) -> Iterator[Engine]:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"real vLLM: {reason}")
-    with vllm_server(MODEL, max_model_len=MAX_MODEL_LEN,
+    with vllm_server(model, max_model_len=MAX_MODEL_LEN, extra_args=args,
                      env={"VLLM_API_KEY": API_KEY, "VLLM_SERVER_DEV_MODE": "1"}) as server:
-        yield Engine("vllm", server.url, server.kv_endpoint, server.kv_replay_endpoint, server.topic)
+        yield Engine("vllm", server.url, server.kv_endpoint, server.kv_replay_endpoint, server.topic, model=model)
+
+
+@pytest.fixture(scope="package")
+def sim_engine() -> Iterator[Engine]:
+    with _sim(MODEL) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="package")
+def vllm_engine() -> Iterator[Engine]:
+    with _vllm(MODEL) as engine:
+        yield engine
 
 
 @pytest.fixture(params=["sim", "vllm"])
 def engine(request: pytest.FixtureRequest) -> Engine:
     return request.getfixturevalue(f"{request.param}_engine")  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def sim_embed_engine() -> Iterator[Engine]:
+    with _sim(EMBED_MODEL, EMBED_ARGS) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def vllm_embed_engine() -> Iterator[Engine]:
+    with _vllm(EMBED_MODEL, EMBED_ARGS) as engine:
+        yield engine
+
+
+@pytest.fixture(params=["sim", "vllm"])
+def embed_engine(request: pytest.FixtureRequest) -> Engine:
+    """An embedding model (``--runner pooling --convert embed``) on each engine, for one module's tests."""
+    return request.getfixturevalue(f"{request.param}_embed_engine")  # type: ignore[no-any-return]
 
 
 def _wait_health(engine: Engine, process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
