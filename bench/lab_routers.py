@@ -282,6 +282,7 @@ class Poolgate(_Quiet):
         scheduler = build_scheduler(self.settings, random.Random(seed))
         place = Place(scheduler, self, inflight, Metrics(), self.settings, clock=self.clock, timer=self.clock,
                       prefix_cache=lookup)
+        place.reservations.exchange_s = self.exchange_s
         return _Replica(place, inflight, lookup)
 
     @property
@@ -352,7 +353,7 @@ class Poolgate(_Quiet):
                 for worker_id, tokens in book.own_prefill_tokens.items():
                     prefill[worker_id] = prefill.get(worker_id, 0) + tokens
                 replica.place.affinity.apply(records[other])
-            replica.place.reservations.apply_peers(kv, prefill, self.processes)
+            replica.place.reservations.apply_peers(kv, prefill, self.processes, rank=own, at=now)
             replica.inflight.apply_remote(dict(totals))
 
 
