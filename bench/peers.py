@@ -51,7 +51,7 @@ from bench.replay import Progress, Window, replay
 from bench.report import parse_out_args
 from bench.routers import ALL_ROUTERS, ORACLE, PEER_ROUTERS, capacity_weights, make_router
 from bench.scenarios import SCENARIOS, Scenario
-from bench.sched_fleet import LAYOUTS, MODELS, BenchFleet
+from bench.sched_fleet import DEFAULT_LAYOUTS, LAYOUTS, MODELS, BenchFleet
 
 MAIN_ROUTERS = ("poolgate", "least_request_weighted", "vllm-router:cache_aware", "sglang-router:cache_aware")
 ORACLE_SCENARIOS = ("shared-docs", "sessions")
@@ -78,6 +78,8 @@ class Plan:
     agent_wait_s: float
     min_requests: int
     """The arrival window grows (up to ``MAX_WINDOW_FACTOR`` ×) until a trace holds about this many requests."""
+    extproc_processes: int | None = None
+    """poolgate's extproc processes (None: one per core, the default)."""
     oracle: bool = True
     """Also run the oracle on ``ORACLE_SCENARIOS`` at 85 % (its prefix-cache hit rate is the reference)."""
 
@@ -170,7 +172,7 @@ async def run_fleet(session: aiohttp.ClientSession, layout: str, plan: Plan, ven
                     progress: Progress, report: dict[str, Any], out: Path, quiet: host_quiet.Sampler) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix=f"poolgate-bench-peers-{layout}-"))
     report["logs"].append(str(run_dir))
-    fleet = BenchFleet(run_dir, plan.time_scale, LAYOUTS[layout])
+    fleet = BenchFleet(run_dir, plan.time_scale, LAYOUTS[layout], plan.extproc_processes)
     try:
         progress.show(f"starting the {layout} fleet")
         await fleet.start(session)
@@ -242,7 +244,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         window=Window(args.time_scale, args.window_s or (40.0 if quick else 30.0), args.drain_s or 6.0),
         sweep=SweepPlan(clients_per_worker=12, warmup_s=14.0, window_s=14.0, max_steps=3),
         min_requests=args.min_requests,
-        fleets=tuple(args.fleets or (["heterogeneous"] if quick else list(LAYOUTS))),
+        fleets=tuple(args.fleets or (["heterogeneous"] if quick else list(DEFAULT_LAYOUTS))),
         scenarios=tuple(args.scenarios or (["shared-docs"] if quick else list(SCENARIOS))),
         arrivals=tuple(args.arrivals or (["poisson"] if quick else ["poisson", "bursty"])),
         routers=tuple(args.routers or main_routers),
@@ -252,6 +254,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         seed=args.seed,
         agent_wait_s=8.0 if quick else 20.0,
         oracle=not args.no_oracle,
+        extproc_processes=args.extproc_processes,
     )
 
 
@@ -279,6 +282,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shares of capacity of the sweep")
     parser.add_argument("--min-requests", type=int, default=110,
                         help="lengthen a cell's window towards this many requests per router (default %(default)s)")
+    parser.add_argument("--extproc-processes", type=int, help="poolgate's extproc processes (default: one per core)")
     parser.add_argument("--seed", type=int, default=13)
 
 

@@ -71,7 +71,11 @@ LAYOUTS = {layout.name: layout for layout in (
     FleetLayout("heterogeneous", (("chat", "l4-24gb", 6), ("chat", "h100-80gb", 2), ("code", "h100-80gb", 1),
                                   ("code", "l4-24gb", 1))),
     FleetLayout("homogeneous", (("chat", "h100-80gb", 3), ("code", "h100-80gb", 1))),
+    FleetLayout("homogeneous-l4", (("chat", "l4-24gb", 6), ("code", "l4-24gb", 2))),
 )}
+DEFAULT_LAYOUTS = ("heterogeneous", "homogeneous")
+"""The fleets a full ``bench peers`` run covers; ``homogeneous-l4`` (six L4s for chat, as users' first fleets
+often are) runs when named."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +125,12 @@ def scaled_settings(time_scale: float) -> dict[str, dict[str, float]]:
 
 
 def fleet_config(workers: list[WorkerPlan], time_scale: float,
-                 layout: FleetLayout | None = None) -> dict[str, object]:
-    """The poolgate config of the benchmark (YAML-shaped)."""
+                 layout: FleetLayout | None = None, extproc_processes: int | None = None) -> dict[str, object]:
+    """The poolgate config of the benchmark (YAML-shaped); ``extproc_processes`` None: the default (one per
+    core)."""
     settings = scaled_settings(time_scale)
+    if extproc_processes is not None:
+        settings["extproc"]["processes"] = extproc_processes
     pools: list[dict[str, object]] = [{"name": pool, "model": MODELS[role], "max_model_len": POOL_MAX_MODEL_LEN[pool]}
                                       for role, pool in POOL_OF_ROLE.items()]
     split: dict[str, object] = {}
@@ -148,7 +155,8 @@ def fleet_config(workers: list[WorkerPlan], time_scale: float,
 class BenchFleet:
     """Owns every process of the benchmark; ``stop`` always leaves none behind."""
 
-    def __init__(self, run_dir: Path, time_scale: float, layout: FleetLayout = LAYOUTS["heterogeneous"]) -> None:
+    def __init__(self, run_dir: Path, time_scale: float, layout: FleetLayout = LAYOUTS["heterogeneous"],
+                 extproc_processes: int | None = None) -> None:
         self.run_dir = run_dir
         self.time_scale = time_scale
         self.layout = layout
@@ -159,7 +167,8 @@ class BenchFleet:
         """A separate agent, when the controller runs none."""
         self.baseline_weights: dict[str, int] = {}
         config_path = run_dir / "poolgate.yaml"
-        config_path.write_text(yaml.safe_dump(fleet_config(self.workers, time_scale, layout), sort_keys=False))
+        config_path.write_text(yaml.safe_dump(fleet_config(self.workers, time_scale, layout, extproc_processes),
+                                              sort_keys=False))
         self.config = load_config(config_path)
         ports = StackPorts.all_free(self.config.extproc.process_count())
         if layout.prefill_pool is not None:
