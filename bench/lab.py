@@ -378,7 +378,7 @@ def print_rows(rows: Sequence[Mapping[str, Any]]) -> None:
     for row in rows:
         if row["cell"] != cell:
             cell = row["cell"]
-            print(f"\n{cell}  ({row['requests']} requests at {row['rate_per_s']} req/s)")
+            print(f"\n{cell}  ({row['requests']} requests at {row['rate_per_s']} req/s)", flush=True)
             print(f"  {'router':<22} {'p50 s':>7} {'p99 s':>7} {'goodput':>8} {'hit':>6} {'refused':>8} "
                   f"{'spread':>16} {'wall s':>7}")
         spread = sorted(row["per_worker"].values())

@@ -139,12 +139,12 @@ class Place:
             prefill = self.reservations.reserve(decision.prefill.worker_id, request.prompt_tokens, 1, self._clock())
             decision = decision.routed
         worker_id = decision.worker_id
-        self._acquire(request, decision, prefill_only=False)
         worker = self.fleet.snapshot.by_id.get(worker_id)
         now = self._clock()
         if worker is None:
             reservation = self.reservations.reserve(worker_id, request.prompt_tokens, request.output_tokens, now)
         else:
+            # Read before ``_acquire`` marks this prompt's blocks pending there (it would find itself cached).
             # New KV there: the prompt less what the worker's cache holds now (blocks pending from a request
             # just placed are not shared by one admitted beside it). Prefill still to do: less the pending
             # blocks too, which the engine computes first and this request then finds.
@@ -153,6 +153,7 @@ class Place:
             reservation = self.reservations.reserve(worker_id, new_kv, request.output_tokens, now,
                                                     prefill_tokens=to_compute)
             self.ledger.placed(worker, to_compute, now)
+        self._acquire(request, decision, prefill_only=False)
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
         return Placement(decision, reservation, prefill)

@@ -38,3 +38,34 @@ def test_a_pick_reads_this_replicas_backlog_and_the_others_unseen_placements() -
     assert ahead.get("a", 0) == 1000 + 700
     assert ahead.get("b", 0) == 300
     assert ahead.get("c", 0) == 0
+
+
+def test_a_placed_prompt_counts_in_full_on_a_worker_that_does_not_hold_it() -> None:
+    """The placement marks its own blocks pending on the worker: its prefill and KV are read before that, or it
+    would find itself cached there and leave the ledger empty (three 13k-token prompts then piled onto one
+    worker in the lab)."""
+    from types import SimpleNamespace
+
+    from extproc.inflight import InflightTracker
+    from extproc.metrics import Metrics
+    from extproc.pipeline.place import Place
+    from extproc.scheduling import Decision, build_scheduler
+    from extproc.snapshot import build_snapshot
+    from poolgate.kernel.config import SchedulingSettings
+    from tests.unit.test_latency_model import NOW, POOLS, PROMPT, lookup_over, pick_request
+    from tests.unit.test_latency_model import worker as publishing_worker
+
+    workers = [publishing_worker("cold")]
+    lookup = lookup_over(workers, {})
+    fleet = SimpleNamespace(snapshot=build_snapshot(workers, POOLS, NOW, 3.0))
+    settings = SchedulingSettings()
+    place = Place(build_scheduler(settings), fleet, InflightTracker(), Metrics(), settings, clock=lambda: NOW,
+                  prefix_cache=lookup)
+    request = pick_request({"model": "llama", "prompt": PROMPT}, lookup)
+    decision = place.pick(request, None)
+    assert isinstance(decision, Decision)
+    placement = place.commit(request, decision)
+    assert placement.reservation.prefill_tokens == len(PROMPT)
+    assert place.ledger.left("cold", NOW) == len(PROMPT)
+    # The next request with the same prompt finds it pending there: little prefill of its own, behind this one.
+    assert place.context().pending_prefill_tokens.get("cold", 0) == len(PROMPT)
