@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -423,6 +425,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run poolgate with these scheduling settings, a JSON object "
                              '(e.g. \'latency={"weights": {"latency": 1}}\'); repeatable')
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cells run in parallel processes")
     parser.add_argument("--name", default="lab", help="report name under bench/reports")
 
 
@@ -442,16 +445,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float], float]:
-    """Every cell the arguments name, each router of them on it: the rows, the capacities used, the wall time."""
+def routers_of(args: argparse.Namespace) -> list[tuple[str, RouterFactory]]:
+    """The routers the arguments name: poolgate (and each ``--variant``) at each ``--processes``, the others."""
     settings = SchedulingSettings()
-    profiler = RequestProfiler(settings)
-    started = time.perf_counter()
-    routers: list[tuple[str, RouterFactory]] = []
     variants = [("poolgate", settings)]
     for variant in args.variant:
         label, _, section = variant.partition("=")
         variants.append((f"poolgate:{label}", PLUGINS.settings(orjson.loads(section))))
+    routers: list[tuple[str, RouterFactory]] = []
     for name in args.routers.split(","):
         if name == "poolgate":
             for label, variant_settings in variants:
@@ -460,9 +461,26 @@ def sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, flo
                                     router_factory(name, args.seed, variant_settings, processes, args.exchange_s)))
         else:
             routers.append((name, router_factory(name, args.seed, settings)))
-    rows: list[dict[str, Any]] = []
+    return routers
+
+
+def cell_rows(cell: CellSpec, rate: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One cell, every router of the arguments (a function of its arguments alone: it runs in a worker
+    process of the sweep)."""
+    return run_cell(cell, routers_of(args), rate, args.seed, RequestProfiler(SchedulingSettings()))
+
+
+def sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float], float]:
+    """Every cell the arguments name, each router of them on it, cells spread over ``--jobs`` processes (each
+    cell is deterministic, so the rows do not depend on how many): the rows, the capacities used, the wall
+    time."""
+    started = time.perf_counter()
+    settings = SchedulingSettings()
+    profiler = RequestProfiler(settings)
+    routers_of(args)  # a bad --variant or router name fails here, before any cell runs
     capacities: dict[str, float] = {}
     stored = json.loads(CAPACITY_FILE.read_text()) if CAPACITY_FILE.exists() else {}
+    cells: list[tuple[CellSpec, float]] = []
     for fleet in args.fleets.split(","):
         for scenario in args.scenarios.split(","):
             key = f"{fleet}/{scenario}/{args.seed}"
@@ -472,10 +490,12 @@ def sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, flo
             rate = capacities[key] = stored[key]
             for arrivals in args.arrivals.split(","):
                 for level in (float(x) for x in args.levels.split(",")):
-                    cell = CellSpec(fleet, scenario, arrivals == "bursty", level, args.requests)
-                    cell_rows = run_cell(cell, routers, rate, args.seed, profiler)
-                    print_rows(cell_rows)
-                    rows.extend(cell_rows)
+                    cells.append((CellSpec(fleet, scenario, arrivals == "bursty", level, args.requests), rate))
+    rows: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for cell_result in pool.map(cell_rows, *zip(*cells, strict=True), [args] * len(cells)):
+            print_rows(cell_result)
+            rows.extend(cell_result)
     return rows, capacities, time.perf_counter() - started
 
 
