@@ -9,6 +9,7 @@ mode). The simulated worker is told vLLM's CPU block size (128), so block-level 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -53,12 +54,13 @@ EMBED_ARGS = ("--runner", "pooling", "--convert", "embed")
 
 
 @contextlib.contextmanager
-def _sim(model: str, args: tuple[str, ...] = ()) -> Iterator[Engine]:
+def _sim(model: str, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[Engine]:
     port, pub, replay = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(port), "--model", model,
            "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--time-scale", "20",
            "--kv-events-config", kv_events_config(pub, replay), "--api-key", API_KEY, *args]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, **(env or {})})
     engine = Engine("sim", f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}",
                     model=model)
     try:
@@ -69,12 +71,12 @@ def _sim(model: str, args: tuple[str, ...] = ()) -> Iterator[Engine]:
 
 
 @contextlib.contextmanager
-def _vllm(model: str, args: tuple[str, ...] = ()) -> Iterator[Engine]:
+def _vllm(model: str, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[Engine]:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"real vLLM: {reason}")
     with vllm_server(model, max_model_len=MAX_MODEL_LEN, extra_args=args,
-                     env={"VLLM_API_KEY": API_KEY, "VLLM_SERVER_DEV_MODE": "1"}) as server:
+                     env={"VLLM_API_KEY": API_KEY, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}) as server:
         yield Engine("vllm", server.url, server.kv_endpoint, server.kv_replay_endpoint, server.topic, model=model)
 
 
