@@ -47,9 +47,10 @@ score) makes candidates within about 1 % of the best prediction equal, chosen at
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
-from extproc.scheduling.plugins import PickContext, PickRequest
+from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
 from poolgate.kernel.fleet import WorkerRecord
 
@@ -60,6 +61,7 @@ INFLIGHT_TOKENS = 100
 gave the best p99 on sessions (0.57 s; 200: 0.67 s, 1,000: 2.36 s, where balance outweighed the cached
 system prompts) at no loss on the mix (5.79 s; 1,000: 5.77 s) or shared documents (1.93 s)."""
 FLOOR_S = 0.02
+_NONE_CACHED: Mapping[str, int] = MappingProxyType({})
 
 
 class PredictedLatency:
@@ -71,47 +73,74 @@ class PredictedLatency:
         self.inflight_tokens = inflight_tokens
         self.eviction_weight = eviction_weight
         self._affinity = PrefixAffinity()
+        self._rates_of: object = None
+        self._rates: dict[str, dict[tuple[int, float], float]] = {}
 
     def seconds(self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext) -> list[float]:
-        """t(w) for each candidate, in their order."""
+        """t(w) for each candidate, in their order (one pass after the rates; the pick's hot loop)."""
         blocks, view = request.prompt_blocks, context.prefix_cache
         prompt = blocks.token_count if blocks is not None else request.prompt_tokens
-        cached = view.cached_tokens(blocks, candidates) if blocks is not None and view is not None else {}
-        strengths: Sequence[float] | None = None
+        cached: Mapping[str, int] = (view.cached_tokens(blocks, candidates) if blocks is not None and view is not None
+                                     else _NONE_CACHED)
+        if len(cached) == len(candidates):
+            strengths: Sequence[float] = SameScore(len(candidates))  # every cache known: no estimate needed
+        else:
+            strengths = self._affinity.score(request, candidates, context)
+        uniform = strengths.value if isinstance(strengths, SameScore) else None
+        fastest = self._kind_rates(context, request.model, candidates)
         queued = context.pending_prefill_tokens.get
         inflight = context.inflight.get
+        hit_of = cached.get
+        held_of = view.held_tokens if view is not None else None
         per_request = self.inflight_tokens
-        fastest: dict[tuple[int, float], float] = {}
-        for worker in candidates:
-            kind = (worker.kv_capacity_tokens, worker.gpu_memory_total_mib)
-            if worker.prefill_tokens_per_s > fastest.get(kind, 0.0):
-                fastest[kind] = worker.prefill_tokens_per_s
         default_rate = self.default_rate
         weight = self.eviction_weight
         output = request.output_tokens
         seconds: list[float] = []
         for index, worker in enumerate(candidates):
-            hit = cached.get(worker.id)
+            worker_id = worker.id
+            hit = hit_of(worker_id)
             if hit is None:
-                if strengths is None:
-                    strengths = self._affinity.score(request, candidates, context)
-                hit = int(strengths[index] * prompt)
+                hit = int((uniform if uniform is not None else strengths[index]) * prompt)
             own = prompt - hit
-            ahead = max(queued(worker.id, 0), worker.waiting * own)
-            evicted = 0.0
+            ahead = queued(worker_id, 0)
+            waiting = worker.waiting * own
+            if waiting > ahead:
+                ahead = waiting
+            work = ahead + own + per_request * inflight(worker_id, 0)
             capacity = worker.kv_capacity_tokens
-            reuse = worker.prefix_cache_hit_rate if worker.prefix_cache_hit_rate >= 0 else weight
+            reuse = worker.prefix_cache_hit_rate
+            if reuse < 0:
+                reuse = weight
             if reuse and capacity:
                 occupied = capacity * worker.kv_usage
-                held = view.held_tokens(worker) if view is not None else None
-                if held is not None and held > occupied:
-                    occupied = held
+                if held_of is not None:
+                    held = held_of(worker)
+                    if held is not None and held > occupied:
+                        occupied = held
                 evicted = own + output - (capacity - occupied)
-                if evicted < 0:
-                    evicted = 0.0
-            rate = fastest.get((worker.kv_capacity_tokens, worker.gpu_memory_total_mib)) or default_rate
-            seconds.append((ahead + own + reuse * evicted + per_request * inflight(worker.id, 0)) / rate)
+                if evicted > 0:
+                    work += reuse * evicted
+            rate = fastest.get((capacity, worker.gpu_memory_total_mib)) or default_rate
+            seconds.append(work / rate)
         return seconds
+
+    def _kind_rates(self, context: PickContext, model: str,
+                    candidates: Sequence[WorkerRecord]) -> dict[tuple[int, float], float]:
+        """(KV capacity, GPU memory) → the fastest prefill rate among the model's ready workers of that kind,
+        worked out once per snapshot and model (the pick's candidates are among them)."""
+        snapshot = context.snapshot
+        if snapshot is not self._rates_of:
+            self._rates_of, self._rates = snapshot, {}
+        fastest = self._rates.get(model)
+        if fastest is None:
+            fastest = {}
+            for worker in (*snapshot.ready_workers_for(model), *candidates):
+                kind = (worker.kv_capacity_tokens, worker.gpu_memory_total_mib)
+                if worker.prefill_tokens_per_s > fastest.get(kind, 0.0):
+                    fastest[kind] = worker.prefill_tokens_per_s
+            self._rates[model] = fastest
+        return fastest
 
     def score(
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext
