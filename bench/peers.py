@@ -51,7 +51,7 @@ from bench.replay import Progress, Window, replay
 from bench.report import parse_out_args
 from bench.routers import ALL_ROUTERS, ORACLE, PEER_ROUTERS, capacity_weights, make_router
 from bench.scenarios import SCENARIOS, Scenario
-from bench.sched_fleet import DEFAULT_LAYOUTS, LAYOUTS, MODELS, BenchFleet
+from bench.sched_fleet import LAYOUTS, MODELS, BenchFleet
 
 MAIN_ROUTERS = ("poolgate", "least_request_weighted", "vllm-router:cache_aware", "sglang-router:cache_aware")
 ORACLE_SCENARIOS = ("shared-docs", "sessions")
@@ -244,7 +244,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         window=Window(args.time_scale, args.window_s or (40.0 if quick else 30.0), args.drain_s or 6.0),
         sweep=SweepPlan(clients_per_worker=12, warmup_s=14.0, window_s=14.0, max_steps=3),
         min_requests=args.min_requests,
-        fleets=tuple(args.fleets or (["heterogeneous"] if quick else list(DEFAULT_LAYOUTS))),
+        fleets=tuple(args.fleets or (["heterogeneous"] if quick else list(LAYOUTS))),
         scenarios=tuple(args.scenarios or (["shared-docs"] if quick else list(SCENARIOS))),
         arrivals=tuple(args.arrivals or (["poisson"] if quick else ["poisson", "bursty"])),
         routers=tuple(args.routers or main_routers),

@@ -71,11 +71,7 @@ LAYOUTS = {layout.name: layout for layout in (
     FleetLayout("heterogeneous", (("chat", "l4-24gb", 6), ("chat", "h100-80gb", 2), ("code", "h100-80gb", 1),
                                   ("code", "l4-24gb", 1))),
     FleetLayout("homogeneous", (("chat", "h100-80gb", 3), ("code", "h100-80gb", 1))),
-    FleetLayout("homogeneous-l4", (("chat", "l4-24gb", 6), ("code", "l4-24gb", 2))),
 )}
-DEFAULT_LAYOUTS = ("heterogeneous", "homogeneous")
-"""The fleets a full ``bench peers`` run covers; ``homogeneous-l4`` (six L4s for chat, as users' first fleets
-often are) runs when named."""
 
 
 @dataclass(frozen=True)
