@@ -9,16 +9,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from tests.vllm_tiny_model import CHAT_TEMPLATE
+
 BOS, EOS = "<|begin_of_text|>", "<|eot_id|>"
 SPECIALS = [BOS, "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", EOS]
-LLAMA3_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}"
-    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
-    "{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
+LLAMA3_TEMPLATE = CHAT_TEMPLATE
+"""The real-vLLM tiny model's template (``tests/vllm_tiny_model.py``): one declaration for both."""
 TRAINING_TEXT = [
     "You are a helpful assistant. Answer briefly and precisely.",
     "What is the capital of France? Paris is the capital of France.",
