@@ -38,6 +38,7 @@ import aiohttp
 from controller.backend import PlacementRefused
 from controller.kv_events_launch import KvEventsLaunch, kv_events_launch, kv_socket_path
 from controller.placement import GpuFree, Placement, place
+from poolgate.kernel.child_process import own_group_dying_with_parent
 from poolgate.kernel.config import (
     Config,
     ControllerSettings,
@@ -370,7 +371,8 @@ class LocalProcessBackend:
         try:
             worker.process = await asyncio.create_subprocess_exec(
                 *cmd, stdout=log_file, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **extra_env}, start_new_session=True,  # its own group: see _signal_group
+                env={**os.environ, **extra_env},
+                preexec_fn=own_group_dying_with_parent,  # its own group (_signal_group); ends if the controller dies
             )
         finally:
             log_file.close()

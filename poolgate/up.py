@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import os
 import secrets
 import shutil
@@ -27,6 +26,7 @@ import aiohttp
 import orjson
 import yaml
 
+from poolgate.kernel.child_process import own_group_dying_with_parent
 from poolgate.kernel.config import Config, ConfigError, load_config
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.redaction import redact_url
@@ -43,15 +43,6 @@ READY_TIMEOUT_VLLM_S = 600.0
 def ready_timeout(config: Config) -> float:
     """How long ``up`` waits for its pools to serve: longer when a configured worker is a real vLLM."""
     return READY_TIMEOUT_VLLM_S if any(w.backend == "vllm" for w in config.workers) else READY_TIMEOUT_S
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: own process group, and SIGTERM when ``up`` dies (Linux prctl)."""
-    os.setsid()
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 @dataclass
@@ -118,7 +109,7 @@ class Stack:
         with log_path.open("ab") as log_file:
             return await asyncio.create_subprocess_exec(
                 *cmd, stdout=log_file, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **env}, preexec_fn=_die_with_parent,
+                env={**os.environ, **env}, preexec_fn=own_group_dying_with_parent,
             )
 
     async def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:

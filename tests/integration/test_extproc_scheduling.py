@@ -22,10 +22,17 @@ LONG_PROMPT = {"model": "llama", "max_tokens": 50,
 """About 7000 prompt tokens: fits an empty 10 000-token worker, not one at 50 % usage."""
 
 
-def config(max_wait_s: float = 5.0) -> Config:
+def config(max_wait_s: float = 5.0, weights: dict[str, float] | None = None) -> Config:
+    scheduling = SchedulingSettings(max_wait_s=max_wait_s, retry_after_s=2)
+    if weights is not None:
+        scheduling = SchedulingSettings(max_wait_s=max_wait_s, retry_after_s=2, weights=weights)
     return Config(key_prefix=PREFIX, pools=(PoolSpec(name="chat", model="llama", max_model_len=16384),),
-                  extproc=ExtprocSettings(max_request_bytes=LIMIT, snapshot_refresh_s=0.05),
-                  scheduling=SchedulingSettings(max_wait_s=max_wait_s, retry_after_s=2))
+                  extproc=ExtprocSettings(max_request_bytes=LIMIT, snapshot_refresh_s=0.05), scheduling=scheduling)
+
+
+KV_WEIGHTED = {"predicted_ttft": 3.0, "kv_headroom": 2.0, "inflight": 1.0}
+"""A weighted sum that rates KV headroom. The default latency model rates KV only by what a request would evict,
+and a short prompt evicts nothing on either worker here."""
 
 
 def worker(worker_id: str, port: int, kv_usage: float) -> WorkerRecord:
@@ -55,7 +62,7 @@ async def test_the_fuller_worker_is_avoided(redis_url: str, redis_client: Any) -
     await FleetStore(redis_client, KEYS.prefix).register(worker("empty", 9001, kv_usage=0.1), ttl_s=30)
     await FleetStore(redis_client, KEYS.prefix).register(worker("full", 9002, kv_usage=0.6), ttl_s=30)
     chat = {"model": "llama", "messages": [{"role": "user", "content": "hello " * 100}]}
-    async with running_extproc(redis_url, config()) as extproc:
+    async with running_extproc(redis_url, config(weights=KV_WEIGHTED)) as extproc:
         for _ in range(10):
             answers = await extproc.exchange(headers("POST", "/v1/chat/completions"), body(chat))
             assert pin_of(answers[-1]).split(",")[0] == "127.0.0.1:9001"
