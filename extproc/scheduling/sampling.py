@@ -10,7 +10,7 @@ of the sample, the pick is made again over every candidate, so a refusal is alwa
 
 Not sampled: models with at most ``SAMPLE_ABOVE`` Ready workers (small pools keep the exact best),
 LoRA requests (the workers holding the adapter matter) and requests the KV-event index knows exactly
-(``cache_aware_ttft`` looks for the workers whose cache holds the prompt).
+(the latency model looks for the workers whose cache holds the prompt).
 """
 
 from __future__ import annotations
