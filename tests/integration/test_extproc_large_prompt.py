@@ -8,18 +8,17 @@ the same room)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.redis_deployments import RedisServer
 from poolgate.procs import free_port
 from tests.e2e.conftest import RunningStack, poolgate_up
+from tests.integration.test_extproc_processes import process_metric, worker_metric
 
 PROCESSES = 2
 KV_BLOCKS, BLOCK = 512, 16  # 8,192 tokens; 8,028 free at the default kv_reserve_fraction (0.02)
@@ -46,19 +45,6 @@ def config(metrics_port: int) -> dict[str, Any]:
 def stack(redis_server: RedisServer) -> Any:
     with poolgate_up(config(free_port()), redis_server.url) as running:
         yield running
-
-
-def process_metric(stack: RunningStack, index: int, name: str, **labels: str) -> float:
-    listed = json.loads((stack.run_dir / "extproc.json").read_text())
-    port = listed[f"extproc-{index}" if index else "extproc"]["metrics_port"]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and labels.items() <= s.labels.items())
-
-
-def worker_metric(stack: RunningStack, name: str) -> float:
-    text = httpx.get(f"http://{stack.address('small-1')}/metrics", timeout=5).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
 async def large_prompts(base_url: str, count: int) -> list[tuple[int, float]]:
