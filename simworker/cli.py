@@ -23,6 +23,7 @@ from simworker.engine import Engine
 from simworker.faults import FaultSettings
 from simworker.kv_publisher import KVEventsConfig
 from simworker.kv_transfer import KVTransferConfig
+from simworker.lora import DEFAULT_MAX_LORA_RANK
 from simworker.presets import DEFAULT_PRESET, PRESETS, STEP_JITTER
 from simworker.worker import SimWorker, WorkerSpec
 
@@ -89,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="serve LoRA adapters; the load/unload endpoints also need "
                            f"{RUNTIME_LORA_ENV}=True in the environment, as with vLLM")
     lora.add_argument("--max-loras", type=int, default=1, help="adapters loaded at once (default %(default)s)")
+    lora.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_LORA_RANK,
+                      help="refuse to load adapters of a higher rank (default %(default)s, as vLLM)")
     lora.add_argument("--lora-load-s", type=float, default=0.0, help="seconds one adapter load takes")
     faults = parser.add_argument_group("faults")
     faults.add_argument("--enable-fault-api", action="store_true",
@@ -130,6 +133,8 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         raise ValueError(f"--worker-ids needs one id per port ({len(ports)} ports)")
     if args.max_loras < 1:
         raise ValueError("--max-loras must be at least 1")
+    if args.max_lora_rank < 1:
+        raise ValueError("--max-lora-rank must be at least 1")
     if args.lora_load_s < 0:
         raise ValueError("--lora-load-s must be 0 or more")
     if args.startup_delay_s < 0:
@@ -156,6 +161,7 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             num_gpu_blocks=args.num_gpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
             legacy_kv_metric=args.legacy_kv_metric, time_scale=args.time_scale, faults=faults,
             enable_fault_api=args.enable_fault_api, enable_lora=args.enable_lora, max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
             lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
             seed=args.seed, step_jitter=args.step_jitter, kv_events=args.kv_events_config.offset(index),
             tasks=tasks, kv_transfer=args.kv_transfer_config, tls=_tls_files(args),

@@ -7,19 +7,40 @@ sees only adapters with requests, never an idle loaded one; the simulator keeps 
 
 Simplification: here ``max_loras`` caps the *loaded* adapters (a load beyond it is refused), where vLLM
 caps adapters per batch and keeps more in CPU memory; it gives the router a slot limit it can observe.
+
+Like vLLM, a load is refused (500) when the adapter's rank (``r`` in its ``adapter_config.json``, or the largest of
+its ``rank_pattern``) exceeds ``--max-lora-rank``. Unlike vLLM, a path with no ``adapter_config.json`` is accepted
+(vLLM answers 404): tests and benchmarks name adapters that exist only by name.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from simworker.protocol import ApiError
 
 LORA_INFO = "vllm:lora_requests_info"
+DEFAULT_MAX_LORA_RANK = 16
+"""vLLM's default ``--max-lora-rank``."""
+
+
+def adapter_rank(path: str) -> int | None:
+    """The largest rank an adapter declares in its ``adapter_config.json`` (PEFT's layout), None where the path
+    holds no readable one."""
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    return max((rank for rank in ranks if isinstance(rank, int)), default=None)
 
 
 @dataclass
@@ -32,6 +53,7 @@ class _InFlight:
 class AdapterTable:
     max_loras: int
     registry: CollectorRegistry
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     clock: Callable[[], float] = time.time
     loaded: dict[str, str] = field(default_factory=dict)
     """Adapter name → path, in load order (including loads still paying their cost)."""
@@ -46,6 +68,9 @@ class AdapterTable:
         """Claim a slot before the load cost is paid, so a concurrent load of the same name is refused."""
         if name in self.loaded:
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        rank = adapter_rank(path)
+        if rank is not None and rank > self.max_lora_rank:
+            raise ApiError(500, f"LoRA rank {rank} is greater than max_lora_rank {self.max_lora_rank}.")
         if len(self.loaded) >= self.max_loras:
             raise ApiError(400, f"Cannot load lora adapter '{name}': all {self.max_loras} adapter slots are in "
                                 "use (--max-loras); unload one first.", "lora_name")

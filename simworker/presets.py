@@ -74,7 +74,10 @@ against both) shows, kept on purpose because poolgate relies on none of them:
   ``/tokenize`` numbers words into a vocabulary while its KV events carry the words' 32-bit hashes as token ids
   (the router keys blocks by the latter: ``tests/conformance/test_pool_tokenizer.py`` compares counts only);
 - chat ignores ``add_generation_prompt: false`` (the reply header is always counted) while its ``/tokenize``
-  honours it.
+  honours it;
+- an adapter load beyond ``--max-loras`` is refused (vLLM keeps more in CPU memory), and a load from a path with
+  no ``adapter_config.json`` is accepted (vLLM answers 404): an adapter's rank is checked against
+  ``--max-lora-rank`` only where its config can be read.
 """
 
 from __future__ import annotations

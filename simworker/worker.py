@@ -27,7 +27,7 @@ from simworker.kv_events import KVEventRecorder
 from simworker.kv_publisher import KVEventsConfig, ZmqKVEventPublisher
 from simworker.kv_transfer import KVTransferConfig
 from simworker.kv_transfer_http import KVTransferAgent
-from simworker.lora import AdapterTable
+from simworker.lora import DEFAULT_MAX_LORA_RANK, AdapterTable
 from simworker.metrics import WorkerMetrics
 from simworker.model_endpoints import install as install_model_endpoints
 from simworker.model_tasks import ModelTasks
@@ -65,6 +65,7 @@ class WorkerSpec:
     enable_fault_api: bool = False
     enable_lora: bool = False
     max_loras: int = 1
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     lora_load_s: float = 0.0
     runtime_lora_updating: bool = False
     """``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` was set: serve the adapter load/unload endpoints."""
@@ -176,7 +177,7 @@ class SimWorker:
             runtime_lora_updating=spec.enable_lora and spec.runtime_lora_updating, lora_load_s=spec.lora_load_s,
             api_key=spec.api_key,
         )
-        adapters = AdapterTable(spec.max_loras, metrics.registry) if spec.enable_lora else None
+        adapters = AdapterTable(spec.max_loras, metrics.registry, spec.max_lora_rank) if spec.enable_lora else None
         transfer = None
         if spec.kv_transfer is not None:
             transfer = KVTransferAgent(spec.kv_transfer, spec.kv_transfer.engine_id or spec.worker_id, spec.host,

@@ -38,27 +38,31 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
 
 
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-lora")
-    rng = np.random.default_rng(0)
+def make_adapter(directory: Path, rank: int = RANK) -> Path:
+    """An adapter for the tiny model: random ``q_proj``/``v_proj`` weights of ``rank`` in PEFT's layout."""
+    rng = np.random.default_rng(rank)
     tensors = {}
     for layer in range(LAYERS):
         for module, out in (("q_proj", Q_DIM), ("v_proj", KV_DIM)):
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, 0.02, (RANK, HIDDEN))
-            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.02, (out, RANK))
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, 0.02, (rank, HIDDEN))
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.02, (out, rank))
     write_safetensors(directory / "adapter_model.safetensors", tensors)
     (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 16, "lora_dropout": 0.0,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
         "base_model_name_or_path": MODEL, "inference_mode": True}))
     return directory
 
 
 @pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_adapter(tmp_path_factory.mktemp("tiny-lora"))
+
+
+@pytest.fixture(scope="module")
 def sim_lora_engine() -> Iterator[Engine]:
-    with _sim(MODEL, LORA_ARGS[:3], LORA_ENV) as engine:
+    with _sim(MODEL, LORA_ARGS, LORA_ENV) as engine:
         yield engine
 
 
@@ -101,3 +105,17 @@ def test_loading_a_loaded_name_again_is_400(lora_engine: Engine, adapter: Path) 
 def test_unloading_an_unknown_adapter_is_an_error(lora_engine: Engine) -> None:
     answer = lora_engine.post("/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
     assert answer.status_code in (400, 404), answer.text
+
+
+def test_an_adapter_of_a_rank_above_the_limit_is_refused(lora_engine: Engine,
+                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``--max-lora-rank`` is a hard limit: the load fails with an error that names both ranks, the name stays
+    unknown, and the engine goes on serving."""
+    too_wide = make_adapter(tmp_path_factory.mktemp("wide-lora"), rank=2 * RANK)
+    name = f"wide-{lora_engine.name}"
+    answer = lora_engine.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(too_wide)})
+    assert answer.status_code >= 400 and f"LoRA rank {2 * RANK} is greater than max_lora_rank {RANK}" in answer.text, \
+        (answer.status_code, answer.text)
+    assert name not in {card["id"] for card in lora_engine.get("/v1/models").json()["data"]}
+    served = lora_engine.post("/v1/completions", {"model": MODEL, "prompt": "select", "max_tokens": 2})
+    assert served.status_code == 200, served.text

@@ -100,8 +100,11 @@ def test_cli_reads_the_runtime_switch(monkeypatch: pytest.MonkeyPatch, env: str 
         monkeypatch.setenv(cli.RUNTIME_LORA_ENV, env)
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    spec, = cli.worker_specs(parser.parse_args(["--enable-lora", "--max-loras", "3", "--lora-load-s", "0.5"]))
-    assert (spec.enable_lora, spec.max_loras, spec.lora_load_s, spec.runtime_lora_updating) == (
-        True, 3, 0.5, expected)
+    spec, = cli.worker_specs(parser.parse_args(["--enable-lora", "--max-loras", "3", "--lora-load-s", "0.5",
+                                                "--max-lora-rank", "64"]))
+    assert (spec.enable_lora, spec.max_loras, spec.lora_load_s, spec.runtime_lora_updating, spec.max_lora_rank) == (
+        True, 3, 0.5, expected, 64)
     with pytest.raises(ValueError, match="max-loras"):
         cli.worker_specs(parser.parse_args(["--max-loras", "0"]))
+    with pytest.raises(ValueError, match="max-lora-rank"):
+        cli.worker_specs(parser.parse_args(["--max-lora-rank", "0"]))
