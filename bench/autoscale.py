@@ -131,7 +131,8 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
     last_change: float | None = None
     decisions: dict[str, int] = {}
     timeline: list[tuple[float, int, float]] = []
-    keep_s = max(settings.up_sustain_s, settings.down_cooldown_s) + 2 * settings.interval_s
+    keep_s = max(settings.up_sustain_s, settings.down_cooldown_s, settings.trend_window_s,
+                 scenario.startup_s) + 2 * settings.interval_s
 
     def serving(now: float) -> list[int]:
         return [i for i, w in enumerate(workers)
@@ -174,9 +175,10 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
             ready = [workers[i] for i in serving(now)]
             running = sum(w.running for w in ready)
             kv = sum(w.running / scenario.slots for w in ready) / len(ready) if ready else 0.0
-            history.append(PoolSample(now, len(alive), len(ready), len(queue) - queue_head, running, kv))
+            history.append(PoolSample(now, len(alive), len(ready), len(queue) - queue_head, running, kv,
+                                      demand=float(running + len(queue) - queue_head)))
             history = [s for s in history if now - s.at <= keep_s]
-            decision = decide(history, bounds, settings, now, last_change)
+            decision = decide(history, bounds, settings, now, last_change, startup_s=scenario.startup_s)
             decisions[decision.action.value] = decisions.get(decision.action.value, 0) + 1
             if decision.action is Action.UP:
                 for _ in range(decision.target - len(alive)):
@@ -191,7 +193,8 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
                         workers[index].ended_at = now
             if decision.action is not Action.HOLD:
                 last_change = now
-                history = []
+                if not settings.worker_capacity:
+                    history = []
     end = scenario.period_s
     worker_seconds = sum(min(w.ended_at if w.ended_at is not None else end, end) - w.started_at
                          for w in workers if w.started_at < end)

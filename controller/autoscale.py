@@ -12,6 +12,17 @@ gap between the up and the down conditions is the hysteresis that keeps a steady
 flapping the count. An empty pool (``min_workers: 0``) with any request waiting for it gets one worker at
 once: there nothing can serve while pressure is being confirmed. Bounds (min/max) always win. Each decision
 carries its reason, for the log line and the metric.
+
+With ``worker_capacity`` set the pool is **capacity-planned** instead (``controller.autoscale_plan``): its
+demand (extproc's in-flight and queued counts), that demand's trend and one worker's capacity at the SLO give
+the workers needed when a worker started now would serve (``startup_s``, learned from the pool's own launches),
+and the pool goes there at once — counting workers still starting, so a second rise during a start is met by a
+second decision, and never waiting for a queue to form. The pressure rules above stay as a safety net for a
+capacity set too high (requests waiting or late first tokens, not KV fill; they act only once no worker is
+starting). On the way down a worker stays while the
+demand of the last start-up time (wake-up time where the pool's engines sleep instead of stopping) needed it.
+A pool that sleeps its surplus (``sleep_level``) counts its sleeping workers apart: scaling up wakes them
+first (seconds) and starts new processes only for the rest.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from controller import autoscale_plan
 from poolgate.kernel.config import AutoscaleSettings, PoolScaling
 
 
@@ -38,6 +50,10 @@ class PoolSample:
     """Mean over ready workers, 0..1."""
     ttft_s: float = -1.0
     """Observed time to first token: mean of the ready workers' TTFT EWMA (agent); -1 = unknown."""
+    demand: float = -1.0
+    """Requests extproc has in flight on the pool's workers plus those it holds for the pool; -1 = unknown."""
+    sleeping: int = 0
+    """Workers whose engine sleeps (not in ``workers``): they wake in seconds instead of starting in minutes."""
 
 
 DOWN_IDLE_SHARE = 0.8
@@ -45,6 +61,11 @@ DOWN_IDLE_SHARE = 0.8
 that waits one engine step (it arrived as another finished) must not hold a pool at its peak size for good."""
 TTFT_DOWN_SHARE = 0.5
 """A worker leaves only while the pool's TTFT is at most this share of ``up_ttft_s`` (hysteresis)."""
+
+
+HOLD_WINDOWS = 2.0
+"""Capacity planning: a worker stays at least this many demand windows after the last change, however quick its
+way back (a wake-up), so the noise of one window's mean cannot release a worker the next one needs."""
 
 
 class Action(StrEnum):
@@ -71,7 +92,9 @@ def _pressure(sample: PoolSample, settings: AutoscaleSettings) -> str | None:
     per_worker = sample.waiting / max(1, sample.ready)
     if per_worker > settings.up_waiting_per_worker:
         return f"{per_worker:.1f} waiting per worker > {settings.up_waiting_per_worker:g}"
-    if sample.kv_usage > settings.up_kv_usage:
+    # A planned pool's KV fill is its capacity at work, not unmet demand (an engine of a few sequences reads
+    # full whenever it runs); only requests that wait or start late say the plan fell short.
+    if sample.kv_usage > settings.up_kv_usage and not settings.worker_capacity:
         return f"KV usage {sample.kv_usage:.0%} > {settings.up_kv_usage:.0%}"
     ttft = _live_ttft(sample)
     if settings.up_ttft_s and ttft > settings.up_ttft_s:
@@ -85,8 +108,10 @@ def _live_ttft(sample: PoolSample) -> float:
 
 
 def decide(history: Sequence[PoolSample], bounds: PoolScaling, settings: AutoscaleSettings, now: float,
-           last_change_at: float | None) -> Decision:
-    """The pool's target size now; ``history`` is oldest first and ends with the current sample."""
+           last_change_at: float | None, *, startup_s: float | None = None,
+           wake_s: float | None = None) -> Decision:
+    """The pool's target size now (awake workers); ``history`` is oldest first and ends with the current sample.
+    ``startup_s`` and ``wake_s`` are what the pool's own launches and wake-ups measured (None: the settings')."""
     if not history:
         return Decision(Action.HOLD, bounds.min_workers, "no metrics yet")
     current = history[-1]
@@ -97,19 +122,40 @@ def decide(history: Sequence[PoolSample], bounds: PoolScaling, settings: Autosca
     if current.workers == 0 and current.waiting > 0:
         return Decision(Action.UP, min(bounds.max_workers, settings.up_step),
                         f"{current.waiting} request(s) waiting for an empty pool")
+    if settings.worker_capacity > 0 and current.demand >= 0:
+        return _planned(history, bounds, settings, now, last_change_at,
+                        startup_s or settings.startup_s, wake_s or settings.wake_s)
+    pressed = _sustained_pressure(history, bounds, settings, now, last_change_at)
+    if pressed is not None:
+        return pressed
+    return _reactive_down(history, bounds, settings, now, last_change_at)
+
+
+def _sustained_pressure(history: Sequence[PoolSample], bounds: PoolScaling, settings: AutoscaleSettings,
+                        now: float, last_change_at: float | None) -> Decision | None:
+    """A step up after ``up_sustain_s`` of pressure since the last change (HOLD while a worker starts or at
+    the maximum); None without sustained pressure."""
+    current = history[-1]
+    if last_change_at is not None and now - last_change_at < settings.up_sustain_s:
+        return None
     recent = _window(history, now, settings.up_sustain_s)
-    if recent is not None and all(_pressure(s, settings) for s in recent):
-        reason = f"{_pressure(current, settings)} for {settings.up_sustain_s:g} s"
-        if current.ready < current.workers:
-            return Decision(Action.HOLD, current.workers,
-                            f"{reason}; waiting for {current.workers - current.ready} starting worker(s)")
-        if current.workers >= bounds.max_workers:
-            return Decision(Action.HOLD, current.workers, f"{reason}; at max_workers {bounds.max_workers}")
-        # Enough workers that the backlog per worker falls to the threshold, at least up_step more.
-        wanted = math.ceil(current.waiting / settings.up_waiting_per_worker) if current.waiting else 0
-        step = max(settings.up_step, min(wanted - current.workers, current.workers))
-        target = min(bounds.max_workers, current.workers + step)
-        return Decision(Action.UP, target, reason)
+    if recent is None or not all(_pressure(s, settings) for s in recent):
+        return None
+    reason = f"{_pressure(current, settings)} for {settings.up_sustain_s:g} s"
+    if current.ready < current.workers:
+        return Decision(Action.HOLD, current.workers,
+                        f"{reason}; waiting for {current.workers - current.ready} starting worker(s)")
+    if current.workers >= bounds.max_workers:
+        return Decision(Action.HOLD, current.workers, f"{reason}; at max_workers {bounds.max_workers}")
+    # Enough workers that the backlog per worker falls to the threshold, at least up_step more.
+    wanted = math.ceil(current.waiting / settings.up_waiting_per_worker) if current.waiting else 0
+    step = max(settings.up_step, min(wanted - current.workers, current.workers))
+    return Decision(Action.UP, min(bounds.max_workers, current.workers + step), reason)
+
+
+def _reactive_down(history: Sequence[PoolSample], bounds: PoolScaling, settings: AutoscaleSettings, now: float,
+                   last_change_at: float | None) -> Decision:
+    current = history[-1]
     if current.workers <= bounds.min_workers:
         return Decision(Action.HOLD, current.workers, "steady")
     if last_change_at is not None and now - last_change_at < settings.down_cooldown_s:
@@ -130,3 +176,44 @@ def decide(history: Sequence[PoolSample], bounds: PoolScaling, settings: Autosca
     return Decision(Action.HOLD, current.workers, f"steady: {len(idle)} of {len(quiet)} samples of the last "
                     f"{settings.down_cooldown_s:g} s idle; {max(s.waiting for s in quiet)} waiting and "
                     f"{max(s.running for s in quiet)} running at most ({fits:g} fit on {fewer} worker(s))")
+
+
+def _planned(history: Sequence[PoolSample], bounds: PoolScaling, settings: AutoscaleSettings, now: float,
+             last_change_at: float | None, startup_s: float, wake_s: float) -> Decision:
+    """Capacity planning (``controller.autoscale_plan``), with the pressure rules as a safety net."""
+    current = history[-1]
+    capacity = settings.worker_capacity
+    points = [autoscale_plan.DemandPoint(s.at, s.demand) for s in history if s.demand >= 0]
+    planned = autoscale_plan.plan(points, now, capacity=capacity, startup_s=startup_s,
+                                  demand_window_s=settings.demand_window_s, trend_window_s=settings.trend_window_s)
+    if current.sleeping and planned.needed <= current.workers + current.sleeping:
+        # Sleeping workers cover what a start would have to: they need looking ahead only by a wake-up.
+        planned = autoscale_plan.plan(points, now, capacity=capacity, startup_s=wake_s,
+                                      demand_window_s=settings.demand_window_s,
+                                      trend_window_s=settings.trend_window_s)
+    target = min(bounds.max_workers, max(bounds.min_workers, planned.needed))
+    starting = current.workers - current.ready
+    if target > current.workers:
+        woken = min(current.sleeping, target - current.workers)
+        return Decision(Action.UP, target, planned.describe(capacity)
+                        + (f"; counting {starting} starting" if starting else "")
+                        + (f"; wakes {woken} sleeping" if woken else ""))
+    pressed = _sustained_pressure(history, bounds, settings, now, last_change_at)
+    if pressed is not None:
+        return pressed
+    steady = f"steady: {planned.describe(capacity)}"
+    if current.workers <= bounds.min_workers:
+        return Decision(Action.HOLD, current.workers, steady)
+    hold_s = max(wake_s if bounds.sleep_level else startup_s, HOLD_WINDOWS * settings.demand_window_s)
+    way_back = "wake-up" if bounds.sleep_level else "start-up"
+    if (last_change_at is not None and now - last_change_at < hold_s) or now - points[0].at < hold_s:
+        return Decision(Action.HOLD, current.workers, f"{steady}; within a {way_back} time ({hold_s:.0f} s) of "
+                        "the last change or of the first sample")
+    kept, peak = autoscale_plan.keep(points, now, capacity=capacity, hold_s=hold_s,
+                                     demand_window_s=settings.demand_window_s)
+    kept = max(kept, planned.needed, bounds.min_workers)
+    why = (f"demand peaked at {peak:.2f} over the last {hold_s:.0f} s ({way_back} time): {kept} worker(s) carry it "
+           f"at {autoscale_plan.DOWN_FILL:.0%} of {capacity:g}")
+    if kept < current.workers:
+        return Decision(Action.DOWN, kept, why + ("; the rest sleep" if bounds.sleep_level else ""))
+    return Decision(Action.HOLD, current.workers, f"steady: {why}")

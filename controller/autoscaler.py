@@ -1,8 +1,11 @@
 """The autoscaler loop: sample each scalable pool, decide (``controller.autoscale``), act, log, count.
 
 Runs on the leader only. Samples come from the registry (workers' engine facts from the agent), extproc's
-per-worker in-flight counts and its per-pool queue counts; the history kept per pool is just long enough
-for the longest window.
+per-worker in-flight counts and its per-pool queue counts (together the pool's demand); the history kept per
+pool is just long enough for the longest window. The loop also learns each pool's start-up time from its own
+launches (``StartupTimes``: from the moment a worker is first seen starting to the moment it serves), and
+hands the decision the figure, so a pool of real vLLM engines plans minutes ahead and one of quick workers
+seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +31,28 @@ log = logging.getLogger("poolgate.controller.autoscale")
 
 HOLD_LOG_S = 10.0
 """A pool held above its minimum says why at most this often."""
+LAUNCHES_KEPT = 5
+"""The learned start-up time is the mean of this many of the pool's latest launches."""
+
+
+class StartupTimes:
+    """A pool's start-up time, learned from its own launches: first seen starting → serving."""
+
+    def __init__(self) -> None:
+        self._starting: dict[str, float] = {}
+        self._measured: deque[float] = deque(maxlen=LAUNCHES_KEPT)
+
+    def observe(self, starting: set[str], serving: set[str], now: float) -> None:
+        for worker_id in starting:
+            self._starting.setdefault(worker_id, now)
+        for worker_id in list(self._starting):
+            if worker_id in serving:
+                self._measured.append(now - self._starting.pop(worker_id))
+            elif worker_id not in starting:
+                del self._starting[worker_id]  # stopped before it served: no figure
+
+    def estimate(self, default_s: float) -> float:
+        return sum(self._measured) / len(self._measured) if self._measured else default_s
 
 
 class Autoscaler:
@@ -39,31 +64,47 @@ class Autoscaler:
         self._instances = instances
         self._is_leader = is_leader
         self._clock = clock
-        span = max(self._settings.up_sustain_s, self._settings.down_cooldown_s) + 2 * self._settings.interval_s
-        self._keep_s = span
         self._history: dict[str, deque[PoolSample]] = {p: deque() for p in self._settings.pools}
+        self.startup = {p: StartupTimes() for p in self._settings.pools}
         self._last_change: dict[str, float] = {}
         self._decisions = Counter("poolgate_autoscale_decisions", "Autoscaler decisions by pool and action.",
                                   ["pool", "action"], registry=registry)
         self.last: dict[str, Decision] = {}
         self._hold_logged_at: dict[str, float] = {}
 
+    def _keep_s(self, pool: str) -> float:
+        """History long enough for the longest window, the learned start-up time's among them."""
+        settings = self._settings
+        return max(settings.up_sustain_s, settings.down_cooldown_s, settings.trend_window_s,
+                   settings.demand_window_s, self._startup_s(pool), self._settings.wake_s) + 2 * settings.interval_s
+
+    def _startup_s(self, pool: str) -> float:
+        return self.startup[pool].estimate(self._settings.startup_s)
+
     async def sample(self, pool: str, now: float) -> PoolSample:
         records = [r for r in await self._store.read_fleet() if r.pool == pool]
         serving = [r for r in records if r.state in (WorkerState.READY, WorkerState.BUSY)]
         active = await self._instances.active_workers(pool)
+        asleep = {r.id for r in serving if r.sleep_level and r.id in active}
+        serving = [r for r in serving if r.id not in asleep]
         queued = await self._store.read_queued(pool)
         inflight = await self._store.read_inflight([r.id for r in serving])
         kv = sum(r.kv_usage for r in serving) / len(serving) if serving else 0.0
-        ready = len([r for r in serving if r.id in active])
+        ready = {r.id for r in serving if r.id in active}
+        if pool in self.startup:
+            self.startup[pool].observe(set(active) - ready - asleep, ready, now)
         ttfts = [r.ttft_ewma_s for r in serving if r.ttft_ewma_s >= 0]
         # A starved or unreachable engine's scrape goes stale and its facts read 0: extproc's in-flight count
         # of the worker (requests sent and not yet ended) keeps a busy pool from looking idle.
         running = sum(max(r.running, inflight.get(r.id, 0) - r.waiting) for r in serving)
-        return PoolSample(at=now, workers=len(active), ready=ready,
+        # Demand: what extproc has sent and not seen end (the engines' own counts where they read more), plus
+        # what it holds for the pool.
+        carried = sum(max(inflight.get(r.id, 0), r.running + r.waiting) for r in serving)
+        return PoolSample(at=now, workers=len(active) - len(asleep), ready=len(ready),
                           waiting=sum(r.waiting for r in serving) + queued,
                           running=running, kv_usage=kv,
-                          ttft_s=sum(ttfts) / len(ttfts) if ttfts else -1.0)
+                          ttft_s=sum(ttfts) / len(ttfts) if ttfts else -1.0,
+                          demand=float(carried + queued), sleeping=len(asleep))
 
     def _log_hold(self, pool: str, min_workers: int, decision: Decision, now: float) -> None:
         """Why a pool above its minimum keeps its size, at most every ``HOLD_LOG_S`` (an operator waiting
@@ -84,9 +125,11 @@ class Autoscaler:
         for pool, bounds in self._settings.pools.items():
             history = self._history[pool]
             history.append(await self.sample(pool, now))
-            while history and now - history[0].at > self._keep_s:
+            keep_s = self._keep_s(pool)
+            while history and now - history[0].at > keep_s:
                 history.popleft()
-            decision = decide(list(history), bounds, self._settings, now, self._last_change.get(pool))
+            decision = decide(list(history), bounds, self._settings, now, self._last_change.get(pool),
+                              startup_s=self._startup_s(pool))
             self._decisions.labels(pool=pool, action=decision.action.value).inc()
             self.last[pool] = decision
             if decision.action is Action.HOLD:
@@ -98,7 +141,8 @@ class Autoscaler:
             except PlacementRefused as exc:
                 log.warning("pool %s: scale-up refused: %s", pool, exc)
             self._last_change[pool] = now
-            history.clear()  # the next decision looks at the pool as it is after this change
+            if not self._settings.worker_capacity:
+                history.clear()  # the pressure rules look at the pool as it is after this change
 
 
 async def run_autoscaler(autoscaler: Autoscaler, interval_s: float, stop: asyncio.Event) -> None:

@@ -122,6 +122,12 @@ class PoolScaling(Section):
     """0 lets the pool scale to zero (with ``autoscale.enabled``): a request for it then waits for a cold start."""
     max_workers: int = Field(4, ge=1)
     template: WorkerTemplate = WorkerTemplate()
+    sleep_level: Literal[0, 1, 2] = 0
+    """How the autoscaler gives back a worker it no longer needs: 0 stops the process (after a drain); 1 or 2
+    puts its engine to sleep at that level (vLLM's sleep mode, ``POST /sleep?level=N``: 1 offloads the weights
+    to CPU memory, 2 discards them) and wakes it (``POST /wake_up``) before starting a new one. Only for
+    engines that support it (vLLM started with ``--enable-sleep-mode``, a CUDA build; the simulated worker).
+    Sleeping workers count toward ``max_workers``."""
     cold_start_wait_s: float = Field(120.0, gt=0, le=MAX_COLD_START_WAIT_S)
     """With ``min_workers: 0``: how long a request for the empty pool waits in extproc's queue while the
     controller starts a worker (a vLLM start, model load included, takes from seconds to minutes), before a
@@ -156,6 +162,19 @@ class AutoscaleSettings(Section):
     worker fewer, stay at or below this per worker for ``down_cooldown_s``."""
     down_cooldown_s: float = Field(20.0, ge=0)
     """Quiet time needed, after any scale event and of idleness, before removing a worker."""
+    worker_capacity: float = Field(0.0, ge=0)
+    """Requests (in flight plus queued in extproc) one worker carries while its time to first token stays
+    within the SLO. Set, it turns on capacity planning (``controller.autoscale_plan``): the pool is sized for
+    its demand at now + start-up time, and a worker leaves only once the demand of the last start-up time
+    (wake-up time when it goes to sleep) would fit without it. 0 = off: the pressure rules above alone."""
+    startup_s: float = Field(30.0, gt=0)
+    """A new worker's start-up time (launch to serving) until the pool's own launches have measured it."""
+    wake_s: float = Field(2.0, gt=0)
+    """A sleeping worker's wake-up time until the pool's own wake-ups have measured it."""
+    demand_window_s: float = Field(5.0, gt=0)
+    """Demand is the mean over this long (the instantaneous count of a few requests is mostly noise)."""
+    trend_window_s: float = Field(30.0, gt=0)
+    """The demand's trend is its least-squares slope over this long."""
     lease_ttl_s: float = Field(5.0, gt=0)
     """Leader lease in Redis: only the holder scales, drains and replaces."""
 
