@@ -66,6 +66,7 @@ class Autoscaler:
         self._clock = clock
         self._history: dict[str, deque[PoolSample]] = {p: deque() for p in self._settings.pools}
         self.startup = {p: StartupTimes() for p in self._settings.pools}
+        self._wakes: dict[str, deque[float]] = {p: deque(maxlen=LAUNCHES_KEPT) for p in self._settings.pools}
         self._last_change: dict[str, float] = {}
         self._decisions = Counter("poolgate_autoscale_decisions", "Autoscaler decisions by pool and action.",
                                   ["pool", "action"], registry=registry)
@@ -80,6 +81,11 @@ class Autoscaler:
 
     def _startup_s(self, pool: str) -> float:
         return self.startup[pool].estimate(self._settings.startup_s)
+
+    def _wake_s(self, pool: str) -> float:
+        """The mean of the pool's latest wake-ups (the settings' figure before the first)."""
+        wakes = self._wakes[pool]
+        return sum(wakes) / len(wakes) if wakes else self._settings.wake_s
 
     async def sample(self, pool: str, now: float) -> PoolSample:
         records = [r for r in await self._store.read_fleet() if r.pool == pool]
@@ -129,7 +135,7 @@ class Autoscaler:
             while history and now - history[0].at > keep_s:
                 history.popleft()
             decision = decide(list(history), bounds, self._settings, now, self._last_change.get(pool),
-                              startup_s=self._startup_s(pool))
+                              startup_s=self._startup_s(pool), wake_s=self._wake_s(pool))
             self._decisions.labels(pool=pool, action=decision.action.value).inc()
             self.last[pool] = decision
             if decision.action is Action.HOLD:
@@ -137,7 +143,9 @@ class Autoscaler:
                 continue
             log.info("pool %s: scale %s to %d (%s)", pool, decision.action.value, decision.target, decision.reason)
             try:
-                await self._instances.scale(pool, decision.target)
+                result = await self._instances.scale(pool, decision.target, sleep_level=bounds.sleep_level)
+                if result.wake_s is not None:
+                    self._wakes[pool].append(result.wake_s)
             except PlacementRefused as exc:
                 log.warning("pool %s: scale-up refused: %s", pool, exc)
             self._last_change[pool] = now

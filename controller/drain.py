@@ -57,6 +57,8 @@ class DrainEnd(StrEnum):
 
     STOP = "stop"
     RESTART = "restart"
+    SLEEP = "sleep"
+    """The engine sleeps (vLLM's sleep mode) and stays registered, to be woken instead of started."""
 
 
 @dataclass

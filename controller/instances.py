@@ -2,18 +2,29 @@
 
 Every way a worker leaves goes through a drain (Draining → in-flight 0 → stop), except a worker that is
 already Failed: nothing reaches it, so it is replaced at once. Actions happen only on the leader.
+
+A pool that sleeps its surplus (``pools.*.sleep_level``) drains a worker to sleep instead: once nothing is in
+flight its engine gets ``POST /sleep?level=N``, its record the sleep level (extproc routes nothing to it from
+that write on, before the agent's next scrape) and Ready again. Scaling up wakes sleeping workers first
+(``POST /wake_up``, seconds) and launches processes only for the rest. A sleeping worker counts toward the
+backend's processes but not toward the pool's size.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+import aiohttp
 
 from controller.backend import InstanceBackend
 from controller.drain import DrainEnd, Drainer
 from controller.health import Remedy
 from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.instances")
@@ -30,6 +41,21 @@ class ScaleResult:
     target: int
     started: tuple[str, ...] = ()
     draining: tuple[str, ...] = ()
+    woken: tuple[str, ...] = ()
+    wake_s: float | None = None
+    """How long the slowest of the wake-ups took (None: none)."""
+
+
+SLEEP_CALL_TIMEOUT_S = 120.0
+"""A wake-up copies the weights back to the GPU: seconds for large models, but never this long."""
+
+
+async def _engine_call(record: WorkerRecord, path: str) -> None:
+    """``POST path`` to the worker's engine; raises ``aiohttp.ClientError`` or ``TimeoutError`` on failure."""
+    timeout = aiohttp.ClientTimeout(total=SLEEP_CALL_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
+            f"http://{record.address}{path}") as response:
+        response.raise_for_status()
 
 
 class InstanceController:
@@ -77,38 +103,81 @@ class InstanceController:
             resumed.append(worker_id)
         return resumed
 
-    def _ending(self, worker_id: str, end: DrainEnd) -> Callable[[], Awaitable[None]]:
-        """What a finished drain does: stop or restart a worker the backend runs; another stays Draining."""
+    def _ending(self, worker_id: str, end: DrainEnd, level: int = 1) -> Callable[[], Awaitable[None]]:
+        """What a finished drain does: stop, restart or put to sleep (at ``level``) a worker the backend runs;
+        another stays Draining."""
         async def finish() -> None:
             if not self.backend.owns(worker_id):
                 return
             if end is DrainEnd.RESTART:
                 await self.backend.restart(worker_id)
+            elif end is DrainEnd.SLEEP:
+                await self._fall_asleep(worker_id, level)
             else:
                 await self.backend.stop(worker_id)
 
         return finish
 
+    async def _fall_asleep(self, worker_id: str, level: int) -> None:
+        """The end of a drain to sleep: the engine sleeps, the record says so, and the worker is Ready again
+        (stopped instead when its engine refuses)."""
+        record = (await self._store.read_workers([worker_id])).get(worker_id)
+        if record is None:
+            await self.backend.stop(worker_id)
+            return
+        try:
+            await _engine_call(record, f"/sleep?level={level}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("worker %s: sleep refused (%s); stopping it instead", worker_id, exc)
+            await self.backend.stop(worker_id)
+            return
+        await self._store.update_live(worker_id, announce=True, sleep_level=level)
+        await self._store.set_state(worker_id, WorkerState.READY)
+        log.info("worker %s: asleep at level %d", worker_id, level)
+
+    async def _wake(self, record: WorkerRecord) -> bool:
+        try:
+            await _engine_call(record, "/wake_up")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("worker %s: wake-up failed (%s)", record.id, exc)
+            return False
+        await self._store.update_live(record.id, announce=True, sleep_level=0)
+        return True
+
     async def active_workers(self, pool: str) -> list[str]:
         """The pool's workers that count toward its size: run by the backend and not draining."""
         return [w for w in await self.backend.pool_workers(pool) if not self.drainer.draining(w)]
 
-    async def scale(self, pool: str, target: int) -> ScaleResult:
-        """Bring the pool to ``target`` workers: launch the missing ones, drain the surplus."""
+    async def scale(self, pool: str, target: int, sleep_level: int = 0) -> ScaleResult:
+        """Bring the pool to ``target`` awake workers: wake sleeping ones, launch the rest, drain the surplus
+        (to sleep at ``sleep_level``, or to a stop when 0)."""
         self._require_leader()
         active = await self.active_workers(pool)
-        if target > len(active):
-            started = await self.backend.launch(pool, target - len(active))
-            log.info("pool %s: %d -> %d workers, started %s", pool, len(active), target, ", ".join(started))
-            return ScaleResult(pool, len(active), target, started=tuple(started))
-        if target == len(active):
-            return ScaleResult(pool, len(active), target)
-        victims = await self._victims(active, len(active) - target)
+        records = {r.id: r for r in await self._store.read_fleet() if r.id in active}
+        asleep = [records[w] for w in active if w in records and records[w].sleep_level]
+        awake = [w for w in active if w not in {r.id for r in asleep}]
+        if target > len(awake):
+            began = time.monotonic()
+            calls = asleep[:target - len(awake)]
+            woke = [r.id for r, ok in zip(calls, await asyncio.gather(*(self._wake(r) for r in calls)),
+                                          strict=True) if ok]
+            wake_s = time.monotonic() - began if woke else None
+            missing = target - len(awake) - len(woke)
+            started = await self.backend.launch(pool, missing) if missing > 0 else []
+            log.info("pool %s: %d -> %d workers, woke %s, started %s", pool, len(awake), target,
+                     ", ".join(woke) or "none", ", ".join(started) or "none")
+            return ScaleResult(pool, len(awake), target, started=tuple(started), woken=tuple(woke), wake_s=wake_s)
+        if target == len(awake):
+            return ScaleResult(pool, len(awake), target)
+        victims = await self._victims(awake, len(awake) - target)
+        end = DrainEnd.SLEEP if sleep_level else DrainEnd.STOP
         for worker_id in victims:
-            if not await self.drain(worker_id):  # not registered yet: nothing can be in flight on it
+            drained = await self.drainer.start(worker_id, end, self._ending(worker_id, end, sleep_level or 1))
+            if not drained:  # not registered yet: nothing can be in flight on it
                 await self.backend.stop(worker_id)
-        log.info("pool %s: %d -> %d workers, draining %s", pool, len(active), target, ", ".join(victims))
-        return ScaleResult(pool, len(active), target, draining=tuple(victims))
+        log.info("pool %s: %d -> %d workers, draining %s%s", pool, len(awake), target, ", ".join(victims),
+                 f" to sleep at level {sleep_level}" if sleep_level else "")
+        return ScaleResult(pool, len(awake), target, draining=tuple(victims))
 
     async def _victims(self, active: list[str], count: int) -> list[str]:
         """Fewest requests in flight first (the quickest drains); unregistered (still starting) before all."""

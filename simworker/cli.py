@@ -107,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model load time: open the port (and so /health) only this long after start, as "
                              "vLLM does once its engine is built (default %(default)s; a real start takes "
                              "seconds to minutes)")
+    parser.add_argument("--enable-sleep-mode", action="store_true",
+                        help="serve POST /sleep, POST /wake_up and GET /is_sleeping, as vLLM does with this flag")
+    parser.add_argument("--wake-up-s", type=float, default=1.0,
+                        help="seconds a wake-up from sleep takes (default %(default)s)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
 
 
@@ -137,8 +141,8 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         raise ValueError("--max-lora-rank must be at least 1")
     if args.lora_load_s < 0:
         raise ValueError("--lora-load-s must be 0 or more")
-    if args.startup_delay_s < 0:
-        raise ValueError("--startup-delay-s must be 0 or more")
+    if args.startup_delay_s < 0 or args.wake_up_s < 0:
+        raise ValueError("--startup-delay-s and --wake-up-s must be 0 or more")
     if not 0 <= args.step_jitter <= MAX_STEP_JITTER:
         raise ValueError(f"--step-jitter must be between 0 and {MAX_STEP_JITTER}")
     runtime_lora = os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("true", "1")
@@ -165,7 +169,8 @@ def worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             lora_load_s=args.lora_load_s, runtime_lora_updating=runtime_lora, api_key=args.api_key,
             seed=args.seed, step_jitter=args.step_jitter, kv_events=args.kv_events_config.offset(index),
             tasks=tasks, kv_transfer=args.kv_transfer_config, tls=_tls_files(args),
-            startup_delay_s=args.startup_delay_s,
+            startup_delay_s=args.startup_delay_s, enable_sleep_mode=args.enable_sleep_mode,
+            wake_up_s=args.wake_up_s,
         )
         for index, (port, worker_id) in enumerate(zip(ports, ids, strict=True))
     ]

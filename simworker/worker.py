@@ -33,6 +33,7 @@ from simworker.model_endpoints import install as install_model_endpoints
 from simworker.model_tasks import ModelTasks
 from simworker.presets import STEP_JITTER, GpuPreset, ModelShape, default_num_gpu_blocks, step_cost
 from simworker.server import Health, ServingConfig, WorkerApi
+from simworker.sleep_mode import SleepMode
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,10 @@ class WorkerSpec:
     startup_delay_s: float = 0.0
     """Model load: the port opens only this long after start (vLLM listens once its engine is built), so
     ``/health`` refuses connections and the controller registers the worker only after it."""
+    enable_sleep_mode: bool = False
+    """vLLM's ``--enable-sleep-mode``: serve ``/sleep``, ``/wake_up``, ``/is_sleeping`` (``simworker.sleep_mode``)."""
+    wake_up_s: float = 1.0
+    """What a wake-up from sleep costs, in seconds (a cold start costs ``startup_delay_s``)."""
 
     @property
     def random_seed(self) -> int:
@@ -186,6 +191,8 @@ class SimWorker:
         self._transfer = transfer
         api = WorkerApi(serving, driver, metrics, self, random.Random(spec.random_seed + 1), adapters, transfer)
         app = api.build_app()
+        if spec.enable_sleep_mode:
+            SleepMode(spec.worker_id, spec.wake_up_s, metrics.registry).install(app)
         install_model_endpoints(app, api, spec.tasks)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_TIMEOUT_S)

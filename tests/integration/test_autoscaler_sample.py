@@ -7,6 +7,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from controller.autoscaler import Autoscaler
+from controller.instances import ScaleResult
 from poolgate.kernel.config import AutoscaleSettings, PoolScaling
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.store import FleetStore
@@ -22,8 +23,9 @@ class Pool:
     async def active_workers(self, pool: str) -> list[str]:
         return list(self.workers)
 
-    async def scale(self, pool: str, target: int) -> None:
+    async def scale(self, pool: str, target: int, sleep_level: int = 0) -> ScaleResult:
         self.scaled.append((pool, target))
+        return ScaleResult(pool, len(self.workers), target)
 
 
 SETTINGS = AutoscaleSettings(enabled=True, down_cooldown_s=0.0, up_sustain_s=0.0,

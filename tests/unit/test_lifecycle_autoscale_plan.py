@@ -6,16 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from controller.autoscale import Action, PoolSample, decide
 from controller.autoscale_plan import DemandPoint, trend
 from controller.autoscaler import StartupTimes
-from poolgate.kernel.config import AutoscaleSettings, PoolScaling
+from poolgate.kernel.config import AutoscaleSettings, PoolScaling, WorkerTemplate
 
 PLANNED = AutoscaleSettings(worker_capacity=1.0, startup_s=30.0, wake_s=2.0, demand_window_s=5.0,
                             trend_window_s=30.0, up_waiting_per_worker=2.0, up_sustain_s=3.0)
 REACTIVE = PLANNED.model_copy(update={"worker_capacity": 0.0})
 BOUNDS = PoolScaling(min_workers=1, max_workers=8)
-SLEEPS = PoolScaling(min_workers=1, max_workers=8, sleep_level=1)
+SLEEPS = PoolScaling(min_workers=1, max_workers=8, sleep_level=1,
+                     template=WorkerTemplate(extra_args=("--enable-sleep-mode",)))
 
 
 def history(seconds: int, demand: Callable[[int], float], workers: int, *, ready: int | None = None,
@@ -106,3 +109,8 @@ def test_the_start_up_time_is_learned_from_the_pools_launches() -> None:
     times.observe({"chat-4"}, set(), now=120.0)
     times.observe(set(), set(), now=121.0)  # stopped before it served: no figure
     assert times.estimate(30.0) == 10.0
+
+
+def test_a_pool_that_sleeps_needs_engines_that_can() -> None:
+    with pytest.raises(ValueError, match="--enable-sleep-mode"):
+        PoolScaling(sleep_level=1)

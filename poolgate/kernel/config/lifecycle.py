@@ -137,6 +137,9 @@ class PoolScaling(Section):
     def _min_below_max(self) -> PoolScaling:
         if self.min_workers > self.max_workers:
             raise ValueError("min_workers must not exceed max_workers")
+        if self.sleep_level and "--enable-sleep-mode" not in self.template.extra_args:
+            raise ValueError("sleep_level needs engines that can sleep: add --enable-sleep-mode to "
+                             "template.extra_args (a vLLM worker also needs VLLM_SERVER_DEV_MODE=1 in its environment)")
         return self
 
 
