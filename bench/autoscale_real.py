@@ -8,8 +8,13 @@ the peak and back, ``peak_to_trough`` = 10, repeated ``cycles`` times — is off
 every arrival is one streamed chat request to each pool's model, so both see the same requests at the same
 moments on the same machine.
 
-Reported per pool: GPU-seconds (seconds each worker process was alive, loading included, read from /proc
-every ``SAMPLE_S``), SLO attainment (share of requests whose time to first token is within ``slo_ttft_s``;
+With ``sleep_level`` the autoscaled pool gives back its surplus by putting the engine to sleep (vLLM's sleep
+mode, simulated: ``wake_up_s`` to wake against ``startup_s`` to start) instead of stopping the process.
+
+Reported per pool: GPU-seconds (seconds each worker process was alive and awake, loading included, read from
+/proc and each autoscaled worker's ``/is_sleeping`` every ``SAMPLE_S``; the seconds spent asleep are reported
+apart: a level-1 sleeping vLLM has handed its weights and KV cache back to the host but still holds its CUDA
+context on the GPU), SLO attainment (share of requests whose time to first token is within ``slo_ttft_s``;
 a failed request is a miss), requests lost (an error status, an error or a cut stream; for ``auto`` also
 those that ran on a worker drained during the run), and for ``auto`` every scale decision (the controller's
 log) with the direction changes inside each plateau. Writes ``autoscale_real.json`` (``"kind": "real"``)
@@ -73,6 +78,14 @@ class RealScenario:
     sequences, rounded up."""
     max_workers: int = 4
     slo_ttft_s: float = 2.0
+    sleep_level: int = 0
+    """0: a surplus worker is stopped; 1 or 2: its engine sleeps at that level and is woken when needed."""
+    wake_up_s: float = 1.0
+    """What waking a sleeping worker takes (the weights' copy back; tenths of a second to seconds on GPUs)."""
+    worker_capacity: float = 0.8
+    """Requests (in flight + queued) one worker carries within the SLO: one sequence at a time, ~0.5 s each,
+    so a worker at 0.8 waits ~1 s in the mean. Chosen by sweeping the same plateaus through the model
+    (``bench.autoscale``); 0 runs the pressure rules alone."""
     seed: int = 11
 
     def plateaus(self) -> list[tuple[float, float, float]]:
@@ -100,6 +113,7 @@ def arrivals(scenario: RealScenario) -> list[float]:
 
 def stack_config(scenario: RealScenario) -> dict[str, Any]:
     seqs = ["--max-num-seqs", str(scenario.max_num_seqs), "--time-scale", f"{scenario.time_scale:g}"]
+    sleeps = ["--enable-sleep-mode", "--wake-up-s", f"{scenario.wake_up_s:g}"] if scenario.sleep_level else []
     return {
         "key_prefix": "bench-autoscale",
         "extproc": {"processes": 1},
@@ -110,8 +124,11 @@ def stack_config(scenario: RealScenario) -> dict[str, Any]:
         "autoscale": {
             "enabled": True, "interval_s": 1.0, "up_waiting_per_worker": 1.0, "up_sustain_s": 2.0,
             "down_running_per_worker": 0.5 * scenario.max_num_seqs, "down_cooldown_s": 10.0,
-            "pools": {AUTO: {"min_workers": 1, "max_workers": scenario.max_workers, "template": {
-                "extra_args": [*seqs, "--startup-delay-s", f"{scenario.startup_s:g}"]}}},
+            # The start-up time is not given: the controller learns it from the pool's first launches.
+            "worker_capacity": scenario.worker_capacity, "demand_window_s": 10.0, "trend_window_s": 30.0,
+            "pools": {AUTO: {"min_workers": 1, "max_workers": scenario.max_workers,
+                             "sleep_level": scenario.sleep_level, "template": {
+                "extra_args": [*seqs, "--startup-delay-s", f"{scenario.startup_s:g}", *sleeps]}}},
         },
         "pools": [{"name": AUTO, "model": MODELS[AUTO], "max_model_len": 4096},
                   {"name": STATIC, "model": MODELS[STATIC], "max_model_len": 4096}],
@@ -159,7 +176,7 @@ async def one(session: aiohttp.ClientSession, url: str, pool: str, at_s: float, 
 
 
 def worker_processes(controller_pid: int) -> dict[str, int]:
-    """Worker id → pid of every simulated worker the controller runs (alive now)."""
+    """Worker id → port of every simulated worker the controller runs (alive now)."""
     found: dict[str, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -170,36 +187,58 @@ def worker_processes(controller_pid: int) -> dict[str, int]:
         except OSError:
             continue
         if int(stat.rsplit(")", 1)[1].split()[1]) == controller_pid and b"--worker-id" in args:
-            found[args[args.index(b"--worker-id") + 1].decode()] = int(entry)
+            found[args[args.index(b"--worker-id") + 1].decode()] = int(args[args.index(b"--port") + 1])
     return found
+
+
+async def asleep(session: aiohttp.ClientSession, ports: dict[str, int]) -> set[str]:
+    """The autoscaled workers whose engine sleeps now (one that does not answer is counted awake)."""
+    async def sleeping(port: int) -> bool:
+        try:
+            async with asyncio.timeout(1.0), session.get(f"http://127.0.0.1:{port}/is_sleeping") as response:
+                return response.status == 200 and bool((await response.json()).get("is_sleeping"))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return False
+
+    auto = {w: p for w, p in ports.items() if w.startswith(AUTO)}
+    answers = await asyncio.gather(*(sleeping(p) for p in auto.values()))
+    return {w for w, a in zip(auto, answers, strict=True) if a}
 
 
 @dataclass
 class Fleet:
     """Workers alive over time, from /proc samples."""
 
-    samples: list[tuple[float, int, int]] = field(default_factory=list)
-    """(time s, auto workers alive, static workers alive)."""
+    samples: list[tuple[float, int, int, int]] = field(default_factory=list)
+    """(time s, auto workers alive and awake, static workers alive, auto workers asleep)."""
     seen: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Worker id → (first, last) time it was seen alive."""
 
-    def note(self, at_s: float, alive: dict[str, int]) -> None:
+    def note(self, at_s: float, alive: dict[str, int], sleeping: set[str] | None = None) -> None:
+        sleeping = sleeping or set()
         for worker_id in alive:
             first, _ = self.seen.get(worker_id, (at_s, at_s))
             self.seen[worker_id] = (first, at_s)
-        self.samples.append((at_s, sum(w.startswith(AUTO) for w in alive), sum(w.startswith(STATIC) for w in alive)))
+        auto = {w for w in alive if w.startswith(AUTO)}
+        self.samples.append((at_s, len(auto - sleeping), sum(w.startswith(STATIC) for w in alive),
+                             len(auto & sleeping)))
 
     def gpu_seconds(self, pool: str) -> float:
-        """Seconds each of the pool's workers was alive from the trace's start until its last request ended
-        (the same window for both pools): sample counts × the sample period."""
+        """Seconds each of the pool's workers was alive and awake from the trace's start until its last request
+        ended (the same window for both pools): sample counts × the sample period."""
         index = 1 if pool == AUTO else 2
         return sum(SAMPLE_S * sample[index] for sample in self.samples if sample[0] >= 0)
 
+    def asleep_seconds(self) -> float:
+        """Seconds the autoscaled pool's workers spent asleep (alive, not counted as GPU-seconds)."""
+        return sum(SAMPLE_S * sample[3] for sample in self.samples if sample[0] >= 0)
 
-async def watch_fleet(controller_pid: int, start: float, stop: asyncio.Event, fleet: Fleet) -> None:
+
+async def watch_fleet(controller_pid: int, start: float, stop: asyncio.Event, fleet: Fleet,
+                      session: aiohttp.ClientSession) -> None:
     while not stop.is_set():
         alive = await asyncio.to_thread(worker_processes, controller_pid)
-        fleet.note(time.monotonic() - start, alive)
+        fleet.note(time.monotonic() - start, alive, await asleep(session, alive))
         await asyncio.sleep(SAMPLE_S)
 
 
@@ -245,6 +284,7 @@ def pool_figures(pool: str, sent: Sequence[Sent], fleet: Fleet, scenario: RealSc
         "lost": len(lost), "lost_on_drained_workers": sum(1 for s in lost if s.worker in drained),
         "lost_examples": [f"{s.status} {s.error}"[:160] for s in lost[:5]],
         "workers_min": min(counts) if counts else 0, "workers_max": max(counts) if counts else 0,
+        "asleep_seconds": round(fleet.asleep_seconds(), 1) if pool == AUTO else 0.0,
     }
 
 
@@ -264,7 +304,7 @@ async def run(scenario: RealScenario, run_dir: Path) -> dict[str, Any]:
             await asyncio.sleep(2.0)  # the autoscaler's first samples of an idle pool at its minimum
             start, wall_start = time.monotonic(), time.time()
             stop = asyncio.Event()
-            watcher = asyncio.create_task(watch_fleet(controller_pid, start, stop, fleet))
+            watcher = asyncio.create_task(watch_fleet(controller_pid, start, stop, fleet, session))
             tasks = []
             for at in times:
                 await asyncio.sleep(max(0.0, start + at - time.monotonic()))
@@ -309,8 +349,11 @@ def plot(report: dict[str, Any], axes: list[Any]) -> None:
     load_axis = timeline
     workers_axis = timeline.twinx()
     fleet = report["fleet"]
-    workers_axis.step([f[0] for f in fleet], [f[1] for f in fleet], where="post", label="auto workers alive")
+    workers_axis.step([f[0] for f in fleet], [f[1] for f in fleet], where="post", label="auto workers awake")
     workers_axis.step([f[0] for f in fleet], [f[2] for f in fleet], where="post", label="static workers alive")
+    if any(len(f) > 3 and f[3] for f in fleet):
+        workers_axis.step([f[0] for f in fleet], [f[3] for f in fleet], where="post", linestyle=":",
+                          label="auto workers asleep")
     for decision in (d for d in report["decisions"] if d["at_s"] >= 0):
         marker = "^" if decision["action"] == "up" else "v"
         workers_axis.plot(decision["at_s"], decision["target"], marker, color="black")
@@ -339,17 +382,21 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         "",
         f"Trace: plateaus {scenario['levels']} × {scenario['peak_rps']:g} req/s (peak/trough "
         f"{scenario['peak_to_trough']:g}), {scenario['plateau_s']:g} s each, {scenario['cycles']} cycles + a last "
-        f"trough ({report['plateaus'][-1]['end_s']:.0f} s); worker start-up {scenario['startup_s']:g} s; TTFT SLO "
+        f"trough ({report['plateaus'][-1]['end_s']:.0f} s); worker start-up {scenario['startup_s']:g} s"
+        + (f", surplus to sleep at level {scenario['sleep_level']} (wake-up {scenario['wake_up_s']:g} s)"
+           if scenario.get("sleep_level") else ", surplus stopped") + "; TTFT SLO "
         f"{scenario['slo_ttft_s']:g} s; load average {', '.join(f'{x:.1f}' for x in report['load_average'])}.",
         "",
         host_quiet.describe(report.get("host")) + ".",
         "",
-        "| fleet | workers (min–max) | GPU-seconds | SLO attainment | TTFT p50 | TTFT p99 | requests | lost |",
+        "| fleet | workers awake (min–max) | GPU-seconds (asleep) | SLO attainment | TTFT p50 | TTFT p99 | requests "
+        "| lost |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for pool in (STATIC, AUTO):
         figures = report[pool]
-        lines.append(f"| {pool} | {figures['workers_min']}–{figures['workers_max']} | {figures['gpu_seconds']:,.0f} | "
+        lines.append(f"| {pool} | {figures['workers_min']}–{figures['workers_max']} | {figures['gpu_seconds']:,.0f} "
+                     f"({figures.get('asleep_seconds', 0.0):,.0f}) | "
                      f"{figures['slo_attainment']:.2%} | {figures['ttft_p50_s']} s | {figures['ttft_p99_s']} s | "
                      f"{figures['requests']} | {figures['lost']} ({figures['lost_on_drained_workers']} on drained "
                      "workers) |")
@@ -378,6 +425,14 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
                         help="the autoscaled pool's max_workers (default %(default)s)")
     parser.add_argument("--slo-ttft-s", type=float, default=defaults.slo_ttft_s,
                         help="TTFT SLO in seconds (default %(default)s)")
+    parser.add_argument("--sleep-level", type=int, choices=(0, 1, 2), default=defaults.sleep_level,
+                        help="0: stop surplus workers; 1 or 2: put their engines to sleep at that level "
+                             "(default %(default)s)")
+    parser.add_argument("--wake-up-s", type=float, default=defaults.wake_up_s,
+                        help="what waking a sleeping worker takes (default %(default)s)")
+    parser.add_argument("--worker-capacity", type=float, default=defaults.worker_capacity,
+                        help="requests one worker carries within the SLO, for capacity planning (0 = the "
+                             "pressure rules alone; default %(default)s)")
 
 
 def run_real(args: argparse.Namespace) -> int:
@@ -385,7 +440,9 @@ def run_real(args: argparse.Namespace) -> int:
     out = Path(args.out)
     scenario = RealScenario(plateau_s=args.plateau_s, cycles=args.cycles, startup_s=args.startup_s,
                             peak_rps=args.peak_rps, static_workers=args.static_workers,
-                            max_workers=args.max_workers, slo_ttft_s=args.slo_ttft_s, seed=args.seed)
+                            max_workers=args.max_workers, slo_ttft_s=args.slo_ttft_s,
+                            worker_capacity=args.worker_capacity, sleep_level=args.sleep_level,
+                            wake_up_s=args.wake_up_s, seed=args.seed)
     began = time.monotonic()
     with host_quiet.measure() as quiet:
         report = asyncio.run(run(scenario, Path(tempfile.mkdtemp(prefix="poolgate-bench-autoscale-"))))

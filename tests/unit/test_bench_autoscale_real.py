@@ -53,3 +53,10 @@ def test_gpu_seconds_count_every_live_worker_from_the_trace_start() -> None:
         fleet.note(step * 0.5, alive)
     assert fleet.gpu_seconds(STATIC) == 4.0 and fleet.gpu_seconds(AUTO) == 3.0
     assert fleet.seen["auto-w2"] == (1.0, 1.5)
+
+
+def test_seconds_asleep_are_counted_apart_from_gpu_seconds() -> None:
+    fleet = Fleet()
+    for step in range(4):
+        fleet.note(step * 0.5, {"auto-w1": 1, "auto-w2": 2}, sleeping={"auto-w2"} if step >= 2 else set())
+    assert fleet.gpu_seconds(AUTO) == 3.0 and fleet.asleep_seconds() == 1.0
