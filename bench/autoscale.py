@@ -11,6 +11,10 @@ decision function (``controller.autoscale.decide``) sampled every ``interval_s``
 ``startup_s``; removed workers drain (take nothing new, leave when their last request ends). The static
 fleet is the smallest size that meets the SLO target on the same trace.
 
+With capacity planning on (``worker_capacity``) each sample also carries the pool's demand (requests running
+plus queued), and with the pool's ``sleep_level`` set a drained worker sleeps and wakes in ``wake_s`` instead
+of starting in ``startup_s``; then worker-seconds count only the awake periods.
+
 Reported: worker-seconds (every second a worker exists: starting, serving or draining) and SLO attainment
 (share of requests whose TTFT ≤ ``slo_ttft_s``). A model, not a measurement of real engines: it tests the
 scaling policy, not vLLM.
@@ -67,6 +71,8 @@ class _Worker:
     running: int = 0
     draining: bool = False
     ended_at: float | None = None
+    to_sleep: bool = False
+    """Its drain ends in sleep (the pool sleeps its surplus): woken later as a new awake period."""
 
 
 @dataclass
@@ -97,8 +103,10 @@ def _arrivals(scenario: Scenario, rng: random.Random) -> list[float]:
 
 
 def simulate(scenario: Scenario, static_workers: int | None, settings: AutoscaleSettings = SETTINGS,
-             bounds: PoolScaling | None = None) -> Result:
-    """One run: a fixed fleet of ``static_workers``, or the autoscaler within ``bounds`` when None."""
+             bounds: PoolScaling | None = None, wake_s: float = 1.0) -> Result:
+    """One run: a fixed fleet of ``static_workers``, or the autoscaler within ``bounds`` when None. With
+    ``bounds.sleep_level`` a surplus worker sleeps once drained and wakes in ``wake_s``; worker-seconds count
+    the awake periods only."""
     rng = random.Random(scenario.seed)
     arrivals = _arrivals(scenario, rng)
     mu = math.log(scenario.service_mean_s) - scenario.service_sigma ** 2 / 2
@@ -126,6 +134,7 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
         push(minute * 60.0, "record", 0)
     queue: list[int] = []
     queue_head = 0
+    sleeping = 0
     ttfts: list[float] = []
     history: list[PoolSample] = []
     last_change: float | None = None
@@ -163,6 +172,7 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
             worker.running -= 1
             if worker.draining and worker.running == 0:
                 worker.ended_at = now
+                sleeping += worker.to_sleep
             dispatch(now)
         elif kind == "ready":
             dispatch(now)
@@ -176,21 +186,26 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
             running = sum(w.running for w in ready)
             kv = sum(w.running / scenario.slots for w in ready) / len(ready) if ready else 0.0
             history.append(PoolSample(now, len(alive), len(ready), len(queue) - queue_head, running, kv,
-                                      demand=float(running + len(queue) - queue_head)))
+                                      demand=float(running + len(queue) - queue_head), sleeping=sleeping))
             history = [s for s in history if now - s.at <= keep_s]
-            decision = decide(history, bounds, settings, now, last_change, startup_s=scenario.startup_s)
+            decision = decide(history, bounds, settings, now, last_change, startup_s=scenario.startup_s,
+                              wake_s=wake_s)
             decisions[decision.action.value] = decisions.get(decision.action.value, 0) + 1
             if decision.action is Action.UP:
                 for _ in range(decision.target - len(alive)):
-                    workers.append(_Worker(now, now + scenario.startup_s))
-                    push(now + scenario.startup_s, "ready", len(workers) - 1)
+                    delay = wake_s if sleeping else scenario.startup_s
+                    sleeping -= 1 if sleeping else 0
+                    workers.append(_Worker(now, now + delay))
+                    push(now + delay, "ready", len(workers) - 1)
             elif decision.action is Action.DOWN:
                 candidates = sorted((i for i, w in enumerate(workers) if w.ended_at is None and not w.draining),
                                     key=lambda i: (workers[i].ready_at <= now, workers[i].running))
                 for index in candidates[:len(alive) - decision.target]:
                     workers[index].draining = True
+                    workers[index].to_sleep = bool(bounds.sleep_level)
                     if workers[index].running == 0:
                         workers[index].ended_at = now
+                        sleeping += workers[index].to_sleep
             if decision.action is not Action.HOLD:
                 last_change = now
                 if not settings.worker_capacity:
