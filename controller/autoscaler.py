@@ -40,16 +40,20 @@ class StartupTimes:
 
     def __init__(self) -> None:
         self._starting: dict[str, float] = {}
+        self._served: set[str] = set()
         self._measured: deque[float] = deque(maxlen=LAUNCHES_KEPT)
 
     def observe(self, starting: set[str], serving: set[str], now: float) -> None:
-        for worker_id in starting:
+        """``starting``: the pool's workers not serving yet; ``serving``: those that serve now. A worker that
+        served once and stops serving (failed, restarted in place) is not a launch."""
+        for worker_id in starting - self._served:
             self._starting.setdefault(worker_id, now)
         for worker_id in list(self._starting):
             if worker_id in serving:
                 self._measured.append(now - self._starting.pop(worker_id))
             elif worker_id not in starting:
                 del self._starting[worker_id]  # stopped before it served: no figure
+        self._served = (self._served | serving) & (starting | serving)
 
     def estimate(self, default_s: float) -> float:
         return sum(self._measured) / len(self._measured) if self._measured else default_s

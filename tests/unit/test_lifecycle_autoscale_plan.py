@@ -106,8 +106,11 @@ def test_the_start_up_time_is_learned_from_the_pools_launches() -> None:
     times.observe({"chat-3"}, {"chat-2"}, now=109.0)
     times.observe(set(), {"chat-2", "chat-3"}, now=115.0)
     assert times.estimate(30.0) == (9.0 + 11.0) / 2
-    times.observe({"chat-4"}, set(), now=120.0)
-    times.observe(set(), set(), now=121.0)  # stopped before it served: no figure
+    times.observe({"chat-4"}, {"chat-2", "chat-3"}, now=120.0)
+    times.observe(set(), {"chat-2", "chat-3"}, now=121.0)  # chat-4 stopped before it served: no figure
+    assert times.estimate(30.0) == 10.0
+    times.observe({"chat-2"}, {"chat-3"}, now=130.0)  # chat-2 failed for a while: not a launch
+    times.observe(set(), {"chat-2", "chat-3"}, now=160.0)
     assert times.estimate(30.0) == 10.0
 
 
