@@ -260,6 +260,16 @@ def decisions(controller_log: str, wall_start: float) -> tuple[list[dict[str, An
     return found, drained
 
 
+STARTED = re.compile(r"pool auto: worker \S+ served ([\d.]+) s after it was first seen starting")
+WOKE = re.compile(r"pool auto: .* woke .* in ([\d.]+) s, started")
+
+
+def lifecycle_times(controller_log: str) -> dict[str, list[float]]:
+    """Seconds each launch took to serve and each wake-up took, as the controller measured them."""
+    return {"startups_s": [float(m[1]) for m in STARTED.finditer(controller_log)],
+            "wakeups_s": [float(m[1]) for m in WOKE.finditer(controller_log)]}
+
+
 def direction_changes(scenario: RealScenario, made: Sequence[dict[str, Any]]) -> list[int]:
     """Per plateau: how often the direction of consecutive scale decisions inside it reversed."""
     changes = []
@@ -314,7 +324,9 @@ async def run(scenario: RealScenario, run_dir: Path) -> dict[str, Any]:
             sent = list(await asyncio.gather(*tasks))
             stop.set()
             await watcher
-        made, drained = decisions((run_dir / "controller.log").read_text(), wall_start)
+        controller_log = (run_dir / "controller.log").read_text()
+        made, drained = decisions(controller_log, wall_start)
+        measured = lifecycle_times(controller_log)
     finally:
         await stack.stop()
     auto = pool_figures(AUTO, sent, fleet, scenario, drained)
@@ -333,6 +345,7 @@ async def run(scenario: RealScenario, run_dir: Path) -> dict[str, Any]:
         "load_average": os.getloadavg(), "auto": auto, "static": static,
         "gpu_seconds_ratio": round(ratio, 4), "targets": targets,
         "decisions": made, "drained_workers": sorted(drained), "direction_changes_per_plateau": changes,
+        **measured,
         "plateaus": [{"start_s": s, "end_s": e, "rps": round(r, 3)} for s, e, r in scenario.plateaus()],
         "fleet": [list(sample) for sample in fleet.samples],
         "requests": [asdict(s) for s in sent],
@@ -404,9 +417,18 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lines += ["", f"GPU-seconds auto/static: {report['gpu_seconds_ratio']:.2f}; decisions: "
                   f"{len(report['decisions'])} ({sum(d['action'] == 'up' for d in report['decisions'])} up); "
                   f"direction changes per plateau: {report['direction_changes_per_plateau']}.",
+              _lifecycle_line(report),
               "Targets: " + ", ".join(f"{name} {'met' if met else 'MISSED'}"
                                       for name, met in report["targets"].items())]
     return lines
+
+
+def _lifecycle_line(report: dict[str, Any]) -> str:
+    def mean(values: list[float]) -> str:
+        return f"{sum(values) / len(values):.2f} s (n = {len(values)})" if values else "none"
+
+    return (f"Measured by the controller: start-up (launch to serving) {mean(report.get('startups_s', []))}; "
+            f"wake-up {mean(report.get('wakeups_s', []))}.")
 
 
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -43,17 +43,21 @@ class StartupTimes:
         self._served: set[str] = set()
         self._measured: deque[float] = deque(maxlen=LAUNCHES_KEPT)
 
-    def observe(self, starting: set[str], serving: set[str], now: float) -> None:
+    def observe(self, starting: set[str], serving: set[str], now: float) -> dict[str, float]:
         """``starting``: the pool's workers not serving yet; ``serving``: those that serve now. A worker that
-        served once and stops serving (failed, restarted in place) is not a launch."""
+        served once and stops serving (failed, restarted in place) is not a launch. Returns the start-ups
+        measured now (worker id → seconds)."""
+        measured = {}
         for worker_id in starting - self._served:
             self._starting.setdefault(worker_id, now)
         for worker_id in list(self._starting):
             if worker_id in serving:
-                self._measured.append(now - self._starting.pop(worker_id))
+                measured[worker_id] = now - self._starting.pop(worker_id)
+                self._measured.append(measured[worker_id])
             elif worker_id not in starting:
                 del self._starting[worker_id]  # stopped before it served: no figure
         self._served = (self._served | serving) & (starting | serving)
+        return measured
 
     def estimate(self, default_s: float) -> float:
         return sum(self._measured) / len(self._measured) if self._measured else default_s
@@ -102,7 +106,10 @@ class Autoscaler:
         kv = sum(r.kv_usage for r in serving) / len(serving) if serving else 0.0
         ready = {r.id for r in serving if r.id in active}
         if pool in self.startup:
-            self.startup[pool].observe(set(active) - ready - asleep, ready, now)
+            times = self.startup[pool]
+            for worker_id, took in times.observe(set(active) - ready - asleep, ready, now).items():
+                log.info("pool %s: worker %s served %.1f s after it was first seen starting (start-up now %.1f s)",
+                         pool, worker_id, took, times.estimate(self._settings.startup_s))
         ttfts = [r.ttft_ewma_s for r in serving if r.ttft_ewma_s >= 0]
         # A starved or unreachable engine's scrape goes stale and its facts read 0: extproc's in-flight count
         # of the worker (requests sent and not yet ended) keeps a busy pool from looking idle.

@@ -164,8 +164,9 @@ class InstanceController:
             wake_s = time.monotonic() - began if woke else None
             missing = target - len(awake) - len(woke)
             started = await self.backend.launch(pool, missing) if missing > 0 else []
-            log.info("pool %s: %d -> %d workers, woke %s, started %s", pool, len(awake), target,
-                     ", ".join(woke) or "none", ", ".join(started) or "none")
+            log.info("pool %s: %d -> %d workers, woke %s%s, started %s", pool, len(awake), target,
+                     ", ".join(woke) or "none", f" in {wake_s:.2f} s" if wake_s is not None else "",
+                     ", ".join(started) or "none")
             return ScaleResult(pool, len(awake), target, started=tuple(started), woken=tuple(woke), wake_s=wake_s)
         if target == len(awake):
             return ScaleResult(pool, len(awake), target)

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import datetime
 
-from bench.autoscale_real import AUTO, STATIC, Fleet, RealScenario, arrivals, decisions, direction_changes
+from bench.autoscale_real import (
+    AUTO,
+    STATIC,
+    Fleet,
+    RealScenario,
+    arrivals,
+    decisions,
+    direction_changes,
+    lifecycle_times,
+)
 
 
 def test_trace_climbs_to_the_peak_and_back_with_a_ten_fold_trough() -> None:
@@ -60,3 +69,13 @@ def test_seconds_asleep_are_counted_apart_from_gpu_seconds() -> None:
     for step in range(4):
         fleet.note(step * 0.5, {"auto-w1": 1, "auto-w2": 2}, sleeping={"auto-w2"} if step >= 2 else set())
     assert fleet.gpu_seconds(AUTO) == 3.0 and fleet.asleep_seconds() == 1.0
+
+
+def test_start_ups_and_wake_ups_are_read_from_the_controller_log() -> None:
+    log = "\n".join([
+        "x INFO poolgate.controller.autoscale: pool auto: worker auto-2 served 9.3 s after it was first seen "
+        "starting (start-up now 9.3 s)",
+        "x INFO poolgate.controller.instances: pool auto: 1 -> 2 workers, woke auto-2 in 1.02 s, started none",
+        "x INFO poolgate.controller.instances: pool auto: 2 -> 3 workers, woke none, started auto-3",
+    ])
+    assert lifecycle_times(log) == {"startups_s": [9.3], "wakeups_s": [1.02]}
