@@ -291,12 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for the reports")
     parser.add_argument("--quick", action="store_true", help="a shorter, lighter trace (seconds, for CI)")
     parser.add_argument("--seed", type=int, default=None, help="arrivals' seed (default 7; 11 with --real)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="sweep the capacity planner's constants over plateaus, diurnal and bursty traces on "
+                             "virtual time (``bench.autoscale_sweep``): autoscale_sweep.json and .md")
     real = parser.add_argument_group("real processes (--real)")
     real.add_argument("--real", action="store_true",
                       help="run a compressed trace through the real stack (``bench.autoscale_real``): "
                            "autoscale_real.json, .md and .png")
     autoscale_real.add_arguments(real)
     args = parser.parse_args(argv)
+    if args.sweep:
+        from bench import autoscale_sweep
+        return autoscale_sweep.main(Path(args.out), quick=args.quick)
     if args.real:
         if args.seed is None:
             args.seed = autoscale_real.RealScenario().seed
