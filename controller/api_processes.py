@@ -175,7 +175,8 @@ async def serve(args: argparse.Namespace, parent: int) -> None:
     freeze_startup_objects()
     stop = asyncio.Event()
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_GRACE_S)
-    tasks = [asyncio.create_task(lag.run()), asyncio.create_task(_watch_parent(parent, stop))]
+    tasks = [asyncio.create_task(lag.run()), asyncio.create_task(_watch_parent(parent, stop)),
+             asyncio.create_task(registry.say_it_serves(stop))]
     if api_tls is not None:
         tasks.append(asyncio.create_task(api_tls.watch(config.tls.reload_s, stop)))
     try:

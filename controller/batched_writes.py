@@ -100,11 +100,12 @@ class HeartbeatCoalescer:
     batch in flight and then went with the next (at 10,000 workers a routine batch took 15 ms at p90 and 63 ms
     at p99 on a busy host); in a lane of its own it still waited two turns of a busy loop (its flushing task's
     start, and the turn a batch waits for company). Nothing in a routine heartbeat can undo what a state
-    heartbeat wrote: it carries no state."""
+    heartbeat wrote: it carries no state. ``ttl_s`` is asked at each write: the TTL grows and shrinks with the
+    fleet (``controller.heartbeat_interval``)."""
 
-    def __init__(self, store: FleetStore, ttl_s: float) -> None:
+    def __init__(self, store: FleetStore, ttl_s: Callable[[], float]) -> None:
         async def flush(beats: dict[str, dict[str, Any]]) -> dict[str, bool]:
-            missing = set(await store.heartbeat_many(beats, ttl_s))
+            missing = set(await store.heartbeat_many(beats, ttl_s()))
             return {worker_id: worker_id not in missing for worker_id in beats}
 
         def merge(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
@@ -138,15 +139,15 @@ class HeartbeatCoalescer:
         return [worker_id for worker_id in beats if worker_id in missing or not answers.get(worker_id, True)]
 
     async def _write_states(self, beats: dict[str, dict[str, Any]]) -> list[str]:
-        return await self._store.heartbeat_many(beats, self._ttl_s)
+        return await self._store.heartbeat_many(beats, self._ttl_s())
 
 
 class RegistrationCoalescer(Coalescer[WorkerRecord, None]):
     """``register`` returns once the record is written; the same worker twice in one batch: the later record."""
 
-    def __init__(self, store: FleetStore, ttl_s: float) -> None:
+    def __init__(self, store: FleetStore, ttl_s: Callable[[], float]) -> None:
         async def flush(records: dict[str, WorkerRecord]) -> dict[str, None]:
-            await store.register_many(list(records.values()), ttl_s)
+            await store.register_many(list(records.values()), ttl_s())
             return dict.fromkeys(records)
 
         super().__init__(flush, lambda earlier, later: later)

@@ -119,7 +119,7 @@ async def _instance_backend(config: Config, store: FleetStore, log_dir: Path,
 @dataclass
 class _ApiListeners:
     """Where the registry API listens: its runner, its base URL (with the bound port) and, with API processes
-    (``controller.api_processes`` above 1), the private loopback URL of the controller's own API that takes
+    (``shared``: the controller always runs them), the private loopback URL of the controller's own API that takes
     the operator calls they forward, and the socket that holds the public port for them."""
 
     runner: web.AppRunner
@@ -247,8 +247,10 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     lag = LoopLag()
     registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics,
                            lag)
-    api_processes = config.controller.api_processes
-    api = await _serve_api(registry, host, http_port, api_tls, shared=api_processes > 1)
+    # The workers' calls go to API processes only (one per core by default): the controller's loop, which
+    # serves xDS and the health monitor, never answers a heartbeat.
+    api_processes = config.controller.api_process_count()
+    api = await _serve_api(registry, host, http_port, api_tls, shared=True)
     api_url = api.url
     serving_api: list[asyncio.Task[object]] = []
     if api.private_url is not None:

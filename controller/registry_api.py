@@ -6,7 +6,9 @@ stranger on the network cannot add an address to Envoy's endpoints. Errors are O
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import dataclasses
 import hmac
 import ipaddress
@@ -26,11 +28,15 @@ from typing_extensions import TypedDict
 
 from controller.backend import PlacementRefused
 from controller.batched_writes import HeartbeatCoalescer, RegistrationCoalescer
+from controller.fleet_count import FleetCount
+from controller.heartbeat_interval import HeartbeatPace, NextBeat, next_beat
 from controller.instances import InstanceController, NotLeader
 from controller.overload import LoopLag
 from poolgate.kernel.config import ControllerSettings, PoolScaling, PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
+from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.store import FleetStore
+from poolgate.kernel.store_scripts import REGISTRY_ALIVE_S
 
 log = logging.getLogger("poolgate.controller.api")
 
@@ -131,7 +137,12 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
-OK = Answer(200, orjson.dumps({"ok": True}))
+def _pace_fields(beat: NextBeat) -> dict[str, float]:
+    """What every registration and heartbeat answer tells the worker: beat again within ``heartbeat_interval_s``
+    (its own, jittered); the registry forgets it ``heartbeat_ttl_s`` after this call without another."""
+    return {"heartbeat_interval_s": round(beat.interval_s, 3), "heartbeat_ttl_s": round(beat.ttl_s, 3)}
+
+
 HEALTHY = Answer(200, orjson.dumps({"status": "ok"}))
 """``GET /healthz``: the registry answers."""
 UNAUTHORIZED = error_answer(401, "missing or wrong controller token (Authorization: Bearer <token>)", "unauthorized")
@@ -174,17 +185,27 @@ class RegistryApi:
     """Routes for the registry over the fleet store; the token check is constant-time. ``scaling`` holds
     the pools operators may scale (``autoscale.pools``); with ``lag`` (the loop's), registrations wait while
     the controller runs behind. The workers' calls (``register``, ``heartbeat``, ``heartbeat_batch``) answer
-    whatever server took them: the controller's aiohttp routes here, or an API process's lean front."""
+    whatever server took them: the controller's aiohttp routes here, or an API process's lean front. Each of
+    those answers names the worker's next heartbeat interval and TTL, paced to the fleet in Redis
+    (``controller.heartbeat_interval``); ``draw`` is the jitter's random source."""
 
     def __init__(self, store: FleetStore, token: str, pools: Sequence[PoolSpec], settings: ControllerSettings,
                  scaling: Mapping[str, PoolScaling] | None = None, instances: InstanceController | None = None,
-                 metrics: CollectorRegistry | None = None, lag: LoopLag | None = None) -> None:
+                 metrics: CollectorRegistry | None = None, lag: LoopLag | None = None,
+                 draw: Callable[[], float] = random.random) -> None:
         self._store = store
         self._token = token.encode()
         self._pools = {pool.name: pool for pool in pools}
-        self.heartbeats = HeartbeatCoalescer(store, settings.heartbeat_ttl_s)
+        self.pace = HeartbeatPace(floor_s=settings.heartbeat_interval_s,
+                                  grace_s=settings.heartbeat_ttl_s - settings.heartbeat_interval_s,
+                                  calls_per_s_per_process=settings.max_heartbeats_per_s,
+                                  api_processes=settings.api_process_count())
+        self.fleet = FleetCount(store)
+        """The fleet's size the intervals are paced to (Redis's, so a restarted registry paces at once)."""
+        self._draw = draw
+        self.heartbeats = HeartbeatCoalescer(store, self._ttl_s)
         """Heartbeats, single and batched, gathered into one Redis pipeline per batch."""
-        self.registrations = RegistrationCoalescer(store, settings.heartbeat_ttl_s)
+        self.registrations = RegistrationCoalescer(store, self._ttl_s)
         """Registrations, gathered into one pipeline and one announcement per batch."""
         self._lag = lag
         self._deferred_at: collections.deque[float] = collections.deque()
@@ -194,6 +215,24 @@ class RegistryApi:
         self._instances = instances
         self._metrics = metrics
         self._networks = tuple(ipaddress.ip_network(n) for n in settings.allowed_networks)
+
+    def _ttl_s(self) -> float:
+        """The TTL written with a heartbeat or registration: it covers the longest interval handed at this size."""
+        return next_beat(self.pace, self.fleet.last_known, 1.0).ttl_s
+
+    async def next_interval(self, workers_per_call: int = 1) -> NextBeat:
+        """The interval and TTL for a call that beats ``workers_per_call`` workers (a node's batch: more)."""
+        return next_beat(self.pace, await self.fleet.workers(), self._draw(), workers_per_call)
+
+    async def say_it_serves(self, stop: asyncio.Event) -> None:
+        """Until ``stop``, tell the fleet's readers every ``REGISTRY_ALIVE_S`` that this registry takes heartbeats,
+        so that they hold the workers that go overdue while it does not (restarting, stalled) instead of
+        expiring them into a storm of re-registrations (``store_scripts.REGISTRY_ALIVE_S``)."""
+        while not stop.is_set():
+            with contextlib.suppress(*REDIS_ERRORS):  # Redis away: the heartbeats' own writes fail and say so
+                await self._store.registry_serves(self._ttl_s())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), REGISTRY_ALIVE_S)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
@@ -267,9 +306,11 @@ class RegistryApi:
             backend=asked.backend, state=asked.state, node=asked.node or "",
             kv_events_endpoint=asked.kv_events_endpoint, kv_events_replay_endpoint=asked.kv_events_replay_endpoint,
         )
+        beat = await self.next_interval()
+        self.fleet.joined(1)
         await self.registrations.register(record)
         log.info("registered worker %s (%s) in pool %s", record.id, record.address, record.pool)
-        return Answer(201, orjson.dumps(record.to_redis()))
+        return Answer(201, orjson.dumps({**record.to_redis(), **_pace_fields(beat)}))
 
     def _retry_after(self) -> int:
         """Whole seconds, drawn so that the registrations put off lately come back spread at about
@@ -290,10 +331,11 @@ class RegistryApi:
             facts = HEARTBEAT.validate_json(body) if body else {}
         except ValidationError as exc:
             return error_answer(400, str(exc), "invalid_heartbeat")
+        beat = await self.next_interval()
         if not await self.heartbeats.beat(worker_id, _reported(facts)):
             return error_answer(404, f"worker {worker_id!r} is not registered (expired?); register again",
                                 "not_registered")
-        return OK
+        return Answer(200, orjson.dumps({"ok": True, **_pace_fields(beat)}))
 
     async def _heartbeats(self, request: web.Request) -> web.Response:
         return response(await self.heartbeat_batch(await request.read()))
@@ -307,8 +349,10 @@ class RegistryApi:
         except ValidationError as exc:
             return error_answer(400, str(exc), "invalid_heartbeat")
         beats = {beat["id"]: _reported(beat) if len(beat) > 1 else {} for beat in batch["workers"]}
+        pace = await self.next_interval(max(1, len(beats)))
         missing = await self.heartbeats.beat_many(beats)
-        return Answer(200, orjson.dumps({"ok": len(beats) - len(missing), "not_registered": missing}))
+        return Answer(200, orjson.dumps({"ok": len(beats) - len(missing), "not_registered": missing,
+                                         **_pace_fields(pace)}))
 
     async def _deregister(self, request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]

@@ -20,6 +20,10 @@ per tenant. Fleet keys (``{prefix}`` below is that braced tag):
 - ``{prefix}:fleet:deadlines`` sorted set, worker id → its heartbeat deadline (Redis clock, ms): the first
   reader to look after that removes the record and writes the expiry as a change, unless too many workers are
   overdue at once (the mass-expiry guard, ``poolgate.kernel.store_scripts.POLL``).
+- ``{prefix}:fleet:registry_at`` when (Redis clock, ms) a registry API process last said it serves: a worker
+  whose deadline passed after that is held, not expired (its registry, not the worker, went quiet).
+- ``{prefix}:fleet:registry_settled_at`` when (ms) the workers of a registry that came back after a silence
+  have had one TTL to reach it: an overdue worker whose deadline is earlier is held.
 - ``{prefix}:fleet:floor``  the version below which the change logs were trimmed (older readers read all).
 - ``{prefix}:fleet:epoch``  set with the first version: a new epoch means Redis lost its data.
 - ``{prefix}:passive``      hash: worker id → count of data-path failures (5xx, timeouts, resets before

@@ -171,6 +171,7 @@ class FleetStore:
         self._deregister = redis.register_script(store_scripts.DEREGISTER)
         self._poll = redis.register_script(store_scripts.POLL)
         self._expire_due = redis.register_script(store_scripts.EXPIRE_DUE)
+        self._registry_serves = redis.register_script(store_scripts.REGISTRY_SERVES)
 
     def changes(self) -> ChangeFeed:
         """A subscription to change notifications: ``async with store.changes() as feed``."""
@@ -236,6 +237,11 @@ class FleetStore:
     def _facts_args(self, worker_id: str, ttl_ms: int, announce: bool | str, facts: Mapping[str, Any]) -> list[Any]:
         flag = announce if isinstance(announce, str) else int(announce)
         return [self.keys.fleet, worker_id, ttl_ms, flag, *_pairs(facts)]
+
+    async def registry_serves(self, ttl_s: float) -> None:
+        """A registry API process takes heartbeats now, and hands TTLs up to ``ttl_s``
+        (``store_scripts.REGISTRY_ALIVE_S``): a worker overdue from now on went quiet itself."""
+        await self._registry_serves(client=self._redis, keys=self._route, args=[self.keys.fleet, _ttl_ms(ttl_s)])
 
     async def deregister(self, worker_id: str) -> None:
         await self._deregister(client=self._redis, keys=self._route, args=[self.keys.fleet, worker_id])
@@ -326,6 +332,11 @@ class FleetStore:
             else None for worker_id, fields in zip(read[::2], read[1::2], strict=True)}
         return ChangePoll(_text(epoch), int(version), ids(changed), ids(changed_live) if live else frozenset(),
                           records, int(held))
+
+    async def count_workers(self) -> int:
+        """Workers registered (the index's size: one command, whatever the fleet's size). An expired worker
+        counts until a reader prunes it, within a poll period."""
+        return int(await self._redis.scard(self.keys.workers))
 
     async def read_workers(self, worker_ids: Sequence[str]) -> dict[str, WorkerRecord | None]:
         """The records of these workers (None for one that is not registered), in one pipeline."""

@@ -22,6 +22,15 @@ MASS_EXPIRY_SHARE = 0.1
 """More than this share of the fleet overdue at once (and more than ``MASS_EXPIRY_FLOOR`` workers) is the
 registry's trouble, not the workers': the API stalled, or the agents lost their way to it."""
 MASS_EXPIRY_FLOOR = 10
+REGISTRY_ALIVE_S = 0.25
+"""Each registry API process says it serves this often (``REGISTRY_SERVES``). A worker whose heartbeat deadline
+passed while no registry said so is held, not expired: the registry that should have taken its heartbeat was
+away (restarting, failing over, stalled), and expiring the fleet would bring it back as a storm of
+re-registrations. Deadlines spread over a whole (stretched) interval, so a stalled registry's workers go overdue
+a few at a time, never "at once" in a poll as the mass-expiry guard counts them."""
+REGISTRY_QUIET_MS = 1000
+"""No registry API process said it serves for this long: the registry was away, and when it is back its workers
+get one TTL to find it again before an overdue one is expired."""
 
 _COMMON = (f"local HOLD_MS = {EXPIRY_HOLD_MS}\nlocal MASS_SHARE = {MASS_EXPIRY_SHARE}\n"
            f"local MASS_FLOOR = {MASS_EXPIRY_FLOOR}\n") + """
@@ -39,6 +48,19 @@ local function bump(id, log)
   return v
 end
 """
+
+REGISTRY_SERVES = _COMMON + f"local QUIET_MS = {REGISTRY_QUIET_MS}" + """
+local now = now_ms()
+local last = tonumber(redis.call('GET', P .. ':fleet:registry_at') or '0')
+if now - last > QUIET_MS then  -- back after a silence: its workers have until then to find it again
+  redis.call('SET', P .. ':fleet:registry_settled_at', now + tonumber(ARGV[2]))
+end
+redis.call('SET', P .. ':fleet:registry_at', now)
+return 1
+"""
+"""ARGV: fleet tag, the longest TTL the registry hands (ms). A registry API process serves
+(``REGISTRY_ALIVE_S``); when none had said so for ``REGISTRY_QUIET_MS``, the workers get one TTL from now to
+reach it again before their silence counts as theirs. Said on Redis's clock, which the deadlines use too."""
 
 REGISTER = _COMMON + """
 local id, ttl, quiet = ARGV[2], tonumber(ARGV[3]), ARGV[4] == 'q'
@@ -146,14 +168,24 @@ _EXPIRE_DUE_FN = """
 local function expire_due(now)
   local members = redis.call('SCARD', P .. ':workers')
   local overdue = redis.call('ZCOUNT', P .. ':fleet:deadlines', '-inf', now)
+  local registry_at = tonumber(redis.call('GET', P .. ':fleet:registry_at') or '0')
+  local settled_at = tonumber(redis.call('GET', P .. ':fleet:registry_settled_at') or '0')
+  local mass = overdue > MASS_FLOOR and overdue > MASS_SHARE * members
   local held = 0
-  if overdue > MASS_FLOOR and overdue > MASS_SHARE * members then held = overdue end
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':fleet:deadlines', '-inf', now, 'LIMIT', 0, 1000)) do
+  local due = redis.call('ZRANGEBYSCORE', P .. ':fleet:deadlines', '-inf', now, 'WITHSCORES', 'LIMIT', 0, 1000)
+  for i = 1, #due, 2 do
+    local id, deadline = due[i], tonumber(due[i + 1])
     local key = P .. ':worker:' .. id
     local pttl = redis.call('PTTL', key)
+    -- the registry served at the deadline and had been back long enough for the worker to find it (or no
+    -- registry says so: the registrant is the controller itself), and few are overdue at once: the worker,
+    -- not its registry, went quiet
+    local worker_silent = not mass and (registry_at == 0 or (registry_at >= deadline and settled_at <= deadline))
     if pttl == -1 then
       redis.call('ZREM', P .. ':fleet:deadlines', id)
-    elseif pttl == -2 or held == 0 then  -- its record ran out, or it is overdue alone: it leaves
+    elseif pttl ~= -2 and not worker_silent then
+      held = held + 1
+    else  -- its record ran out, or it went quiet alone: it leaves
       redis.call('DEL', key)
       redis.call('ZREM', P .. ':fleet:deadlines', id)
       redis.call('SREM', P .. ':workers', id)
@@ -162,6 +194,7 @@ local function expire_due(now)
       redis.call('PUBLISH', P .. ':events', 'expire ' .. id .. ' ' .. v)
     end
   end
+  if mass then held = overdue end
   return held
 end
 """
@@ -216,8 +249,9 @@ return {epoch, version, floor, changed, live, records, held}
 """ARGV: fleet tag, the reader's version, 1 to include the live log, the most ids to return per log.
 
 First expires the workers whose heartbeat deadline passed (the first reader to look writes the change for
-everyone), unless more than ``MASS_EXPIRY_SHARE`` of the fleet is overdue at once: then only those whose record
-ran out (``EXPIRY_HOLD_MS`` later) leave, and the rest stay until their heartbeats come back. Then trims the
+everyone), unless more than ``MASS_EXPIRY_SHARE`` of the fleet is overdue at once, or no registry API process
+has said it serves since the worker's deadline (``REGISTRY_ALIVE_S``): then only those whose record ran out
+(``EXPIRY_HOLD_MS`` later) leave, and the rest stay until their heartbeats come back. Then trims the
 logs to about twice the fleet (readers older than the trimmed part read everything again), and answers epoch,
 version, floor and the ids changed since ``since`` (false instead of the ids when ``since`` is below the floor
 or above the version: read everything), when they are ``read_up_to`` (ARGV[5]) or fewer each id followed by its

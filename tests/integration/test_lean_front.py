@@ -26,6 +26,11 @@ TOKEN = "front-token"
 AUTH = b"Authorization: Bearer %s\r\n" % TOKEN.encode()
 
 
+def counted(answer: dict[str, object]) -> dict[str, object]:
+    """A batch answer without the pace it hands out (``heartbeat_interval_s``, ``heartbeat_ttl_s``)."""
+    return {name: answer[name] for name in ("ok", "not_registered")}
+
+
 @pytest.fixture()
 async def front(redis_client: aioredis.Redis) -> AsyncIterator[int]:
     """The front's port; its controller (for calls passed on) is a port nobody listens on."""
@@ -68,9 +73,9 @@ async def test_pipelined_calls_are_answered_in_order(front: int) -> None:
     calls = (post(b"/v1/heartbeats", b'{"workers": [{"id": "w1"}, {"id": "gone"}]}')
              + post(b"/v1/workers/gone/heartbeat", b"") + post(b"/v1/workers/w1/heartbeat", b'{"running": 3}'))
     (first, second, third), _ = await answers(front, calls, 3)
-    assert (first[0], orjson.loads(first[2])) == (200, {"ok": 1, "not_registered": ["gone"]})
+    assert (first[0], counted(orjson.loads(first[2]))) == (200, {"ok": 1, "not_registered": ["gone"]})
     assert (second[0], orjson.loads(second[2])["error"]["code"]) == (404, "not_registered")
-    assert (third[0], third[2]) == (200, b'{"ok":true}')
+    assert (third[0], orjson.loads(third[2])["ok"]) == (200, True)
 
 
 async def test_a_client_that_expects_100_continue_gets_it_before_it_sends_the_body(front: int) -> None:
@@ -82,7 +87,8 @@ async def test_a_client_that_expects_100_continue_gets_it_before_it_sends_the_bo
         assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
         writer.write(body)
         status, _, answer = await read_answer(reader)
-        assert (status, orjson.loads(answer)) == (200, {"ok": 1, "not_registered": [f"gone{i}" for i in range(99)]})
+        gone = [f"gone{i}" for i in range(99)]
+        assert (status, counted(orjson.loads(answer))) == (200, {"ok": 1, "not_registered": gone})
     finally:
         writer.close()
 

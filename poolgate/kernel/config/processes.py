@@ -10,6 +10,20 @@ from pydantic import Field, field_validator, model_validator
 from poolgate.kernel.config.base import Section
 
 
+def usable_cores() -> int:
+    """The cores this process may use: its CPU affinity, bounded by a cgroup v2 CPU quota (a container limited to
+    2 CPUs on a 64-core node gets 2, where ``os.cpu_count()`` says 64)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as limits:
+            quota, _, period = limits.read().partition(" ")
+    except OSError:
+        return max(1, cores)
+    if quota.strip() == "max" or not period.strip():
+        return max(1, cores)
+    return max(1, min(cores, -(-int(quota) // int(period))))
+
+
 class Ports(Section):
     """Listening ports. 0 means: pick a free port at start (``poolgate up`` prints what it chose)."""
 
@@ -65,22 +79,35 @@ class ControllerSettings(Section):
     """Shared token for the registration API. Prefer ``token_env``; ``poolgate up`` makes one if neither."""
     token_env: str = "POOLGATE_TOKEN"
     heartbeat_interval_s: float = Field(0.5, gt=0)
+    """The shortest interval the registry hands a worker: it answers every registration and heartbeat with
+    the interval to use next, this one or longer once the fleet's heartbeats would pass ``max_heartbeats_per_s``
+    (``controller/heartbeat_interval.py``)."""
     heartbeat_ttl_s: float = Field(1.5, gt=0)
-    """A worker that has not sent a heartbeat for this long leaves the registry (and Envoy's endpoints)."""
+    """A worker that has not sent a heartbeat for this long leaves the registry (and Envoy's endpoints), at the
+    shortest interval; the TTL handed out grows with the interval: the longest interval handed plus
+    ``heartbeat_ttl_s − heartbeat_interval_s`` or one interval, whichever is longer."""
+    max_heartbeats_per_s: float = Field(1000.0, gt=0)
+    """Heartbeat calls a second each registry API process is asked to serve at most: the interval handed to
+    the workers stretches so that the whole fleet stays under this rate times ``api_processes`` (Nomad's
+    ``max_heartbeats_per_second``). One lean API process serves about 5,000 a core; 1,000 leaves it room for a
+    fleet's registrations and the host room for the controller: 10,000 workers on a 2-core machine beat every
+    5-6.25 s, and a silent one leaves within 11.25 s by its TTL (the health monitor's probes are sooner)."""
     allowed_networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
                                          "fc00::/7")
     """CIDR blocks a worker registered through the API may have its address in (``host`` must be an IP
     address inside one). The default is loopback and the private ranges (RFC 1918, IPv6 ULA): an address
     outside them, such as a cloud metadata endpoint (169.254.169.254) or a public host, would make Envoy
     send client traffic there. List the blocks your workers live in; ``0.0.0.0/0`` and ``::/0`` allow any."""
-    api_processes: int = Field(1, ge=1, le=64)
-    """Processes serving the registry API on its one port. 1: the controller itself. N > 1: N API processes
-    answer the workers' registrations and heartbeats on it with a lean HTTP server (Linux ``SO_REUSEPORT``: the
+    api_processes: int = Field(0, ge=0, le=64)
+    """Registry API processes on the API's one port; 0 means one per usable core (the CPU quota of a container).
+    They answer the workers' registrations and heartbeats with a lean HTTP server (Linux ``SO_REUSEPORT``: the
     kernel spreads the connections over them) and pass every other call (listing, drain, scale, ``/metrics``)
-    to the controller, whose loop is then left to the health monitor and xDS. A fleet of 10,000 workers
-    beating every 0.5 s through node agents of 8 sends 2,500 calls a second, which took two API processes
-    about 0.45 of a core on a busy 2-core host; its endpoint changes wait behind the heartbeats when the
-    controller answers them too: give a large fleet's controller 2 or more."""
+    to the controller, whose loop never answers a heartbeat: it is left to the health monitor and xDS, where a
+    fleet's heartbeats had delayed endpoint changes. The heartbeat budget is ``max_heartbeats_per_s`` times
+    this count."""
+
+    def api_process_count(self) -> int:
+        return self.api_processes or usable_cores()
 
     @field_validator("allowed_networks")
     @classmethod
