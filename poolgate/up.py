@@ -27,7 +27,7 @@ import orjson
 import yaml
 
 from poolgate.kernel.child_process import own_group_dying_with_parent
-from poolgate.kernel.config import Config, ConfigError, load_config
+from poolgate.kernel.config import Config, ConfigError, PoolTask, load_config
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.redaction import redact_url
 from poolgate.kernel.store import connect
@@ -203,18 +203,20 @@ class Stack:
                 for name, port, m in zip(names, self.ports.extproc, metrics, strict=True)]
 
     async def wait_until_serving(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until one chat completion per model that should be served succeeds through Envoy (workers load, xDS
-        arrives), and the model list answers. Pools that start empty (no configured worker, and no
-        ``min_workers`` above 0) are not asked: a request would wake a pool scaled to zero."""
+        """Until one request per model that should be served succeeds through Envoy (workers load, xDS arrives),
+        each of the kind its pool's task serves, and the model list answers. Pools that start empty (no configured
+        worker, and no ``min_workers`` above 0) are not asked: a request would wake a pool scaled to zero."""
         deadline = time.monotonic() + timeout_s
-        pending = set(serving_models(self.config)) | {LIST_MODELS}
+        tasks = serving_models(self.config)
+        pending = set(tasks) | {LIST_MODELS}
+        keys_required = self.config.tenancy.require_api_key
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             while pending:
                 for model in sorted(pending):
                     if model == LIST_MODELS:
-                        answered = await _models_ok(http, self.base_url, self.config.tenancy.require_api_key)
+                        answered = await _models_ok(http, self.base_url, keys_required)
                     else:
-                        answered = await _chat_ok(http, self.base_url, model, self.config.tenancy.require_api_key)
+                        answered = await _serves(http, self.base_url, model, tasks[model], keys_required)
                     if answered:
                         pending.discard(model)
                 self.raise_if_child_died()
@@ -261,13 +263,13 @@ LIST_MODELS = "GET /v1/models"
 """Stands for the model list among the models ``wait_until_serving`` waits for."""
 
 
-def serving_models(config: Config) -> list[str]:
-    """Models whose pools should serve once the stack is up: a configured worker, or a ``min_workers`` above
-    0 that the autoscaler starts."""
+def serving_models(config: Config) -> dict[str, PoolTask]:
+    """Models whose pools should serve once the stack is up (a configured worker, or a ``min_workers`` above
+    0 that the autoscaler starts), with what they do (the loader holds every pool of a model to one task)."""
     scaled = config.autoscale.pools if config.autoscale.enabled else {}
     with_workers = {w.pool for w in config.workers}
-    return sorted({p.model for p in config.pools
-                   if p.name in with_workers or (p.name in scaled and scaled[p.name].min_workers > 0)})
+    return {p.model: p.task for p in sorted(config.pools, key=lambda p: p.model)
+            if p.name in with_workers or (p.name in scaled and scaled[p.name].min_workers > 0)}
 
 
 async def _models_ok(http: aiohttp.ClientSession, base_url: str, keys_required: bool) -> bool:
@@ -279,12 +281,27 @@ async def _models_ok(http: aiohttp.ClientSession, base_url: str, keys_required: 
         return False
 
 
-async def _chat_ok(http: aiohttp.ClientSession, base_url: str, model: str, keys_required: bool = False) -> bool:
+def readiness_probe(model: str, task: PoolTask) -> tuple[str, dict[str, object]]:
+    """The smallest request a worker of this kind answers with 200: its path and body. A pooling model refuses
+    chat, and a speech model takes only uploads, so each kind is asked its own way (a speech model through
+    ``/tokenize``, which every kind serves)."""
+    if task == "embed":
+        return "/v1/embeddings", {"model": model, "input": "ping"}
+    if task == "score":
+        return "/v1/score", {"model": model, "text_1": "ping", "text_2": "pong"}
+    if task == "transcription":
+        return "/tokenize", {"model": model, "prompt": "ping"}
+    return "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "ping"}],
+                                    "max_tokens": 1}
+
+
+async def _serves(http: aiohttp.ClientSession, base_url: str, model: str, task: PoolTask,
+                  keys_required: bool = False) -> bool:
     """With API keys required the probe has no key (the config holds only hashes): extproc's 401 then shows
     the router is up, not that the model's workers are."""
-    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    path, body = readiness_probe(model, task)
     try:
-        async with http.post(f"{base_url}/chat/completions", json=body) as response:
+        async with http.post(base_url.removesuffix("/v1") + path, json=body) as response:
             await response.read()
             return response.status == 200 or (keys_required and response.status == 401)
     except (aiohttp.ClientError, TimeoutError):

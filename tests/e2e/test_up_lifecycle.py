@@ -11,11 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
 from poolgate.procs import free_port
-from tests.e2e.conftest import pid_alive
+from tests.e2e.conftest import pid_alive, poolgate_up
 
 pytestmark = pytest.mark.e2e
 
@@ -93,3 +94,20 @@ def test_sigterm_after_a_child_crashed_leaves_no_orphans(tmp_path: Path, redis_u
     process.communicate(timeout=60)
     assert process.returncode == 0
     assert not wait_gone(pids), "processes left behind after SIGTERM"
+
+
+def test_up_is_ready_with_pools_of_every_kind_and_no_keys(redis_server: object) -> None:
+    """READY waits until each model answers through Envoy, each asked what its kind serves: without API keys
+    (where a 401 would do) an embedding, cross-encoder or speech pool never answers a chat, and READY never
+    came."""
+    config = {"key_prefix": "lifecycle-kinds",
+              "pools": [{"name": "chat", "model": "chat-model"},
+                        {"name": "embed", "model": "embed-model", "task": "embed"},
+                        {"name": "rerank", "model": "rerank-model", "task": "score"},
+                        {"name": "speech", "model": "speech-model", "task": "transcription"}],
+              "workers": [{"id": f"{pool}-a", "pool": pool} for pool in ("chat", "embed", "rerank", "speech")]}
+    started = time.monotonic()
+    with poolgate_up(config, redis_server.url, timeout_s=120) as stack:  # type: ignore[attr-defined]
+        print(f"READY after {time.monotonic() - started:.1f} s with four kinds of pool")
+        answer = httpx.post(f"{stack.base_url}/embeddings", json={"model": "embed-model", "input": "x"}, timeout=10)
+        assert answer.status_code == 200, answer.text
