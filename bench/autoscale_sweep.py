@@ -1,12 +1,12 @@
 """``poolgate bench autoscale --sweep --out DIR``: the capacity planner's constants, chosen on virtual time.
 
-The autoscale model (``bench.autoscale.simulate``: requests, worker start-up, drains, sleeping workers, the
+The autoscale model (``bench.autoscale_model.simulate``: requests, worker start-up, drains, sleeping workers, the
 production decision) runs each grid point over three traces, every one against the smallest static fleet that
 meets the SLO on it:
 
 - **plateaus**: the real benchmark's shape (``bench.autoscale_real``: 0.1-1.0 × 4 req/s, 15-s plateaus, two
   cycles and a last trough; one-sequence workers, ~0.5 s a request, TTFT SLO 2 s);
-- **diurnal**: the model's own half-hour day (``bench.autoscale.QUICK``: 30 req/s peak, 16 slots a worker);
+- **diurnal**: the model's own half-hour day (``bench.autoscale_model.QUICK``: 30 req/s peak, 16 slots a worker);
 - **bursty**: the day's trough with bursts to its peak, 20-40 s long, at random moments (a queue that no trend
   announces).
 
@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.autoscale import QUICK, Scenario, simulate, static_for_peak
+from bench.autoscale_model import QUICK, Scenario, simulate, static_for_peak
 from poolgate.kernel.config import AutoscaleSettings, PoolScaling, WorkerTemplate
 
 WAKE_S = 1.0
