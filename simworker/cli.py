@@ -18,7 +18,7 @@ from poolgate.kernel.config import ConfigError, TlsServerFiles
 from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.shutdown import on_stop_signal
 from poolgate.kernel.tls import check_files
-from simworker import model_tasks
+from simworker import model_tasks, registration
 from simworker.engine import Engine
 from simworker.faults import FaultSettings
 from simworker.kv_publisher import KVEventsConfig
@@ -112,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wake-up-s", type=float, default=1.0,
                         help="seconds a wake-up from sleep takes (default %(default)s)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
+    registration.add_arguments(parser)
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
@@ -194,18 +195,24 @@ async def serve_workers(workers: list[SimWorker], stop: asyncio.Event) -> int:
     return 1 if all(worker.crashed.is_set() for worker in workers) and not stop.is_set() else 0
 
 
-async def _run(specs: list[WorkerSpec]) -> int:
+async def _run(specs: list[WorkerSpec], args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     on_stop_signal(asyncio.get_running_loop(), stop.set, STOP_DEADLINE_S)
     workers = [SimWorker(spec) for spec in specs]
     freeze_startup_objects()
-    return await serve_workers(workers, stop)
+    registrations = [asyncio.create_task(registration.keep_registered(args, worker, stop)) for worker in workers]
+    try:
+        return await serve_workers(workers, stop)
+    finally:
+        stop.set()
+        await asyncio.gather(*registrations, return_exceptions=True)
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         specs = worker_specs(args)
+        registration.check(args)
         for spec in specs:
             Engine(spec.engine_config())  # fail fast on a model or context that does not fit the card
             if spec.tls is not None:
@@ -220,7 +227,7 @@ def main(args: argparse.Namespace) -> int:
         runner_factory = uvloop.new_event_loop
     try:
         with asyncio.Runner(loop_factory=runner_factory) as runner:
-            return runner.run(_run(specs))
+            return runner.run(_run(specs, args))
     except* OSError as group:
         for failure in group.exceptions:
             print(f"poolgate simworker: cannot listen: {failure}", file=sys.stderr)

@@ -5,6 +5,7 @@ restarts paces the fleet at once and brings no re-registration storm."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -203,3 +204,38 @@ async def test_a_registry_restart_brings_no_re_registration_storm(registry: Regi
         await reader
         await fleet.stop()
         await reader_redis.aclose()
+
+
+async def test_a_self_registering_simworker_beats_at_the_interval_the_registry_names(
+        registry: Registry, redis_url: str) -> None:
+    """``poolgate simworker --register-with``: the worker registers itself and then beats at the registry's
+    pace: in a fleet of 300 (15 s at this budget) it does not beat at the configured 0.2 s."""
+    redis = aioredis.from_url(redis_url)
+    store = FleetStore(redis, PREFIX)
+    await store.register_many([WorkerRecord(id=f"w{i:03d}", pool="chat", model="m1", host="127.0.0.1",
+                                            port=9000 + i) for i in range(300)], ttl_s=120)
+    port = free_port()
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "poolgate.cli", "simworker", "--port", str(port), "--worker-id", "self-registered",
+        "--register-with", registry.url, "--pool", "chat", "--registry-token", TOKEN)
+    try:
+        async def registered() -> WorkerRecord | None:
+            return (await store.read_workers(["self-registered"]))["self-registered"]
+
+        started = time.monotonic()
+        while (record := await registered()) is None:
+            assert time.monotonic() - started < 30, "the simworker did not register itself"
+            await asyncio.sleep(0.1)
+        assert record.port == port
+        api = registry.api
+        assert api is not None
+        batches_before = api.heartbeats.batches
+        await asyncio.sleep(3.0)  # 15 configured intervals
+        beats = api.heartbeats.batches - batches_before
+        print(f"self-registered in {time.monotonic() - started:.1f} s; heartbeats in the next 3 s: {beats} "
+              f"(the configured 0.2 s would have sent 15)")
+        assert beats <= 1
+    finally:
+        worker.terminate()
+        await worker.wait()
+        await redis.aclose()
