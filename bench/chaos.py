@@ -121,6 +121,8 @@ class ChaosStack:
     restarts: dict[str, int] = field(default_factory=dict)
     stopping: bool = False
     heartbeat_failures: int = 0
+    heartbeat_interval_s: float = 0.0
+    """The interval the registry named last (0: none yet; the config's until it names one)."""
     redis: SentinelGroup | None = None
 
     def __post_init__(self) -> None:
@@ -218,7 +220,8 @@ class ChaosStack:
                     self.group.start(name, self.commands[name])
                     self.restarts[name] = self.restarts.get(name, 0) + 1
             await self._register_ready(http)
-            if time.monotonic() - last_beat >= self.config.controller.heartbeat_interval_s:
+            interval_s = self.heartbeat_interval_s or self.config.controller.heartbeat_interval_s
+            if time.monotonic() - last_beat >= interval_s:
                 last_beat = time.monotonic()
                 await self._heartbeat(http)
             await asyncio.sleep(0.1)
@@ -269,6 +272,7 @@ class ChaosStack:
         if status != 200:
             self.heartbeat_failures += 1
             return
+        self.heartbeat_interval_s = float((answer or {}).get("heartbeat_interval_s") or 0.0)
         for missing in (answer or {}).get("not_registered", ()):
             for worker in beating:
                 if worker.id == missing:

@@ -100,46 +100,50 @@ class HeartbeatCoalescer:
     batch in flight and then went with the next (at 10,000 workers a routine batch took 15 ms at p90 and 63 ms
     at p99 on a busy host); in a lane of its own it still waited two turns of a busy loop (its flushing task's
     start, and the turn a batch waits for company). Nothing in a routine heartbeat can undo what a state
-    heartbeat wrote: it carries no state. ``ttl_s`` is asked at each write: the TTL grows and shrinks with the
-    fleet (``controller.heartbeat_interval``)."""
+    heartbeat wrote: it carries no state. Each heartbeat carries the TTL its answer names (the registry stretches
+    it with the fleet: ``controller.heartbeat_interval``); a batch writes each TTL of its heartbeats in a command
+    of its own (a few: per-worker calls and each size of node batch), and a worker beaten twice in one batch
+    keeps the longer."""
 
-    def __init__(self, store: FleetStore, ttl_s: Callable[[], float]) -> None:
-        async def flush(beats: dict[str, dict[str, Any]]) -> dict[str, bool]:
-            missing = set(await store.heartbeat_many(beats, ttl_s()))
+    def __init__(self, store: FleetStore) -> None:
+        async def flush(beats: dict[str, tuple[dict[str, Any], float]]) -> dict[str, bool]:
+            by_ttl: dict[float, dict[str, dict[str, Any]]] = {}
+            for worker_id, (facts, ttl_s) in beats.items():
+                by_ttl.setdefault(ttl_s, {})[worker_id] = facts
+            missing = {worker_id for ttl_s, group in by_ttl.items()
+                       for worker_id in await store.heartbeat_many(group, ttl_s)}
             return {worker_id: worker_id not in missing for worker_id in beats}
 
-        def merge(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
-            return {**earlier, **later}
+        def merge(earlier: tuple[dict[str, Any], float], later: tuple[dict[str, Any], float]
+                  ) -> tuple[dict[str, Any], float]:
+            return {**earlier[0], **later[0]}, max(earlier[1], later[1])
 
         self._store = store
-        self._ttl_s = ttl_s
-        self._routine: Coalescer[dict[str, Any], bool] = Coalescer(flush, merge)
+        self._routine: Coalescer[tuple[dict[str, Any], float], bool] = Coalescer(flush, merge)
 
     @property
     def batches(self) -> int:
         """Routine pipelines sent so far (for tests and the benchmark)."""
         return self._routine.batches
 
-    async def beat(self, worker_id: str, facts: Mapping[str, Any]) -> bool:
+    async def beat(self, worker_id: str, facts: Mapping[str, Any], ttl_s: float) -> bool:
         if "state" in facts:
-            return not await self._write_states({worker_id: dict(facts)})
-        return await self._routine.submit(worker_id, dict(facts))
+            return not await self._store.heartbeat_many({worker_id: dict(facts)}, ttl_s)
+        return await self._routine.submit(worker_id, (dict(facts), ttl_s))
 
-    async def beat_many(self, beats: Mapping[str, dict[str, Any]]) -> list[str]:
+    async def beat_many(self, beats: Mapping[str, dict[str, Any]], ttl_s: float) -> list[str]:
         """A node's heartbeats, the routine ones written with every other of the same turn; the ids not
         registered."""
         with_state = {worker_id: facts for worker_id, facts in beats.items() if "state" in facts}
+        routine = {worker_id: (facts, ttl_s) for worker_id, facts in beats.items() if "state" not in facts}
         if not with_state:
-            answers = await self._routine.submit_many(beats)
+            answers = await self._routine.submit_many(routine)
             return [worker_id for worker_id in beats if not answers[worker_id]]
-        routine = {worker_id: facts for worker_id, facts in beats.items() if "state" not in facts}
         if not routine:
-            return await self._write_states(with_state)
-        missing, answers = await asyncio.gather(self._write_states(with_state), self._routine.submit_many(routine))
+            return await self._store.heartbeat_many(with_state, ttl_s)
+        missing, answers = await asyncio.gather(self._store.heartbeat_many(with_state, ttl_s),
+                                                self._routine.submit_many(routine))
         return [worker_id for worker_id in beats if worker_id in missing or not answers.get(worker_id, True)]
-
-    async def _write_states(self, beats: dict[str, dict[str, Any]]) -> list[str]:
-        return await self._store.heartbeat_many(beats, self._ttl_s())
 
 
 class RegistrationCoalescer(Coalescer[WorkerRecord, None]):

@@ -203,7 +203,7 @@ class RegistryApi:
         self.fleet = FleetCount(store)
         """The fleet's size the intervals are paced to (Redis's, so a restarted registry paces at once)."""
         self._draw = draw
-        self.heartbeats = HeartbeatCoalescer(store, self._ttl_s)
+        self.heartbeats = HeartbeatCoalescer(store)
         """Heartbeats, single and batched, gathered into one Redis pipeline per batch."""
         self.registrations = RegistrationCoalescer(store, self._ttl_s)
         """Registrations, gathered into one pipeline and one announcement per batch."""
@@ -217,7 +217,7 @@ class RegistryApi:
         self._networks = tuple(ipaddress.ip_network(n) for n in settings.allowed_networks)
 
     def _ttl_s(self) -> float:
-        """The TTL written with a heartbeat or registration: it covers the longest interval handed at this size."""
+        """The TTL written with a registration: it covers the longest interval handed to a worker at this size."""
         return next_beat(self.pace, self.fleet.last_known, 1.0).ttl_s
 
     async def next_interval(self, workers_per_call: int = 1) -> NextBeat:
@@ -332,7 +332,7 @@ class RegistryApi:
         except ValidationError as exc:
             return error_answer(400, str(exc), "invalid_heartbeat")
         beat = await self.next_interval()
-        if not await self.heartbeats.beat(worker_id, _reported(facts)):
+        if not await self.heartbeats.beat(worker_id, _reported(facts), beat.ttl_s):
             return error_answer(404, f"worker {worker_id!r} is not registered (expired?); register again",
                                 "not_registered")
         return Answer(200, orjson.dumps({"ok": True, **_pace_fields(beat)}))
@@ -350,7 +350,7 @@ class RegistryApi:
             return error_answer(400, str(exc), "invalid_heartbeat")
         beats = {beat["id"]: _reported(beat) if len(beat) > 1 else {} for beat in batch["workers"]}
         pace = await self.next_interval(max(1, len(beats)))
-        missing = await self.heartbeats.beat_many(beats)
+        missing = await self.heartbeats.beat_many(beats, pace.ttl_s)
         return Answer(200, orjson.dumps({"ok": len(beats) - len(missing), "not_registered": missing,
                                          **_pace_fields(pace)}))
 

@@ -239,3 +239,27 @@ async def test_a_self_registering_simworker_beats_at_the_interval_the_registry_n
         worker.terminate()
         await worker.wait()
         await redis.aclose()
+
+
+@pytest.mark.parametrize("batch", [False, True])
+async def test_the_ttl_a_heartbeat_is_told_is_the_one_the_registry_keeps(redis_url: str, batch: bool) -> None:
+    """A worker's deadline in Redis is the TTL its answer named from the call on: a node batch (shorter
+    intervals per worker, so a shorter TTL) and a single heartbeat each keep their own."""
+    redis = aioredis.from_url(redis_url)
+    try:
+        store = FleetStore(redis, PREFIX)
+        await store.register_many([WorkerRecord(id=f"w{i:03d}", pool="chat", model="m1", host="127.0.0.1",
+                                                port=9000 + i) for i in range(300)], ttl_s=120)
+        registry = RegistryApi(store, TOKEN, CONFIG.pools, CONFIG.controller)
+        if batch:
+            answer = await registry.heartbeat_batch(orjson.dumps({"workers": [{"id": f"w{i:03d}"} for i in range(8)]}))
+        else:
+            answer = await registry.heartbeat("w000", b"")
+        told = orjson.loads(answer.body)["heartbeat_ttl_s"]
+        seconds, micros = await redis.time()
+        deadline_ms = await redis.zscore(store.keys.fleet + ":fleet:deadlines", "w000")
+        kept = deadline_ms / 1000 - (seconds + micros / 1e6)
+        print(f"{'node batch of 8' if batch else 'single heartbeat'}: told TTL {told} s, Redis keeps {kept:.2f} s")
+        assert told - 0.5 < kept <= told + 0.01
+    finally:
+        await redis.aclose()

@@ -192,16 +192,16 @@ class _SlowRoutineStore:
 
 async def test_a_state_change_does_not_wait_for_the_routine_batch_in_flight() -> None:
     store = _SlowRoutineStore()
-    heartbeats = HeartbeatCoalescer(cast(FleetStore, store), ttl_s=lambda: 1.5)
-    routine = asyncio.create_task(heartbeats.beat_many({"w1": {}, "w2": {"kv_usage": 0.5}}))
+    heartbeats = HeartbeatCoalescer(cast(FleetStore, store))
+    routine = asyncio.create_task(heartbeats.beat_many({"w1": {}, "w2": {"kv_usage": 0.5}}, 1.5))
     await asyncio.sleep(0.01)  # the routine batch has left and stays in flight
-    assert await asyncio.wait_for(heartbeats.beat("w3", {"state": "Draining"}), 1)
+    assert await asyncio.wait_for(heartbeats.beat("w3", {"state": "Draining"}, 1.5), 1)
     assert store.written == [{"w3": {"state": "Draining"}}]
-    mixed = asyncio.create_task(heartbeats.beat_many({"w4": {"state": "Draining"}, "w5": {}}))
+    mixed = asyncio.create_task(heartbeats.beat_many({"w4": {"state": "Draining"}, "w5": {}}, 1.5))
     await asyncio.sleep(0.05)
     assert {"w4": {"state": "Draining"}} in store.written  # a node's state change leaves at once too
     assert not routine.done() and not mixed.done()  # the node's answer waits for its routine part
-    ready = asyncio.create_task(heartbeats.beat("w6", {"state": "Ready"}))
+    ready = asyncio.create_task(heartbeats.beat("w6", {"state": "Ready"}, 1.5))
     await asyncio.sleep(0)  # one turn of the loop: on a busy API process each turn waits behind hundreds of calls
     assert {"w6": {"state": "Ready"}} in store.written and await ready  # written in its caller's first turn
     store.release.set()
