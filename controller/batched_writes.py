@@ -101,17 +101,17 @@ class HeartbeatCoalescer:
     at p99 on a busy host); in a lane of its own it still waited two turns of a busy loop (its flushing task's
     start, and the turn a batch waits for company). Nothing in a routine heartbeat can undo what a state
     heartbeat wrote: it carries no state. Each heartbeat carries the TTL its answer names (the registry stretches
-    it with the fleet: ``controller.heartbeat_interval``); a batch writes each TTL of its heartbeats in a command
-    of its own (a few: per-worker calls and each size of node batch), and a worker beaten twice in one batch
-    keeps the longer."""
+    it with the fleet: ``controller.heartbeat_interval``); a batch writes each TTL of its heartbeats in a pipeline
+    of its own, at once (a few: TTLs are rounded to a step), and a worker beaten twice in one batch keeps the
+    longer."""
 
     def __init__(self, store: FleetStore) -> None:
         async def flush(beats: dict[str, tuple[dict[str, Any], float]]) -> dict[str, bool]:
             by_ttl: dict[float, dict[str, dict[str, Any]]] = {}
             for worker_id, (facts, ttl_s) in beats.items():
                 by_ttl.setdefault(ttl_s, {})[worker_id] = facts
-            missing = {worker_id for ttl_s, group in by_ttl.items()
-                       for worker_id in await store.heartbeat_many(group, ttl_s)}
+            answers = await asyncio.gather(*(store.heartbeat_many(group, ttl_s) for ttl_s, group in by_ttl.items()))
+            missing = {worker_id for not_registered in answers for worker_id in not_registered}
             return {worker_id: worker_id not in missing for worker_id in beats}
 
         def merge(earlier: tuple[dict[str, Any], float], later: tuple[dict[str, Any], float]

@@ -11,7 +11,7 @@ agent's batch: its node's workers) to a registry of ``api_processes`` processes 
 
     interval = max(floor_s, workers / (workers_per_call × calls_per_s_per_process × api_processes))
     handed   = interval × (1 + jitter × u)                 u uniform in [0, 1): each worker its own phase
-    ttl      = interval × (1 + jitter) + grace             grace = max(floor grace, interval)
+    ttl      = interval × (1 + jitter) + grace             grace = max(floor grace, interval), rounded up
 
 ``handed`` never falls below the interval, so the fleet's rate stays under the budget whatever ``u`` draws; the
 jitter keeps a fleet that registered at once from beating in lock-step. The TTL covers the longest interval
@@ -22,10 +22,14 @@ carries its own TTL, so a fleet that shrinks gets shorter intervals at its next 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 JITTER = 0.25
 """Intervals are spread up to this share above the computed one."""
+TTL_STEP_S = 0.25
+"""TTLs are rounded up to a multiple of this, so the heartbeats of one write batch share a few TTLs (one Redis
+command each), not one per fleet size they were answered at."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,5 +65,6 @@ def next_beat(pace: HeartbeatPace, workers: int, draw: float, workers_per_call: 
     """The answer for one heartbeat call in a fleet of ``workers``; ``draw`` in [0, 1) picks the jitter (the
     caller's random source, so that tests choose it)."""
     interval_s = fleet_interval_s(pace, workers, workers_per_call)
+    ttl_s = interval_s * (1 + JITTER) + max(pace.grace_s, interval_s)
     return NextBeat(interval_s * (1 + JITTER * min(max(draw, 0.0), 1.0)),
-                    interval_s * (1 + JITTER) + max(pace.grace_s, interval_s))
+                    math.ceil(round(ttl_s / TTL_STEP_S, 9)) * TTL_STEP_S)
