@@ -4,12 +4,14 @@ A real stack, as ``poolgate up`` runs it: redis-server, the controller (registry
 extproc and two Envoys on ADS. Fake workers are addresses on loopback (``127.1.x.y``) answered by two small
 HTTP servers (``/health``, ``/v1/models``, ``/metrics``), one for the workers that will fail and one for the
 rest; they register and heartbeat through the registry API at the configured interval, as external
-workers do (``--node-batch K``: a node agent heartbeats K workers in one call), each node (or worker) over
-its own kept-alive connection with a lean client, so that this process is not what runs out of CPU first.
-Per size it reports:
+workers do, each at the interval the registry's last answer named (``--node-batch K``: a node agent heartbeats
+K workers in one call; 0: per worker, each its own call), each node (or worker) over its own kept-alive
+connection with a lean client, so that this process is not what runs out of CPU first. ``--node-batch 0 8``
+measures both modes, one row each. Per size it reports:
 
 - registration rate through the API (``--concurrency`` clients at once);
-- heartbeat success (2xx share; a 404 means the worker expired and it registers again, as a worker would);
+- heartbeat success (2xx share; a 404 means the worker expired and it registers again, as a worker would) and
+  the interval the registry named (median over the steady phase's answers);
 - time from the last registration until every Envoy lists all N endpoints healthy;
 - one-change latency: a worker reports Draining (then Ready) in a call of its own (its node's batches carry
   no state, as poolgate's agent sends them) and every Envoy's healthy count follows; p50/p99 over
@@ -33,6 +35,8 @@ Per size it reports:
   refused), with ``hang`` it is stopped (a hung engine: connections stay open and nothing answers, so every
   probe waits for its timeout); time until no Envoy lists them healthy, and the confirming probes the health
   monitor sent while the probes they confirm were still out;
+- silent workers (``--silent K``): K workers stop heartbeating while they still answer their probes (a registrant
+  that died, or lost its way to the registry): time until no Envoy lists them, by their TTL alone;
 - the health monitor's round time (a hung worker waits up to a round for its probe), CPU (share of one core)
   and RSS per process, Redis commands/s, extproc's snapshot age (p50/p99), and how late this process's own
   loop ran (``load_loop_lag_p99_s``), over a steady phase of ``--steady-s`` seconds.
@@ -117,6 +121,8 @@ class Counters:
     """Registrations the API put off (503 with Retry-After: it ran behind); retried after that delay."""
     latencies: list[float] = field(default_factory=list)
     """Seconds per heartbeat call (the steady phase's quantiles are reported)."""
+    intervals: list[float] = field(default_factory=list)
+    """The intervals the registry named in its answers (the steady phase's median is reported)."""
 
     @property
     def success(self) -> float:
@@ -148,12 +154,13 @@ def sick_pool(sick: int, alive_port: int, sick_port: int) -> list[Worker]:
             for i in range(2 * sick)]
 
 
-def write_config(run_dir: Path, pools: int, heartbeat_interval_s: float | None = None, api_processes: int = 1,
+def write_config(run_dir: Path, pools: int, heartbeat_interval_s: float | None = None, api_processes: int = 0,
                  sick: bool = False, shards: int = 1) -> Path:
-    """The stack's config; ``heartbeat_interval_s`` (TTL three intervals) replaces the default timing; the
-    measured pools are split over ``shards`` clusters each."""
+    """The stack's config; ``heartbeat_interval_s`` (TTL three intervals) replaces the default timing, as
+    ``api_processes`` does the default count (0: one per core); the measured pools are split over ``shards``
+    clusters each."""
     controller: dict[str, Any] = {"token": TOKEN}
-    if api_processes > 1:
+    if api_processes > 0:
         controller["api_processes"] = api_processes
     if heartbeat_interval_s is not None:
         controller.update(heartbeat_interval_s=heartbeat_interval_s, heartbeat_ttl_s=3 * heartbeat_interval_s)
@@ -327,6 +334,15 @@ async def api_stall(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, cl
             "stall_reregistered": fleet_.counters.reregistered - reregistered}
 
 
+async def silence(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, clusters: Sequence[str],
+                  workers: Sequence[Worker], at_most: int, timeout_s: float) -> dict[str, Any]:
+    """``workers`` stop heartbeating (their servers still answer every probe, so only their TTL can take them
+    out); seconds until every Envoy lists at most ``at_most`` healthy in ``clusters``."""
+    fleet_.silent.update(worker.id for worker in workers)
+    out = await wait_counts(http, stack.admin_ports, clusters, lambda c: c <= at_most, timeout_s, poll_s=0.05)
+    return {"silent_out_s": out}
+
+
 async def wait_counts(http: aiohttp.ClientSession, admin_ports: Mapping[str, int], clusters: Sequence[str], done: Any,
                       timeout_s: float, poll_s: float = 0.01) -> float | None:
     """Seconds until ``done(count)`` holds in every Envoy (each Envoy's own first time; the max), or None.
@@ -363,12 +379,15 @@ class Fleet:
         self.workers = workers
         self.interval_s = interval_s
         self._node_batch = node_batch
+        self.node_batch = node_batch
         self.counters = Counters()
         self._registering: dict[str, asyncio.Task[None]] = {}
         """Workers of a node being registered again after their node's heartbeat named them expired."""
         self.registered: set[str] = set()
         """Workers whose first registration went through: only they heartbeat (a worker beats once it
         has registered)."""
+        self.silent: set[str] = set()
+        """Workers that stopped heartbeating (``silence``)."""
 
     async def register(self, worker: Worker) -> float:
         """One registration: 0 once it went through, else how long to wait before the next try (the API's
@@ -409,27 +428,30 @@ class Fleet:
         await asyncio.gather(*(client() for _ in range(concurrency)))
         return len(self.workers) / (time.monotonic() - started)
 
-    def counted(self, group: Sequence[Worker], sent: float, outcome: tuple[int, bytes] | BaseException) -> None:
+    def counted(self, group: Sequence[Worker], sent: float, outcome: tuple[int, bytes] | BaseException) -> float:
         """A heartbeat call's answer for ``group`` (a node's workers, or one worker's own call), counted; a worker
         the API no longer knows registers again, beside the heartbeats, as a node agent would (its node's other
-        workers keep beating meanwhile)."""
+        workers keep beating meanwhile). Returns the interval until the group's next call: the one the answer
+        named, or the last one named when it named none (a failed call is asked again at the same pace)."""
         if isinstance(outcome, BaseException) or (outcome[0] != 200 and (self._node_batch > 0 or outcome[0] != 404)):
             self.counters.failed += len(group)
-            return
+            return self.interval_s
         self.counters.latencies.append(time.monotonic() - sent)
         status, answer = outcome
+        named = orjson.loads(answer) if status == 200 else {}
+        interval_s = float(named.get("heartbeat_interval_s") or self.interval_s)
+        self.counters.intervals.append(interval_s)
         if self._node_batch <= 0:
             missing = {group[0].id} if status == 404 else set()
-        elif b'"not_registered":[]' in answer:
-            missing = set()
         else:
-            missing = set(orjson.loads(answer).get("not_registered", ()))
+            missing = set(named.get("not_registered", ()))
         self.counters.ok += len(group) - len(missing)
         self.counters.expired += len(missing)
         for worker in group:
             if worker.id in missing and worker.id not in self._registering:
                 self.counters.reregistered += 1
                 self._registering[worker.id] = asyncio.create_task(self._register_again(worker))
+        return interval_s
 
     async def _register_again(self, worker: Worker) -> None:
         try:
@@ -488,6 +510,8 @@ class _Beats:
         """(registered workers it was encoded for, path, body)."""
         self._tasks: set[asyncio.Task[tuple[int, bytes]]] = set()
         self._stopped = False
+        self._interval_s = fleet_.interval_s
+        """The interval the registry named last (the configured one until it names one)."""
 
     def start(self, at: float) -> None:
         if not self._stopped:
@@ -502,11 +526,11 @@ class _Beats:
 
     def _beat(self) -> None:
         started = asyncio.get_running_loop().time()
-        group = [w for w in self._group if w.id in self._fleet.registered]
+        group = [w for w in self._group if w.id in self._fleet.registered and w.id not in self._fleet.silent]
         if not group:
-            self.start(started + self._fleet.interval_s)
+            self.start(started + self._interval_s)
             return
-        if self._request[0] != len(group):  # (registered workers only ever join)
+        if self._request[0] != len(group):  # (registered workers join; silenced ones leave once, at the end)
             self._request = (len(group), *self._fleet.beat_request(group))
         self._send(group, started, time.monotonic(), kept=True)
 
@@ -537,8 +561,8 @@ class _Beats:
         if isinstance(outcome, PeerClosed):  # the API closed the kept connection as it was asked: ask on a new one
             self._send(group, started, sent, kept=False)
             return
-        self._fleet.counted(group, sent, outcome)
-        self.start(max(started + self._fleet.interval_s, asyncio.get_running_loop().time()))
+        self._interval_s = self._fleet.counted(group, sent, outcome)
+        self.start(max(started + self._interval_s, asyncio.get_running_loop().time()))
 
 
 def rss_mib(pid: int) -> float:
@@ -591,8 +615,10 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
     before_cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
     host_before = cpu_times()
     before_ops = await redis_commands(stack.redis_port)
-    counters_before = Counters(**{k: v for k, v in vars(fleet_.counters).items() if k != "latencies"})
+    counters_before = Counters(**{k: v for k, v in vars(fleet_.counters).items()
+                                  if k not in ("latencies", "intervals")})
     fleet_.counters.latencies.clear()
+    fleet_.counters.intervals.clear()
     started = time.monotonic()
     ages: list[float] = []
     lags: list[float] = []
@@ -613,6 +639,8 @@ async def steady(http: aiohttp.ClientSession, stack: Stack, fleet_: Fleet, secon
                            "registrations_deferred": now.registrations_deferred,
                            "heartbeat_p50_s": quantile(now.latencies, 0.5),
                            "heartbeat_p99_s": quantile(now.latencies, 0.99),
+                           "heartbeat_interval_p50_s": quantile(now.intervals, 0.5),
+                           "heartbeats_s": (delta.ok + delta.expired + delta.failed) / wall / max(1, fleet_.node_batch),
                            "redis_ops_s": ops / wall, "snapshot_age_p50_s": quantile(ages, 0.5),
                            "snapshot_age_p99_s": quantile(ages, 0.99),
                            "extproc_answered": sum(1 for a in ages if a == a) / max(1, len(ages)),
@@ -736,14 +764,14 @@ async def shown_in(http: aiohttp.ClientSession, admin: str, cluster: str, expect
     return float("nan"), float("nan")
 
 
-async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any]:
+async def measure(n: int, pools: int, node_batch: int, args: argparse.Namespace) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix="poolgate-scale-"))
     group = ProcessGroup(run_dir)
     fail = min(args.fail, n)
     alive_port, doomed_port, sick_port = free_port(), free_port(), free_port()
     shards = args.endpoint_shards or auto_shards(-(-n // pools))
     measured = clusters_of(pool_names(pools), shards)
-    row: dict[str, Any] = {"workers": n, "pools": pools, "endpoint_shards": shards, "node_batch": args.node_batch,
+    row: dict[str, Any] = {"workers": n, "pools": pools, "endpoint_shards": shards, "node_batch": node_batch,
                            "heartbeat_interval_s": args.heartbeat_interval_s or 0.5, "sick": args.sick,
                            "fail_mode": args.fail_mode}
     try:
@@ -766,7 +794,7 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
                                          timeout=aiohttp.ClientTimeout(total=30)) as http:
             # the sick pool first: the one-change phase takes its workers from the end
             fleet_ = Fleet(http, stack.api, sick_pool(args.sick, alive_port, sick_port)
-                           + fleet(n, pools, fail, alive_port, doomed_port), interval_s, args.node_batch)
+                           + fleet(n, pools, fail, alive_port, doomed_port), interval_s, node_batch)
             beating = asyncio.create_task(fleet_.run())
             await asyncio.sleep(0)
             row["registrations_s"] = await fleet_.register_all(args.concurrency)
@@ -801,6 +829,10 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
                     "signal": signal.SIGSTOP if args.fail_mode == "hang" else signal.SIGTERM})
                 row["ejection_early_confirmations"] = (
                     await metric(http, f"{stack.api}/metrics", "poolgate_health_early_confirmations_total") - early)
+                if args.silent > 0:  # workers after the doomed ones (the changes took theirs from the end)
+                    silent = fleet(n, pools, fail, alive_port, doomed_port)[fail:fail + args.silent]
+                    row.update(await silence(http, stack, fleet_, measured, silent, n - fail - len(silent),
+                                             args.timeout_s))
             beating.cancel()
             await asyncio.gather(beating, return_exceptions=True)
     finally:
@@ -810,11 +842,13 @@ async def measure(n: int, pools: int, args: argparse.Namespace) -> dict[str, Any
 
 
 COLUMNS = [Column("workers", "workers", "{}"), Column("pools", "pools", "{}"),
-           Column("registrations_s", "reg/s", "{:.0f}"), Column("heartbeat_success", "hb ok", "{:.3f}"),
+           Column("node_batch", "per call (0: own)", "{}"),
+           Column("registrations_s", "reg/s", "{:.0f}"), Column("heartbeat_success", "hb ok", "{:.4f}"),
+           Column("heartbeat_interval_p50_s", "hb interval s", "{:.2f}"), Column("heartbeats_s", "calls/s", "{:.0f}"),
            Column("all_in_envoy_s", "all in Envoy s", "{:.2f}"), Column("change_p50_s", "change p50 s", "{:.3f}"),
            Column("change_p99_s", "change p99 s", "{:.3f}"), Column("change_polled_p99_s", "polled p99 s", "{:.3f}"),
            Column("change_in_redis_p99_s", "of which API p99 s", "{:.3f}"), Column("ejection_s", "eject s", "{:.2f}"),
-           Column("health_round_s", "round s", "{:.2f}"),
+           Column("health_round_s", "round s", "{:.2f}"), Column("silent_out_s", "silent out s", "{:.2f}"),
            Column("sick_out_s", "sick out s", "{:.2f}"), Column("sick_failed_requests", "sick failed", "{}"),
            Column("stall_lowest_share", "stall low", "{:.3f}"), Column("stall_back_s", "stall back s", "{:.2f}"),
            Column("stall_reregistered", "stall rereg", "{}"),
@@ -841,11 +875,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-mode", choices=("exit", "hang"), default="exit",
                         help="their server exits (a crash) or is stopped (a hang)")
     parser.add_argument("--concurrency", type=int, default=64, help="registration clients at once")
-    parser.add_argument("--node-batch", type=int, default=0,
-                        help="heartbeat K workers per call (POST /v1/heartbeats); 0 = one call per worker")
+    parser.add_argument("--node-batch", type=int, nargs="+", default=[0, 8],
+                        help="heartbeat K workers per call (POST /v1/heartbeats); 0 = one call per worker, each on its "
+                             "own connection (the default configuration); one row per value")
     parser.add_argument("--heartbeat-interval-s", type=float, default=None,
                         help="heartbeat every this many seconds (TTL three times that); default: the config's 0.5 s")
-    parser.add_argument("--api-processes", type=int, default=1, help="controller.api_processes")
+    parser.add_argument("--api-processes", type=int, default=0,
+                        help="controller.api_processes (0: the config's default, one per core)")
+    parser.add_argument("--silent", type=int, default=100,
+                        help="workers that stop heartbeating but answer their probes (0: no TTL phase)")
     parser.add_argument("--sick", type=int, default=10,
                         help="workers that fail every request but pass their probes (0: no passive-ejection phase)")
     parser.add_argument("--endpoint-shards", type=int, default=0,
@@ -862,7 +900,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     # uvloop, as the controller has: this process plays the whole fleet and must not be what runs out of CPU
     with host_quiet.measure() as quiet:
-        rows = [uvloop.run(measure(n, p, args)) for p in args.pools for n in args.workers]
+        rows = [uvloop.run(measure(n, p, batch, args)) for p in args.pools for n in args.workers
+                for batch in args.node_batch]
     save_rows(args.name, rows, COLUMNS, x_key="workers",
               panels=[Panel("time to Envoy", ("all_in_envoy_s", "change_p99_s", "ejection_s"), "s"),
                       Panel("CPU", ("cpu_controller", "cpu_redis", "cpu_extproc", "cpu_envoy_a"), "cores")],
