@@ -41,7 +41,7 @@ import yaml
 from bench.harness import ProcessGroup
 from bench.redis_deployments import SentinelGroup, binaries_missing
 from bench.sched_fleet import MODELS, POOL_MAX_MODEL_LEN
-from poolgate.envoy_bootstrap import XDS_CLUSTER, render_bootstrap
+from controller.xds.bootstrap import XDS_CLUSTER, render_bootstrap
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.outage import REDIS_ERRORS
 from poolgate.kernel.redis_client import RedisLike

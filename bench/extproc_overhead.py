@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import host_quiet
 from bench.harness import STREAM_CHUNKS, ProcessGroup, cpu_seconds
 from bench.report import write_report
-from poolgate.envoy_bootstrap import EXTPROC_CLUSTER, render_bootstrap
+from controller.xds.bootstrap import EXTPROC_CLUSTER, render_bootstrap
 from poolgate.kernel.config import Config, parse_config
 from poolgate.procs import envoy_binary, free_port, wait_port
 

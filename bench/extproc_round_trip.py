@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import host_quiet
 from bench.harness import ProcessGroup
 from bench.report import write_report
-from poolgate.envoy_bootstrap import render_bootstrap
+from controller.xds.bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.routing import CLUSTER_HEADER
 from poolgate.procs import envoy_binary, free_port, wait_port

@@ -75,8 +75,8 @@ from bench import fake_workers, host_quiet
 from bench.harness import ProcessGroup, cpu_seconds, cpu_times
 from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
+from controller.xds.bootstrap import render_bootstrap
 from controller.xds.endpoint_table import LARGE_CLUSTER, suggested_shards
-from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.coarse_timers import CoarseTimer, coarse_timers
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.heap import freeze_startup_objects

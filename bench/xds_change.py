@@ -31,7 +31,7 @@ from bench.measure import percentile
 from bench.report import Column, Panel, save_rows
 from bench.scale import auto_shards, clusters_of, envoy_healthy
 from controller.xds import XdsServer
-from poolgate.envoy_bootstrap import render_bootstrap
+from controller.xds.bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.routing import worker_cluster

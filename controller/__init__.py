@@ -3,7 +3,8 @@
 ``main`` (``poolgate controller``) wires the parts over one ``FleetStore``, each with its config section:
 
 - the registry API (``registry_api``: register, heartbeat, deregister, drain, scale; shared token);
-- the Redis → Envoy path: ``xds_bridge`` reads the registry, ``xds`` builds, caches and serves it (ADS);
+- the Redis → Envoy path: ``xds_bridge`` reads the registry, ``xds`` builds, checks, caches and serves it
+  (ADS); ``xds`` is the one home of what Envoy is told (its bootstrap, TLS/SDS, the failure access log);
 - health: ``monitor`` probes every worker (``probe``) and judges it (``health``, pure);
 - instances: ``instances`` turns remedies, operator commands and scale targets into calls on a backend
   (``backend``: ``local_backend`` processes with GPU ``placement``, or ``kube_backend`` Deployments),

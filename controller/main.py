@@ -51,8 +51,8 @@ from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
-from controller.upstream_failures import UpstreamFailureLog
-from controller.xds.server import XdsServer
+from controller.xds.upstream_failures import UpstreamFailureLog
+from controller.xds.xds_server import XdsServer
 from controller.xds_bridge import bridge_fleet_to_xds
 from poolgate.kernel.cancel import cancel_and_wait
 from poolgate.kernel.config import Config, ConfigError, load_process_config

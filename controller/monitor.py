@@ -9,7 +9,7 @@ that differ from what Redis holds in batches, every ``WRITE_EVERY_S`` while the 
 announcement (so a mass failure costs readers a read per batch, not one per worker, and a worker found dead early
 in a long round leaves then), and hands remedies to the instance controller. Between and during rounds it looks at
 the data path's failure counts every ``PASSIVE_WATCH_S`` (every Envoy reports its failed upstream attempts,
-``controller.upstream_failures``) and fails at once a serving worker that crossed ``passive_failures_to_fail`` (no
+``controller.xds.upstream_failures``) and fails at once a serving worker that crossed ``passive_failures_to_fail`` (no
 probe to wait for: those failures decide): a worker that fails requests leaves within a fraction of a second even
 when a round over a large fleet takes seconds. At the same pace it probes, out of turn, a serving worker that
 closed its kept-alive probe connection (a process that exited closes it at once; so does a keep-alive timeout,

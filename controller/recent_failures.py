@@ -1,5 +1,5 @@
 """Each worker's data-path failures within the last ``health.passive_window_s``, from the cumulative counts every
-Envoy reports (``controller.upstream_failures``, read by the health monitor).
+Envoy reports (``controller.xds.upstream_failures``, read by the health monitor).
 
 A worker is judged on the failures of the window, whatever its probes said meanwhile. Counted from its last
 verdict instead, every passed probe started the count over: a worker that failed every request it got, but got

@@ -167,8 +167,8 @@ class Stack:
         await self._await_port(controller, self.ports.xds, 30)
         for extproc, port in zip(extprocs, self.ports.extproc, strict=True):
             await self._await_port(extproc, port, 30)
+        from controller.xds.bootstrap import render_bootstrap
         from controller.xds.envoy_tls import write_sds_files
-        from poolgate.envoy_bootstrap import render_bootstrap
 
         write_sds_files(self.config.tls)  # Envoy's certificate files, named for SDS (tls.envoy, tls.workers)
         bootstrap = render_bootstrap(self.config, node_id="poolgate-local", listen_port=self.ports.envoy,

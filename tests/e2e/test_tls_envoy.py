@@ -23,9 +23,9 @@ import openai
 import pytest
 from cryptography import x509
 
+from controller.xds import XdsServer
+from controller.xds.bootstrap import render_bootstrap
 from controller.xds.envoy_tls import write_sds_files
-from controller.xds.server import XdsServer
-from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import Config, TlsServerFiles, parse_config
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.procs import envoy_binary, free_port, port_open, stop_process

@@ -30,7 +30,7 @@ import orjson
 import redis.asyncio as aioredis
 import yaml
 
-from poolgate.envoy_bootstrap import render_bootstrap
+from controller.xds.bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.store import FleetStore

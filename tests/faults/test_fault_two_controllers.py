@@ -26,7 +26,7 @@ import pytest
 import redis
 import yaml
 
-from poolgate.envoy_bootstrap import render_bootstrap
+from controller.xds.bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.keys import RedisKeys

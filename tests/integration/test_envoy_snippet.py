@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from poolgate.envoy_bootstrap import render_bootstrap
+from controller.xds.bootstrap import render_bootstrap
 from poolgate.kernel.config import load_config
 from poolgate.procs import envoy_binary
 

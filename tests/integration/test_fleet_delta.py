@@ -20,8 +20,8 @@ from controller import monitor as monitor_module
 from controller.health import HealthMemory, ProbeResult
 from controller.monitor import HealthMonitor
 from controller.probe import HttpProber
+from controller.xds import XdsServer
 from controller.xds.build import ENDPOINT_TYPE_URL
-from controller.xds.server import XdsServer
 from controller.xds_bridge import bridge_fleet_to_xds
 from poolgate.kernel import fleet_view as fleet_view_module
 from poolgate.kernel.config import HealthSettings, PoolSpec

@@ -24,8 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controller.main import _serve_api
 from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
+from controller.xds import XdsServer
 from controller.xds.build import CLUSTER_TYPE_URL
-from controller.xds.server import XdsServer
 from extproc.server import _grpc_server
 from extproc.service import ExtProcService
 from poolgate.controller_client import CommandError, call

@@ -30,11 +30,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from controller.upstream_failures import UpstreamFailureLog
 from controller.xds import XdsServer
+from controller.xds.bootstrap import render_bootstrap
 from controller.xds.build import CLUSTER_TYPE_URL, build_clusters
 from controller.xds.cache import Snapshot
-from poolgate.envoy_bootstrap import render_bootstrap
+from controller.xds.upstream_failures import UpstreamFailureLog
 from poolgate.kernel.config import Config, parse_config
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.routing import (

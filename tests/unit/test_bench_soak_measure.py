@@ -25,7 +25,7 @@ from bench.soak_measure import (
     per_minute,
     read_stream,
 )
-from poolgate.envoy_bootstrap import render_bootstrap
+from controller.xds.bootstrap import render_bootstrap
 from poolgate.kernel.config import parse_config
 
 TEXT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'

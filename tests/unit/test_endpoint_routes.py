@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
+from controller.xds.bootstrap import render_bootstrap
 from extproc.endpoints import ENDPOINTS
-from poolgate.envoy_bootstrap import render_bootstrap
 from poolgate.kernel.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

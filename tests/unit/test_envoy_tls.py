@@ -18,10 +18,10 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
 
 from controller.local_backend import tls_launch, worker_command
+from controller.xds.bootstrap import EXTPROC_CLUSTER, XDS_CLUSTER, render_bootstrap
 from controller.xds.build import build_clusters
 from controller.xds.envoy_tls import SECRET_TYPE_URL, write_sds_files
 from poolgate.cli import main as cli_main
-from poolgate.envoy_bootstrap import EXTPROC_CLUSTER, XDS_CLUSTER, render_bootstrap
 from poolgate.kernel.config import Config, TlsServerFiles, parse_config
 from poolgate.kernel.routing import FALLBACK_CLUSTER
 

@@ -14,7 +14,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.route.v3 import route_components_pb2
 from google.protobuf import json_format
 
-from poolgate.envoy_bootstrap import REQUEST_ACCESS_LOG_FORMAT, render_bootstrap
+from controller.xds.bootstrap import REQUEST_ACCESS_LOG_FORMAT, render_bootstrap
 from poolgate.kernel.config import load_config
 from poolgate.kernel.routing import CLUSTER_HEADER, DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, ROUTING_HEADERS
 
@@ -63,7 +63,7 @@ def test_ext_proc_filter_matches_the_bootstrap(where: str) -> None:
         expected = reference.get(key)
         if key == "processing_mode":
             expected = {**defaults, **(expected or {})}
-        assert shipped.get(key) == expected, f"{where}: ext_proc {key} differs from poolgate/envoy_bootstrap.py"
+        assert shipped.get(key) == expected, f"{where}: ext_proc {key} differs from controller/xds/bootstrap.py"
     limit = reference["grpc_service"]["envoy_grpc"]["max_receive_message_length"]
     assert shipped["grpc_service"]["envoy_grpc"]["max_receive_message_length"] == limit
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 
+from controller.xds.bootstrap import build_bootstrap
 from controller.xds.build import build_clusters
-from poolgate.envoy_bootstrap import build_bootstrap
 from poolgate.kernel.config import PoolSpec, parse_config
 from poolgate.kernel.routing import FALLBACK_CLUSTER
 

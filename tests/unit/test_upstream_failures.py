@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 
-from controller.upstream_failures import failures_by_worker
+from controller.xds.upstream_failures import failures_by_worker
 
 WORKERS = {("10.0.0.1", 8000): "w1", ("10.0.0.2", 8000): "w2"}
 

@@ -19,7 +19,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import json_format
 
-from poolgate.envoy_bootstrap import EXTPROC_CLUSTER, XDS_CLUSTER, render_bootstrap, render_example
+from controller.xds.bootstrap import EXTPROC_CLUSTER, XDS_CLUSTER, render_bootstrap, render_example
 from poolgate.kernel.config import Config, load_config, parse_config
 from poolgate.kernel.routing import CLUSTER_HEADER, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, ROUTING_HEADERS
 
@@ -171,7 +171,7 @@ def test_example_bootstrap_is_current() -> None:
     source = "deploy/local.yaml"
     expected = render_example(load_config(root / source), source)
     assert (root / "envoy" / "bootstrap.example.yaml").read_text() == expected, (
-        f"envoy/bootstrap.example.yaml is stale: run `python -m poolgate.envoy_bootstrap {source} "
+        f"envoy/bootstrap.example.yaml is stale: run `python -m controller.xds.bootstrap {source} "
         "> envoy/bootstrap.example.yaml`")
 
 

@@ -14,7 +14,7 @@ from envoy.extensions.load_balancing_policies.override_host.v3 import override_h
 
 from controller.xds import XdsServer
 from controller.xds.build import ENDPOINT_TYPE_URL, build_clusters, build_endpoints
-from controller.xds.server import FALLBACK_PERIOD_S
+from controller.xds.snapshots import FALLBACK_PERIOD_S
 from poolgate.kernel.config import PoolSpec
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, FALLBACK_CLUSTER, LB_METADATA_NAMESPACE, cluster_name

@@ -1,7 +1,7 @@
 """Every Envoy's failed upstream attempts, as data-path failure counts per worker in Redis.
 
 Each Envoy's router logs an upstream attempt that failed (the worker answered 5xx, refused or dropped the
-connection, or timed out) to Envoy's gRPC access log service on the xDS cluster (``poolgate.envoy_bootstrap``),
+connection, or timed out) to Envoy's gRPC access log service on the xDS cluster (``controller.xds.bootstrap``),
 so every controller receives the failures of the Envoys that talk to it. An entry names the worker's address;
 the xDS server knows which worker Envoy was sent there. Each message Envoy flushes (every
 ``UPSTREAM_LOG_FLUSH_S``) becomes one pipelined write; the health monitor of the leader reads the counts
@@ -18,7 +18,7 @@ import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
-from poolgate.envoy_bootstrap import UPSTREAM_FAILURE_FLAGS
+from controller.xds.bootstrap import UPSTREAM_FAILURE_FLAGS
 from poolgate.kernel.outage import REDIS_ERRORS
 
 log = logging.getLogger("poolgate.controller.upstream_failures")

@@ -11,7 +11,7 @@ With TLS towards the xDS or extproc servers, the clusters read ``tls.envoy``'s f
 (``controller.xds.envoy_tls``) that must exist before Envoy starts: ``write_sds_files`` writes them.
 
 Built from protobuf messages (field names are checked) and rendered as a JSON/YAML-able dict. The
-documented example is ``python -m poolgate.envoy_bootstrap deploy/local.yaml > envoy/bootstrap.example.yaml``.
+documented example is ``python -m controller.xds.bootstrap deploy/local.yaml > envoy/bootstrap.example.yaml``.
 """
 
 from __future__ import annotations
@@ -78,13 +78,14 @@ EXTPROC_MAX_MESSAGE_TIMEOUT_S = 300
 """Upper bound for ``override_message_timeout``: the longest extproc may hold a request in its queue (a wait for
 capacity is at most ``MAX_WAIT_LIMIT_S``, a cold start of a pool scaled to zero ``MAX_COLD_START_WAIT_S``)."""
 UPSTREAM_FAILURE_LOG = "poolgate-upstream-failures"
-"""The log name of the failed upstream attempts Envoy streams to the controllers (``controller.upstream_failures``)."""
+"""The log name of the failed upstream attempts Envoy streams to the controllers
+(``controller.xds.upstream_failures``)."""
 UPSTREAM_LOG_FLUSH_S = 0.1
 """Envoy sends its buffered failure entries this often (its default, 1 s, would delay a passive ejection)."""
 UPSTREAM_FAILURE_FLAGS = {"UF": "upstream_connection_failure", "UC": "upstream_connection_termination",
                           "UR": "upstream_remote_reset", "UT": "upstream_request_timeout"}
 """Envoy's response flags that blame the worker whatever the status code, each with its field in an access log
-entry's ``response_flags`` (the controller reads the entries, ``controller.upstream_failures``)."""
+entry's ``response_flags`` (the controller reads the entries, ``controller.xds.upstream_failures``)."""
 STREAM_IDLE_TIMEOUT_S = 600
 """A stream with no bytes for this long is reset; a slow model's gap between SSE tokens stays far below."""
 BUFFER_HEADROOM_BYTES = 64 * 1024
@@ -498,7 +499,7 @@ def _ports(port: int | Sequence[int]) -> list[int]:
 
 
 EXAMPLE_HEADER = (
-    "# Generated from {source} by `python -m poolgate.envoy_bootstrap {source}`; do not edit by hand.\n"
+    "# Generated from {source} by `python -m controller.xds.bootstrap {source}`; do not edit by hand.\n"
     "# `poolgate up` renders the same bootstrap with the ports it picked. See envoy/README.md.\n"
 )
 
