@@ -35,7 +35,6 @@ from bench.chaos import FAULTS, KEY_PREFIX, MODELS, POOL_MAX_MODEL_LEN, QUOTA_TE
 from bench.harness import answers_chat
 from bench.loadgen import Counters, Target, new_session, run_closed_loop
 from bench.report import Column, format_table, write_report
-from bench.soak import rss_mib
 from bench.soak_measure import (
     HUNG,
     NON_STREAMING,
@@ -48,6 +47,7 @@ from bench.soak_measure import (
     memory_rows,
     per_minute,
     read_stream,
+    rss_mib,
 )
 from bench.workload import RequestSpec, poisson_trace, request_body
 from poolgate.kernel.keys import QuotaKeys

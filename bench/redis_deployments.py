@@ -17,6 +17,7 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
+from poolgate.kernel.errors import PoolgateError
 from poolgate.procs import free_port, stop_process
 
 DOWN_AFTER_MS = 1000
@@ -97,7 +98,7 @@ PORT_ATTEMPTS = 5
 """Free ports a test Redis is tried on before giving up (another process may take one first)."""
 
 
-class PortTaken(RuntimeError):
+class PortTaken(PoolgateError, RuntimeError):
     """The redis-server exited at once: its port was taken between picking it and binding it."""
 
 

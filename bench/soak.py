@@ -37,6 +37,7 @@ import yaml
 
 from bench import host_quiet
 from bench.report import Column, Row, format_table
+from bench.soak_measure import rss_mib
 
 MODEL = "soak-model"
 CONFIG = {
@@ -133,16 +134,6 @@ async def _open_loop(base: str, rate: float, seconds: float, every: Callable[[fl
         if tasks:
             await asyncio.wait(tasks, timeout=65)
     return results
-
-
-def rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def children_of(pid: int) -> list[int]:

@@ -24,6 +24,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.loadgen import SseTally
@@ -34,6 +35,17 @@ NON_STREAMING = "non-streaming"
 COMPLETED, ERROR_EVENT, CUT, HUNG = "completed", "error event", "cut", "hung"
 STREAM_ENDS = (COMPLETED, ERROR_EVENT, CUT, HUNG)
 TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+
+
+def rss_mib(pid: int) -> float | None:
+    """A process's resident memory in MiB from /proc (None once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
 @dataclass

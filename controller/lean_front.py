@@ -19,6 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from controller.registry_api import HEALTHY, UNAUTHORIZED, Answer, RegistryApi, error_answer
+from poolgate.kernel.errors import PoolgateError
 
 log = logging.getLogger("poolgate.controller.api")
 
@@ -47,7 +48,7 @@ class _Request:
         self.close = close
 
 
-class BadRequest(ValueError):
+class BadRequest(PoolgateError, ValueError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status

@@ -12,5 +12,5 @@ The pure model is ``engine`` over ``kv_cache`` (sized and timed by ``presets``, 
 
 It must not import the router (``extproc``), the ``controller``, the ``agent`` or the fleet's Redis schema:
 it is a stand-in for an external process and knows poolgate only through HTTP (of the kernel it uses
-``shutdown`` and the worker header's name in ``routing``).
+``shutdown``, ``errors`` and the worker header's name in ``routing``).
 """

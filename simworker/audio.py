@@ -19,8 +19,8 @@ from aiohttp import BodyPartReader, web
 
 from poolgate.kernel.audio_clip import audio_duration_s, chunk_costs
 from simworker import protocol, tokens
-from simworker.model_endpoints import admit, check_model, run_to_completion
-from simworker.protocol import ApiError
+from simworker.endpoint_steps import admit, check_model, run_to_completion
+from simworker.protocol import WorkerApiError
 from simworker.server import WorkerApi, _json
 
 MAX_FILE_BYTES = 25 * 1024 * 1024
@@ -30,7 +30,7 @@ MAX_FILE_BYTES = 25 * 1024 * 1024
 async def read_form(request: web.Request) -> tuple[bytes, dict[str, str]]:
     """The ``file`` part's bytes and the text fields; 400 for a body that is not a multipart form with a file."""
     if not request.content_type.startswith("multipart/form-data"):
-        raise ApiError(400, "the request must be multipart/form-data with an audio 'file'", "file")
+        raise WorkerApiError(400, "the request must be multipart/form-data with an audio 'file'", "file")
     reader = await request.multipart()
     audio: bytes | None = None
     fields: dict[str, str] = {}
@@ -40,11 +40,11 @@ async def read_form(request: web.Request) -> tuple[bytes, dict[str, str]]:
         if part.name == "file":
             audio = bytes(await part.read())
             if len(audio) > MAX_FILE_BYTES:
-                raise ApiError(400, "Maximum file size exceeded.", "file")
+                raise WorkerApiError(400, "Maximum file size exceeded.", "file")
         else:
             fields[part.name] = (await part.read()).decode("utf-8", "replace")
     if not audio:
-        raise ApiError(400, "'file' is required: an audio file as a form part", "file")
+        raise WorkerApiError(400, "'file' is required: an audio file as a form part", "file")
     return audio, fields
 
 
@@ -57,7 +57,7 @@ def _endpoint(api: WorkerApi, task: str) -> Callable[[web.Request], Awaitable[we
         model = check_model(api, fields.get("model"))
         response_format = fields.get("response_format", "json")
         if response_format not in ("json", "text"):
-            raise ApiError(400, "Currently only support response_format `text` or `json`", "response_format")
+            raise WorkerApiError(400, "Currently only support response_format `text` or `json`", "response_format")
         duration = audio_duration_s(audio)
         await admit(api)
         outputs = await run_to_completion(api, prefix, chunk_costs(duration))

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from poolgate.kernel.errors import PoolgateError
 from simworker.json_flag import json_object
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -108,7 +109,7 @@ class RemotePrefill:
     port: int
 
 
-class TransferParamsError(ValueError):
+class TransferParamsError(PoolgateError, ValueError):
     """``kv_transfer_params`` that no step of the protocol can use (400)."""
 
 

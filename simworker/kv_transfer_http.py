@@ -25,7 +25,7 @@ from simworker.kv_transfer import (
     RemotePrefill,
     transfer_seconds,
 )
-from simworker.protocol import ApiError
+from simworker.protocol import WorkerApiError
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class KVTransferAgent:
         return self.blocks.params(held, self.engine_id, self.host, self.port)
 
     async def read(self, remote: RemotePrefill) -> ReadKV:
-        """Read a producer's blocks; ApiError 400 (param ``kv_transfer_params``) when they expired or never
+        """Read a producer's blocks; WorkerApiError 400 (param ``kv_transfer_params``) when they expired or never
         existed, or the producer cannot be reached."""
         base = f"http://{remote.host}:{remote.port}"
         claim: dict[str, object] = {"engine_id": remote.engine_id, "request_id": remote.request_id,
@@ -81,7 +81,7 @@ class KVTransferAgent:
         status, answer = await self._post(base + CLAIM_PATH, claim)
         if status != 200 or not isinstance(answer, dict) or not isinstance(answer.get("tokens"), int):
             reason = answer.get("reason") if isinstance(answer, dict) else None
-            raise ApiError(400, f"kv_transfer_params refused by the producer {remote.engine_id}: "
+            raise WorkerApiError(400, f"kv_transfer_params refused by the producer {remote.engine_id}: "
                                 f"{reason or f'HTTP {status}'}", PARAMS_FIELD)
         tokens = answer["tokens"]
         seconds = transfer_seconds(tokens, self.kv_bytes_per_token, self.config.link_gb_per_s)
@@ -121,9 +121,9 @@ async def _body(request: web.Request) -> dict[str, object]:
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+        raise WorkerApiError(400, f"the request body is not valid JSON: {error}") from error
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise WorkerApiError(400, "the request body must be a JSON object")
     return body
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from simworker.protocol import ApiError
+from simworker.protocol import WorkerApiError
 
 LORA_INFO = "vllm:lora_requests_info"
 DEFAULT_MAX_LORA_RANK = 16
@@ -67,18 +67,18 @@ class AdapterTable:
     def reserve(self, name: str, path: str) -> None:
         """Claim a slot before the load cost is paid, so a concurrent load of the same name is refused."""
         if name in self.loaded:
-            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+            raise WorkerApiError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         rank = adapter_rank(path)
         if rank is not None and rank > self.max_lora_rank:
-            raise ApiError(500, f"LoRA rank {rank} is greater than max_lora_rank {self.max_lora_rank}.")
+            raise WorkerApiError(500, f"LoRA rank {rank} is greater than max_lora_rank {self.max_lora_rank}.")
         if len(self.loaded) >= self.max_loras:
-            raise ApiError(400, f"Cannot load lora adapter '{name}': all {self.max_loras} adapter slots are in "
+            raise WorkerApiError(400, f"Cannot load lora adapter '{name}': all {self.max_loras} adapter slots are in "
                                 "use (--max-loras); unload one first.", "lora_name")
         self.loaded[name] = path
 
     def release(self, name: str) -> None:
         if self.loaded.pop(name, None) is None:
-            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+            raise WorkerApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
 
     def begin(self, request_id: str, adapter: str) -> None:
         self._requests[request_id] = _InFlight(adapter)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from simworker import pooling_protocol as wire
-from simworker.model_endpoints import admit, check_model, run_to_completion
+from simworker.endpoint_steps import admit, check_model, run_to_completion
 from simworker.model_tasks import ModelTasks
 from simworker.server import WorkerApi, _json, _read_json
 

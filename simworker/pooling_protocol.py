@@ -1,7 +1,7 @@
 """The pooling endpoints' wire format as vLLM serves it: embeddings, score and rerank.
 
-Pure functions over JSON-shaped values, like ``protocol`` for generation. A client mistake is an
-``ApiError`` with vLLM's status and message.
+Pure functions over JSON-shaped values, like ``protocol`` for generation. A client mistake is a
+``WorkerApiError`` with vLLM's status and message.
 
 The simulated model's vectors are a hashed bag of words: each token adds ±1 to a few coordinates chosen by
 its hash, and the sum is L2-normalised (vLLM normalises embeddings by default). Texts that share words are
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from simworker import tokens
-from simworker.protocol import ApiError
+from simworker.protocol import WorkerApiError
 from simworker.request_fields import content_text, json_object, model_field
 
 COORDINATES_PER_TOKEN = 4
@@ -52,7 +52,7 @@ def parse_embeddings(body: object, embedding_dim: int) -> EmbeddingRequest:
     if "messages" in fields:
         messages = fields["messages"]
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "'messages' must be a non-empty list of messages", "messages")
+            raise WorkerApiError(400, "'messages' must be a non-empty list of messages", "messages")
         rendered = tokens.render_chat([(str(m.get("role", "")), content_text(m.get("content")))
                                        for m in messages])
         inputs: tuple[tuple[str, ...], ...] = (tuple(tokens.tokenize(rendered)),)
@@ -60,12 +60,12 @@ def parse_embeddings(body: object, embedding_dim: int) -> EmbeddingRequest:
         inputs = _inputs(fields.get("input"))
     encoding = fields.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
-        raise ApiError(400, f"'encoding_format' must be 'float' or 'base64', got {encoding!r}", "encoding_format")
+        raise WorkerApiError(400, f"'encoding_format' must be 'float' or 'base64', got {encoding!r}", "encoding_format")
     dimensions = fields.get("dimensions")
     if dimensions is not None:
         if not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= embedding_dim:
-            raise ApiError(400, f"dimensions must be an integer between 1 and {embedding_dim}, got {dimensions!r}",
-                           "dimensions")
+            raise WorkerApiError(
+                400, f"dimensions must be an integer between 1 and {embedding_dim}, got {dimensions!r}", "dimensions")
     return EmbeddingRequest(model_field(fields), inputs, encoding == "base64", dimensions)
 
 
@@ -78,8 +78,8 @@ def parse_score(body: object) -> ScoreRequest:
     elif len(first) == len(second):
         pairs = list(zip(first, second, strict=True))
     else:
-        raise ApiError(400, "text_1 and text_2 must be lists of the same length (or text_1 a single text)",
-                       "text_1")
+        raise WorkerApiError(400, "text_1 and text_2 must be lists of the same length (or text_1 a single text)",
+                             "text_1")
     return ScoreRequest(model_field(fields), tuple((_tokens(a), _tokens(b)) for a, b in pairs))
 
 
@@ -87,13 +87,13 @@ def parse_rerank(body: object) -> ScoreRequest:
     fields = json_object(body)
     query = fields.get("query")
     if not isinstance(query, str):
-        raise ApiError(400, "'query' must be a string", "query")
+        raise WorkerApiError(400, "'query' must be a string", "query")
     documents = fields.get("documents")
     if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
-        raise ApiError(400, "'documents' must be a list of strings", "documents")
+        raise WorkerApiError(400, "'documents' must be a list of strings", "documents")
     top_n = fields.get("top_n", 0)
     if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
-        raise ApiError(400, f"'top_n' must be a non-negative integer, got {top_n!r}", "top_n")
+        raise WorkerApiError(400, f"'top_n' must be a non-negative integer, got {top_n!r}", "top_n")
     query_tokens = _tokens(query)
     return ScoreRequest(model_field(fields), tuple((query_tokens, _tokens(d)) for d in documents), tuple(documents),
                         top_n)
@@ -103,11 +103,11 @@ def check_lengths(sequences: Sequence[Sequence[str]], max_model_len: int) -> Non
     """vLLM refuses a pooling input longer than the model's context."""
     for sequence in sequences:
         if len(sequence) > max_model_len:
-            raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+            raise WorkerApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                                 f"requested {len(sequence)} tokens in the input for embedding generation. "
                                 "Please reduce the length of the input.", "input")
         if not sequence:
-            raise ApiError(400, "an input is empty", "input")
+            raise WorkerApiError(400, "an input is empty", "input")
 
 
 def embed(sequence: Sequence[str], dim: int) -> list[float]:
@@ -185,7 +185,7 @@ def _texts(fields: Mapping[str, object], name: str) -> list[str]:
         return [value]
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return list(value)
-    raise ApiError(400, f"'{name}' must be a string or a non-empty list of strings", name)
+    raise WorkerApiError(400, f"'{name}' must be a string or a non-empty list of strings", name)
 
 
 def _inputs(value: object) -> tuple[tuple[str, ...], ...]:
@@ -199,7 +199,7 @@ def _inputs(value: object) -> tuple[tuple[str, ...], ...]:
             return (tuple(str(v) for v in value),)
         if all(isinstance(v, list) and v and all(_is_token_id(t) for t in v) for v in value):
             return tuple(tuple(str(t) for t in v) for v in value)  # type: ignore[union-attr]
-    raise ApiError(400, "'input' must be a string, a list of strings, or token ids (a list of integers or a "
+    raise WorkerApiError(400, "'input' must be a string, a list of strings, or token ids (a list of integers or a "
                         "list of such lists)", "input")
 
 

@@ -1,6 +1,6 @@
 """The OpenAI wire format as vLLM serves it: parse request bodies, build response bodies.
 
-Pure functions over JSON-shaped values. Every client mistake becomes one ``ApiError`` carrying the
+Pure functions over JSON-shaped values. Every client mistake becomes one ``WorkerApiError`` carrying the
 HTTP status and vLLM's error body ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from poolgate.kernel.errors import PoolgateError
 from simworker import lengths, tokens
 from simworker.engine import FinishReason
 
@@ -22,7 +23,9 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 """vLLM's bounds on ``seed``: a 64-bit signed integer (``torch.long``)."""
 
 
-class ApiError(Exception):
+class WorkerApiError(PoolgateError):
+    """An answer of the simulated vLLM's OpenAI API that is an error: status, message, the field at fault."""
+
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
@@ -61,7 +64,7 @@ def parse_chat(body: object) -> GenerationRequest:
     fields = _object(body)
     messages = fields.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of messages", "messages")
+        raise WorkerApiError(400, "'messages' must be a non-empty list of messages", "messages")
     rendered = tokens.render_chat([_message(m, i) for i, m in enumerate(messages)])
     max_tokens = _optional_int(fields, "max_completion_tokens", 1)
     if max_tokens is None:
@@ -72,7 +75,7 @@ def parse_chat(body: object) -> GenerationRequest:
 def parse_completion(body: object) -> GenerationRequest:
     fields = _object(body)
     if "prompt" not in fields:
-        raise ApiError(400, "'prompt' is required", "prompt")
+        raise WorkerApiError(400, "'prompt' is required", "prompt")
     prompt = fields["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -81,10 +84,10 @@ def parse_completion(body: object) -> GenerationRequest:
     elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         prompt_tokens = tuple(str(t) for t in prompt)
     else:
-        raise ApiError(400, "'prompt' must be a string or a list of token ids (batches of several "
+        raise WorkerApiError(400, "'prompt' must be a string or a list of token ids (batches of several "
                             "prompts are not supported)", "prompt")
     if not prompt_tokens:
-        raise ApiError(400, "the prompt is empty", "prompt")
+        raise WorkerApiError(400, "the prompt is empty", "prompt")
     return _generation("completion", fields, prompt_tokens, _optional_int(fields, "max_tokens", 1))
 
 
@@ -99,11 +102,11 @@ def plan_generation(request: GenerationRequest, max_model_len: int, model: str |
     prompt_len = len(request.prompt_tokens)
     field = "messages" if request.kind == "chat" else "prompt"
     if prompt_len >= max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+        raise WorkerApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
                             f"request has {prompt_len} input tokens. Please reduce the length of the input.",
                        field)
     if request.max_tokens is not None and prompt_len + request.max_tokens > max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+        raise WorkerApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                             f"requested {prompt_len + request.max_tokens} tokens ({prompt_len} in the "
                             f"{field}, {request.max_tokens} in the completion). Please reduce the length "
                             f"of the {field} or completion.", "max_tokens")
@@ -172,7 +175,7 @@ def model_list(model: str, root: str, max_model_len: int, created: int | None = 
 
 def _object(body: object) -> Mapping[str, object]:
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise WorkerApiError(400, "the request body must be a JSON object")
     return body
 
 
@@ -185,9 +188,9 @@ def _optional_int(fields: Mapping[str, object], name: str, minimum: int) -> int 
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be an integer, got {value!r}", name)
+        raise WorkerApiError(400, f"'{name}' must be an integer, got {value!r}", name)
     if value < minimum:
-        raise ApiError(400, f"'{name}' must be at least {minimum}, got {value}", name)
+        raise WorkerApiError(400, f"'{name}' must be at least {minimum}, got {value}", name)
     return value
 
 
@@ -196,54 +199,54 @@ def _optional_bool(fields: Mapping[str, object], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be a boolean, got {value!r}", name)
+        raise WorkerApiError(400, f"'{name}' must be a boolean, got {value!r}", name)
     return value
 
 
 def _message(message: object, index: int) -> tuple[str, str]:
     param = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise ApiError(400, f"{param} must be an object with 'role' and 'content'", param)
+        raise WorkerApiError(400, f"{param} must be an object with 'role' and 'content'", param)
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str) or not role:
-        raise ApiError(400, f"{param}.role must be a non-empty string", f"{param}.role")
+        raise WorkerApiError(400, f"{param}.role must be a non-empty string", f"{param}.role")
     if content is None or isinstance(content, str):
         return role, content or ""
     if isinstance(content, list):
         texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
         if len(texts) == len(content) and all(isinstance(text, str) for text in texts):
             return role, "\n".join(str(text) for text in texts)
-    raise ApiError(400, f"{param}.content must be a string or a list of text parts", f"{param}.content")
+    raise WorkerApiError(400, f"{param}.content must be a string or a list of text parts", f"{param}.content")
 
 
 def _generation(kind: RequestKind, fields: Mapping[str, object], prompt_tokens: tuple[str, ...],
                 max_tokens: int | None) -> GenerationRequest:
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, f"'model' must be a string, got {model!r}", "model")
+        raise WorkerApiError(400, f"'model' must be a string, got {model!r}", "model")
     n = _optional_int(fields, "n", 1)
     if n is not None and n != 1:
-        raise ApiError(400, "only n=1 is supported by this server", "n")
+        raise WorkerApiError(400, "only n=1 is supported by this server", "n")
     stream = _optional_bool(fields, "stream")
     stream_options = fields.get("stream_options")
     include_usage = False
     if stream_options is not None:
         if not stream:
-            raise ApiError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+            raise WorkerApiError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
         if not isinstance(stream_options, dict):
-            raise ApiError(400, "'stream_options' must be an object", "stream_options")
+            raise WorkerApiError(400, "'stream_options' must be an object", "stream_options")
         include_usage = _optional_bool(stream_options, "include_usage")
     min_tokens = _optional_int(fields, "min_tokens", 0) or 0
     if max_tokens is not None and min_tokens > max_tokens:
-        raise ApiError(400, f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+        raise WorkerApiError(400, f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         value = fields.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise ApiError(400, f"'{name}' must be a number, got {value!r}", name)
+            raise WorkerApiError(400, f"'{name}' must be a number, got {value!r}", name)
     seed = fields.get("seed")
     if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)
                                  and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-        raise ApiError(400, f"'seed' must be a 64-bit integer, got {seed!r}", "seed")
+        raise WorkerApiError(400, f"'seed' must be a 64-bit integer, got {seed!r}", "seed")
     return GenerationRequest(kind=kind, model=model, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                              min_tokens=min_tokens, ignore_eos=_optional_bool(fields, "ignore_eos"),
                              stream=stream, include_usage=include_usage, seed=seed)

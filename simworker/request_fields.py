@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from simworker.protocol import ApiError
+from simworker.protocol import WorkerApiError
 
 
 def json_object(body: object) -> Mapping[str, object]:
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise WorkerApiError(400, "the request body must be a JSON object")
     return body
 
 
@@ -17,7 +17,7 @@ def model_field(fields: Mapping[str, object]) -> str | None:
     """``model`` is optional on vLLM's endpoints (a single-model server knows its model)."""
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, f"'model' must be a string, got {model!r}", "model")
+        raise WorkerApiError(400, f"'model' must be a string, got {model!r}", "model")
     return model
 
 

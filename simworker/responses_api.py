@@ -26,9 +26,9 @@ from aiohttp import web
 
 from simworker import protocol, tokens
 from simworker.driver import TokenStream
+from simworker.endpoint_steps import admit, check_model
 from simworker.engine import EngineRequest
-from simworker.model_endpoints import admit, check_model
-from simworker.protocol import ApiError, GenerationPlan, GenerationRequest
+from simworker.protocol import GenerationPlan, GenerationRequest, WorkerApiError
 from simworker.request_fields import content_text, json_object, model_field
 from simworker.server import WorkerApi, _json, _read_json
 
@@ -52,7 +52,7 @@ def parse_responses(body: object, history: Mapping[str, tuple[tuple[str, str], .
     previous = fields.get("previous_response_id")
     if previous is not None:
         if not isinstance(previous, str) or previous not in history:
-            raise ApiError(404, f"Response with id '{previous}' not found.", "previous_response_id")
+            raise WorkerApiError(404, f"Response with id '{previous}' not found.", "previous_response_id")
         messages.extend(history[previous])
     instructions = fields.get("instructions")
     if isinstance(instructions, str) and instructions:
@@ -60,11 +60,11 @@ def parse_responses(body: object, history: Mapping[str, tuple[tuple[str, str], .
     messages.extend(_input_messages(fields.get("input")))
     max_tokens = fields.get("max_output_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise ApiError(400, f"'max_output_tokens' must be a positive integer, got {max_tokens!r}",
-                       "max_output_tokens")
+        raise WorkerApiError(400, f"'max_output_tokens' must be a positive integer, got {max_tokens!r}",
+                             "max_output_tokens")
     stream = fields.get("stream", False)
     if not isinstance(stream, bool):
-        raise ApiError(400, f"'stream' must be a boolean, got {stream!r}", "stream")
+        raise WorkerApiError(400, f"'stream' must be a boolean, got {stream!r}", "stream")
     prompt = tuple(tokens.tokenize(tokens.render_chat(messages)))
     generation = GenerationRequest(kind="chat", model=model_field(fields), prompt_tokens=prompt,
                                    max_tokens=max_tokens, min_tokens=0, ignore_eos=False, stream=stream,
@@ -76,23 +76,23 @@ def _input_messages(value: object) -> list[tuple[str, str]]:
     if isinstance(value, str):
         return [("user", value)]
     if not isinstance(value, list) or not value:
-        raise ApiError(400, "'input' must be a string or a non-empty list of input items", "input")
+        raise WorkerApiError(400, "'input' must be a string or a non-empty list of input items", "input")
     messages = []
     for index, item in enumerate(value):
         if not isinstance(item, dict):
-            raise ApiError(400, f"input[{index}] must be an object", f"input[{index}]")
+            raise WorkerApiError(400, f"input[{index}] must be an object", f"input[{index}]")
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if not isinstance(role, str):
-                raise ApiError(400, f"input[{index}].role must be a string", f"input[{index}].role")
+                raise WorkerApiError(400, f"input[{index}].role must be a string", f"input[{index}].role")
             messages.append((role, content_text(item.get("content"))))
         elif kind == "function_call":
             messages.append(("assistant", f"{item.get('name', '')}({item.get('arguments', '')})"))
         elif kind == "function_call_output":
             messages.append(("tool", str(item.get("output", ""))))
         elif kind != "reasoning":
-            raise ApiError(400, f"input[{index}].type {kind!r} is not supported", f"input[{index}].type")
+            raise WorkerApiError(400, f"input[{index}].type {kind!r} is not supported", f"input[{index}].type")
     return messages
 
 
@@ -153,7 +153,7 @@ class ResponsesEndpoint:
                 while stream.finished is None:
                     await stream.wait_change()
                 if stream.finished.reason == "error":
-                    raise ApiError(500, "the engine failed while serving this request")
+                    raise WorkerApiError(500, "the engine failed while serving this request")
                 text = protocol.generated_text(plan.text_seed, 0, stream.finished.output_tokens)
                 answer = _json(response_object(response_id, message_id, model, created, generation, text,
                                                stream.finished.reason, plan.prompt_tokens,

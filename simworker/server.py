@@ -29,7 +29,7 @@ from simworker.kv_transfer import RemoteDecodeAsk, RemotePrefill, TransferParams
 from simworker.kv_transfer_http import PARAMS_FIELD, KVTransferAgent
 from simworker.lora import AdapterTable
 from simworker.metrics import WorkerMetrics
-from simworker.protocol import ApiError, GenerationPlan, GenerationRequest
+from simworker.protocol import GenerationPlan, GenerationRequest, WorkerApiError
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +195,11 @@ class WorkerApi:
     async def set_faults(self, request: web.Request) -> web.Response:
         body = await _read_json(request)
         if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object of fault settings")
+            raise WorkerApiError(400, "the body must be a JSON object of fault settings")
         try:
             faults = self.control.faults.updated(body)
         except ValueError as error:
-            raise ApiError(400, str(error)) from error
+            raise WorkerApiError(400, str(error)) from error
         self.control.set_faults(faults)
         return _json(faults.as_dict())
 
@@ -213,14 +213,14 @@ class WorkerApi:
         adapter: str | None = None
         if generation.model is not None and generation.model != served:
             if self.adapters is None or generation.model not in self.adapters.loaded:
-                raise ApiError(404, f"The model `{generation.model}` does not exist.", "model")
+                raise WorkerApiError(404, f"The model `{generation.model}` does not exist.", "model")
             adapter = served = generation.model
         plan = protocol.plan_generation(generation, self.config.max_model_len, served)
         self.control.note_inference_request()
         self._require_serving()
         faults = self.control.faults
         if faults.error_rate and self.rng.random() < faults.error_rate:
-            raise ApiError(500, "simulated internal server error (fault injection)")
+            raise WorkerApiError(500, "simulated internal server error (fault injection)")
         if faults.added_latency_s:
             await asyncio.sleep(faults.added_latency_s)
         request_id = protocol.new_request_id(generation.kind)
@@ -260,7 +260,7 @@ class WorkerApi:
         try:
             step = read_params(body)
         except TransferParamsError as error:
-            raise ApiError(400, str(error), PARAMS_FIELD) from error
+            raise WorkerApiError(400, str(error), PARAMS_FIELD) from error
         role = self.kv_transfer.config
         if isinstance(step, RemoteDecodeAsk):
             return step if role.produces else None
@@ -275,7 +275,7 @@ class WorkerApi:
             self._note_progress(request_id, stream)
         finished = stream.finished
         if finished.reason == "error":
-            raise ApiError(500, "the engine failed while serving this request")
+            raise WorkerApiError(500, "the engine failed while serving this request")
         text = protocol.generated_text(plan.text_seed, 0, finished.output_tokens)
         answer = protocol.full_response(
             generation.kind, request_id, model, int(time.time()), text, finished.reason,
@@ -300,7 +300,7 @@ class WorkerApi:
                 self._note_progress(request_id, stream)
                 finished = stream.finished
                 if finished is not None and finished.reason == "error":
-                    await response.write(_event(ApiError(500, "the engine failed while serving this request")
+                    await response.write(_event(WorkerApiError(500, "the engine failed while serving this request")
                                                 .body()) + b"data: [DONE]\n\n")
                     break
                 available = stream.tokens if finished is None else finished.output_tokens
@@ -330,25 +330,25 @@ class WorkerApi:
     def _require_serving(self) -> None:
         health = self.control.health
         if health == "dead":
-            raise ApiError(500, "The engine is dead (simulated crash); restart the worker.")
+            raise WorkerApiError(500, "The engine is dead (simulated crash); restart the worker.")
         if health == "starting":
-            raise ApiError(503, "The server is still starting.")
+            raise WorkerApiError(503, "The server is still starting.")
 
     @web.middleware
     async def _error_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except ApiError as error:
+        except WorkerApiError as error:
             return _json(error.body(), status=error.status)
         except web.HTTPException as error:
             if error.status < 400:
                 raise
-            return _json(ApiError(error.status, error.reason).body(), status=error.status)
+            return _json(WorkerApiError(error.status, error.reason).body(), status=error.status)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
-            return _json(ApiError(500, "internal error in the simulated worker").body(), status=500)
+            return _json(WorkerApiError(500, "internal error in the simulated worker").body(), status=500)
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -376,7 +376,7 @@ async def _read_json(request: web.Request) -> object:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+        raise WorkerApiError(400, f"the request body is not valid JSON: {error}") from error
 
 
 _TRUE = frozenset({"1", "true", "t", "yes", "y", "on"})
@@ -390,17 +390,17 @@ def _query_bool(request: web.Request, name: str) -> bool:
         return False
     if raw.lower() in _TRUE:
         return True
-    raise ApiError(400, f"query parameter '{name}' must be a boolean, got {raw!r}", name)
+    raise WorkerApiError(400, f"query parameter '{name}' must be a boolean, got {raw!r}", name)
 
 
 def _adapter_fields(body: object, need_path: bool) -> tuple[str, str]:
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise WorkerApiError(400, "the request body must be a JSON object")
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not name:
-        raise ApiError(400, "'lora_name' must be a non-empty string", "lora_name")
+        raise WorkerApiError(400, "'lora_name' must be a non-empty string", "lora_name")
     if need_path and (not isinstance(path, str) or not path):
-        raise ApiError(400, "'lora_path' must be a non-empty string", "lora_path")
+        raise WorkerApiError(400, "'lora_path' must be a non-empty string", "lora_path")
     return name, path if isinstance(path, str) else ""
 
 

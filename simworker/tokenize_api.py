@@ -10,8 +10,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from simworker import tokens
-from simworker.model_endpoints import check_model
-from simworker.protocol import ApiError
+from simworker.endpoint_steps import check_model
+from simworker.protocol import WorkerApiError
 from simworker.request_fields import content_text, json_object, model_field
 from simworker.server import WorkerApi, _json, _read_json
 
@@ -33,7 +33,7 @@ def tokenize_body(body: object, max_model_len: int) -> tuple[str | None, dict[st
     if "messages" in fields:
         messages = fields["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "'messages' must be a list of messages", "messages")
+            raise WorkerApiError(400, "'messages' must be a list of messages", "messages")
         parts = [f"<|start|>{m.get('role', '')}<|sep|>{content_text(m.get('content'))}<|end|>" for m in messages]
         if fields.get("add_generation_prompt", True):
             parts.append("<|start|>assistant<|sep|>")
@@ -41,7 +41,7 @@ def tokenize_body(body: object, max_model_len: int) -> tuple[str | None, dict[st
     else:
         prompt = fields.get("prompt")
         if not isinstance(prompt, str):
-            raise ApiError(400, "'prompt' must be a string", "prompt")
+            raise WorkerApiError(400, "'prompt' must be a string", "prompt")
         text = prompt
     found = tokens.tokenize(text)
     answer: dict[str, object] = {"count": len(found), "max_model_len": max_model_len,
@@ -55,10 +55,10 @@ def detokenize_body(body: object) -> tuple[str | None, dict[str, object]]:
     fields = json_object(body)
     ids = fields.get("tokens")
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+        raise WorkerApiError(400, "'tokens' must be a list of token ids", "tokens")
     for value in ids:
         if not 0 <= value < VOCAB_SIZE:
-            raise ApiError(400, f"token id {value} is out of vocabulary (size {VOCAB_SIZE})", "tokens")
+            raise WorkerApiError(400, f"token id {value} is out of vocabulary (size {VOCAB_SIZE})", "tokens")
     words = tokens.FILLER_WORDS
     return model_field(fields), {"prompt": "".join(" " + words[i % len(words)] for i in ids)}
 

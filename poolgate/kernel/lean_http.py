@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import cast
 
 from poolgate.kernel.coarse_timers import CoarseTimer, coarse_timers
+from poolgate.kernel.errors import PoolgateError
 
 MAX_HEAD_BYTES = 16 * 1024
 """An answer's status line and headers may be this long at most."""
@@ -47,11 +48,11 @@ Reply = Callable[[Answer | BaseException], None]
 """Told a request's answer, or why there is none, once (``_Connection.ask``)."""
 
 
-class AnswerTooLarge(ValueError):
+class AnswerTooLarge(PoolgateError, ValueError):
     """The answer's body was larger than the caller accepts."""
 
 
-class PeerClosed(ConnectionResetError):
+class PeerClosed(PoolgateError, ConnectionResetError):
     """The peer closed the connection before the whole answer came."""
 
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.vllm_metrics import parse_engine_metrics
 from simworker.lora import AdapterTable
-from simworker.protocol import ApiError
+from simworker.protocol import WorkerApiError
 
 
 def table(max_loras: int = 2) -> AdapterTable:
@@ -25,13 +25,13 @@ def parsed(adapters: AdapterTable) -> tuple[tuple[str, ...] | None, int | None]:
 def test_slots_and_errors() -> None:
     adapters = table(max_loras=1)
     adapters.reserve("sql", "/adapters/sql")
-    with pytest.raises(ApiError) as twice:
+    with pytest.raises(WorkerApiError) as twice:
         adapters.reserve("sql", "/adapters/sql")
     assert twice.value.status == 400 and "already been loaded" in twice.value.message
-    with pytest.raises(ApiError) as full:
+    with pytest.raises(WorkerApiError) as full:
         adapters.reserve("chat", "/adapters/chat")
     assert full.value.status == 400 and "slots" in full.value.message
-    with pytest.raises(ApiError) as unknown:
+    with pytest.raises(WorkerApiError) as unknown:
         adapters.release("chat")
     assert unknown.value.status == 404
     adapters.release("sql")

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from simworker import lengths, protocol
-from simworker.protocol import ApiError
+from simworker.protocol import WorkerApiError
 
 
 def chat(content: str, **fields: object) -> protocol.GenerationRequest:
@@ -105,6 +105,6 @@ def test_min_tokens_holds_the_eos_back() -> None:
 
 @pytest.mark.parametrize("seed", ["7", 1.5, True, 2**63])
 def test_a_bad_seed_is_a_400(seed: object) -> None:
-    with pytest.raises(ApiError) as raised:
+    with pytest.raises(WorkerApiError) as raised:
         chat("x", seed=seed)
     assert (raised.value.status, raised.value.param) == (400, "seed")

@@ -16,7 +16,7 @@ from poolgate.kernel import audio_clip
 from simworker import model_tasks
 from simworker import pooling_protocol as wire
 from simworker.cli import add_arguments, worker_specs
-from simworker.protocol import ApiError
+from simworker.protocol import WorkerApiError
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -85,7 +85,7 @@ def test_base64_is_little_endian_float32() -> None:
     ({"input": "x", "model": 3}, "model"),
 ])
 def test_bad_embedding_requests_name_the_field(body: dict[str, object], param: str) -> None:
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(WorkerApiError) as caught:
         wire.parse_embeddings(body, 64)
     assert (caught.value.status, caught.value.param) == (400, param)
 
@@ -93,7 +93,7 @@ def test_bad_embedding_requests_name_the_field(body: dict[str, object], param: s
 def test_score_pairs_one_to_many_and_many_to_many() -> None:
     assert len(wire.parse_score({"text_1": "q", "text_2": ["a", "b", "c"]}).pairs) == 3
     assert len(wire.parse_score({"text_1": ["q", "r"], "text_2": ["a", "b"]}).pairs) == 2
-    with pytest.raises(ApiError):
+    with pytest.raises(WorkerApiError):
         wire.parse_score({"text_1": ["q", "r"], "text_2": ["a", "b", "c"]})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from simworker import protocol, tokens
-from simworker.protocol import ApiError
+from simworker.protocol import WorkerApiError
 
 
 @pytest.mark.parametrize(("text", "count"), [
@@ -54,7 +54,7 @@ def test_chat_accepts_text_parts() -> None:
     {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
 ])
 def test_bad_chat_bodies_are_400(body: object) -> None:
-    with pytest.raises(ApiError) as raised:
+    with pytest.raises(WorkerApiError) as raised:
         protocol.parse_chat(body)
     assert raised.value.status == 400
     assert raised.value.body()["error"]["type"] == "BadRequestError"  # type: ignore[index]
@@ -62,7 +62,7 @@ def test_bad_chat_bodies_are_400(body: object) -> None:
 
 @pytest.mark.parametrize("prompt", ["", [], [["a"], ["b"]], ["a", "b"], [-1], {"t": 1}, 5])
 def test_bad_prompts_are_400(prompt: object) -> None:
-    with pytest.raises(ApiError):
+    with pytest.raises(WorkerApiError):
         protocol.parse_completion({"prompt": prompt})
 
 
@@ -84,7 +84,7 @@ def test_context_length_rule(prompt_len: int, max_tokens: int | None, max_model_
         assert plan.prompt_tokens == prompt_len
         assert plan.output_target <= max_model_len - prompt_len
     else:
-        with pytest.raises(ApiError, match="maximum context length is 100"):
+        with pytest.raises(WorkerApiError, match="maximum context length is 100"):
             protocol.plan_generation(request, max_model_len)
 
 
