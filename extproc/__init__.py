@@ -19,6 +19,8 @@ it builds the parts) → ``assembly.build_service``. Rooms, in the order one req
   ``catalogue_source``, ``parameters``, ``quota``, ``flow_queue``, ``scheduling`` (the pure pick and its
   plugin registry), ``inflight``, ``reservations``, ``affinity``, ``endpoint_picker``, ``usage``, ``rename``,
   ``genai``, ``metrics``;
+- ``replica``: what the replica keeps across requests (reservations, affinity, queue, queue order), built
+  by the wiring and handed to the stages and to ``peers``, the exchange with the other replicas;
 - ``snapshot`` and ``watcher``: the frozen fleet view and the Redis adapter that refreshes it.
 
 Importing this package imports nothing else, so ``from extproc.request import …`` stays light.

@@ -30,8 +30,8 @@ from extproc.pipeline import (
     SnapshotSource,
 )
 from extproc.pipeline.cold_start import ColdStarts
-from extproc.queue_order import QueueOrder
 from extproc.quota import QuotaStore
+from extproc.replica import ReplicaState, queue_deadlines
 from extproc.scheduling import RequestProfiler, Scheduler
 from extproc.service import ExtProcService
 from extproc.tenancy import TenantDirectory
@@ -61,29 +61,37 @@ def build_service(
     disagg: DisaggPlan | None = None,
     cold_starts: ColdStarts | None = None,
     pools: Sequence[PoolSpec] = (),
+    replica: ReplicaState | None = None,
+    queue_changed: Callable[[], None] | None = None,
 ) -> ExtProcService:
     """``clock`` is the wall clock worker records are stamped with; ``timer`` the monotonic one for durations
     and queue deadlines; ``rng`` draws catalogue traffic splits; ``model_tasks`` says what each served model
     does (from the pools), so an endpoint its kind does not serve is refused before routing; ``disagg`` names
     the models whose long prompts are split over a prefill and a decode worker; ``cold_starts`` the pools that may
     scale to zero (a request finding them empty waits for a worker); with ``pools`` (the configured ones) the
-    director keeps class order with other replicas (``queue_order``, fed by the peer exchange)."""
+    director keeps class order with other replicas (``queue_order``, fed by the peer exchange). ``replica`` is the
+    state kept across requests (reservations, affinity, queue, queue order) that the caller also hands to the
+    peer exchange; left out, it is built here. ``queue_changed`` is called when a request joins or leaves the
+    queue."""
     scheduling = scheduling or SchedulingSettings()
     tenants = tenants or TenantDirectory(TenancySettings(), ())
     tenancy = tenants.settings
-    max_wait_s = tuple(scheduling.max_wait_s if c.max_wait_s is None else c.max_wait_s
-                       for c in tenancy.priority_classes)
-    hold = Hold(max_wait_s, tenancy.max_queued, metrics, timer, capacity_changed)
+    replica = replica or ReplicaState.build(scheduling, tenancy, pools, timer)
+    hold = Hold(queue_deadlines(scheduling, tenancy), replica.queue, metrics, timer, capacity_changed)
+    if queue_changed is not None:
+        hold.on_queue_change(queue_changed)
     director = Director(
         identify=Identify(tenants, max_request_bytes),
         resolve=Resolve(catalogue or CatalogueSource(EMPTY_CATALOGUE), profiler or RequestProfiler(scheduling),
                         rng or random.Random(), model_tasks),
         admit=Admit(quotas, tenancy, metrics),
         hold=hold,
-        place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache, disagg),
+        place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache, disagg,
+                    reservations=replica.reservations, affinity=replica.affinity),
         respond=Respond(metrics, genai_metrics),
         metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling), cold_starts=cold_starts,
-        queue_order=QueueOrder(pools, hold.queue.best_waiting) if pools else None)
+        queue_order=replica.queue_order)
+    hold.capacity_changed.subscribe(lambda: hold.request_pass(director))
     return ExtProcService(director, metrics, header_pin=header_pin)
 
 

@@ -33,6 +33,7 @@ from extproc.peers import PeerExchange, PeerKeys
 from extproc.pipeline import CapacitySignal
 from extproc.pipeline.cold_start import ColdStarts
 from extproc.quota import QuotaStore
+from extproc.replica import ReplicaState
 from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
 from extproc.service import ExtProcService
 from extproc.tenancy import TenantDirectory
@@ -135,6 +136,8 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
               if any(t.has_quota for t in config.tenants) else None)
     catalogue = CatalogueSource(Catalogue(config.catalogue))
     kv_cache = build_kv_cache(config.extproc.kv_events, config.pools, lambda: watcher.snapshot)
+    replica = ReplicaState.build(config.scheduling, config.tenancy, config.pools)
+    replica.reservations.exchange_s = watcher.exchange_s
     service = build_service(build_scheduler(config.scheduling), watcher, inflight, metrics,
                             max_request_bytes=config.extproc.max_request_bytes, scheduling=config.scheduling,
                             profiler=profiler, tenants=TenantDirectory(config.tenancy, config.tenants),
@@ -145,14 +148,11 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
                             prefix_cache=kv_cache[0] if kv_cache is not None else None,
                             disagg=DisaggPlan.from_config(config),
                             cold_starts=ColdStarts.from_config(config.pools, config.autoscale),
-                            pools=config.pools)
-    director = service.director
-    watcher.publish_queue(director.hold_stage.queue.held_by_domain)
-    director.hold_stage.on_queue_change(watcher.flush_soon)
-    director.place.reservations.exchange_s = watcher.exchange_s
+                            pools=config.pools, replica=replica, queue_changed=watcher.flush_soon)
+    watcher.publish_queue(replica.queue.held_by_domain)
     watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
-                                            director.place.reservations, affinity=director.place.affinity,
-                                            queue_order=director.queue_order))
+                                            replica.reservations, affinity=replica.affinity,
+                                            queue_order=replica.queue_order))
     return service, watcher, catalogue, kv_cache
 
 

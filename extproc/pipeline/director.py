@@ -72,7 +72,6 @@ class Director:
         """Pools that may scale to zero: a request finding them empty waits for a worker (``cold_start``)."""
         self.queue_order = queue_order
         """The best class other replicas hold waiting per pool: a pick leaves those pools to them (None: alone)."""
-        hold.attach(self)
 
     def headers(self, context: RequestContext, headers: Iterable[tuple[str, str]], subset: frozenset[str] | None,
                 end_of_stream: bool) -> Proceed | Passthrough | ModelList | Refused:
@@ -179,7 +178,7 @@ class Director:
         outcome = "cancelled"  # the client went away (Envoy reset the stream) while held
         self._metrics.held_requests.inc()
         try:
-            final = await self.hold_stage.wait(context)
+            final = await self.hold_stage.wait(self, context)
             if final is None:
                 final = self._place(context, may_hold=False, held_since=started)
                 assert final is not None  # may not hold: placed or refused
@@ -272,7 +271,7 @@ class Director:
             final = self._place(context, may_hold=may_hold)
             if final is not None:
                 return final
-        return self.hold_stage.enqueue(context, domain, self.place.predicted_prefill_s(request),
+        return self.hold_stage.enqueue(self, context, domain, self.place.predicted_prefill_s(request),
                                        self._cold_start_s(request))
 
     def _cold_start_s(self, request: PickRequest) -> float | None:

@@ -44,12 +44,16 @@ class Place:
     def __init__(self, scheduler: Scheduler, fleet: SnapshotSource, inflight: InflightTracker, metrics: Metrics,
                  settings: SchedulingSettings, clock: Callable[[], float] = time.time,
                  timer: Callable[[], float] = time.perf_counter, prefix_cache: CacheLookup | None = None,
-                 disagg: DisaggPlan | None = None) -> None:
+                 disagg: DisaggPlan | None = None, *, reservations: ReservationBook | None = None,
+                 affinity: AffinityMap | None = None) -> None:
+        """``reservations`` and ``affinity`` are the replica's (``extproc.replica.ReplicaState``), shared with
+        the peer exchange; left out, this stage gets its own from ``settings``."""
         self.scheduler = scheduler
         self.fleet = fleet
         self.inflight = inflight
-        self.reservations = ReservationBook(settings.reservation_settle_s, settings.kv_reserve_fraction)
-        self.affinity = AffinityMap(settings.affinity_max_entries)
+        self.reservations = reservations or ReservationBook(settings.reservation_settle_s,
+                                                            settings.kv_reserve_fraction)
+        self.affinity = affinity or AffinityMap(settings.affinity_max_entries)
         self._metrics = metrics
         self._debug_header = settings.debug_header
         self._clock = clock
