@@ -820,19 +820,24 @@ async def measure(n: int, pools: int, node_batch: int, args: argparse.Namespace)
                 if args.sick and await wait_counts(http, stack.admin_ports, [cluster_name(SICK_POOL)],
                                                    lambda c: c >= 2 * args.sick, args.timeout_s) is not None:
                     row.update(await sick_ejection(http, stack, args.sick, args.timeout_s))
+                silent: list[Worker] = []
+                if args.silent > 0:  # before the stall: workers overdue within a TTL of a registry's return are held
+                    everyone = fleet(n, pools, fail, alive_port, doomed_port)
+                    # after the doomed ones where there is room (the changes took theirs from the end), else doomed
+                    silent = (everyone[fail:fail + args.silent] if fail + args.silent <= n // 2
+                              else everyone[:args.silent])
+                    row.update(await silence(http, stack, fleet_, measured, silent, n - len(silent), args.timeout_s))
+                silent_alive = sum(1 for worker in silent if worker.port == alive_port)
                 if args.stall_api_s > 0:
                     row.update(await api_stall(http, stack, fleet_, measured, args.stall_api_s, args.timeout_s))
                 early = await metric(http, f"{stack.api}/metrics", "poolgate_health_early_confirmations_total")
                 row["ejection_s"] = await in_observer({
-                    "phase": "ejection", "admin_ports": stack.admin_ports, "clusters": measured, "at_most": n - fail,
+                    "phase": "ejection", "admin_ports": stack.admin_ports, "clusters": measured,
+                    "at_most": n - fail - silent_alive,
                     "stop_pid": group.children["fake_workers_doomed"].pid, "timeout_s": args.timeout_s,
                     "signal": signal.SIGSTOP if args.fail_mode == "hang" else signal.SIGTERM})
                 row["ejection_early_confirmations"] = (
                     await metric(http, f"{stack.api}/metrics", "poolgate_health_early_confirmations_total") - early)
-                if args.silent > 0:  # workers after the doomed ones (the changes took theirs from the end)
-                    silent = fleet(n, pools, fail, alive_port, doomed_port)[fail:fail + args.silent]
-                    row.update(await silence(http, stack, fleet_, measured, silent, n - fail - len(silent),
-                                             args.timeout_s))
             beating.cancel()
             await asyncio.gather(beating, return_exceptions=True)
     finally:
