@@ -205,8 +205,11 @@ def _planned(history: Sequence[PoolSample], bounds: PoolScaling, settings: Autos
     steady = f"steady: {planned.describe(capacity)}"
     if current.workers <= bounds.min_workers:
         return Decision(Action.HOLD, current.workers, steady)
-    hold_s = max(wake_s if bounds.sleep_level else startup_s, HOLD_WINDOWS * settings.demand_window_s)
-    way_back = "wake-up" if bounds.sleep_level else "start-up"
+    # A worker put to sleep comes back in a wake-up; one still starting cannot sleep (it would be stopped, its
+    # launch wasted), so while any starts the pool holds for a start-up as a pool that stops its surplus does.
+    sleeps = bool(bounds.sleep_level) and starting == 0
+    hold_s = max(wake_s if sleeps else startup_s, HOLD_WINDOWS * settings.demand_window_s)
+    way_back = "wake-up" if sleeps else "start-up"
     if (last_change_at is not None and now - last_change_at < hold_s) or now - points[0].at < hold_s:
         return Decision(Action.HOLD, current.workers, f"{steady}; within a {way_back} time ({hold_s:.0f} s) of "
                         "the last change or of the first sample")
@@ -216,5 +219,5 @@ def _planned(history: Sequence[PoolSample], bounds: PoolScaling, settings: Autos
     why = (f"demand peaked at {peak:.2f} over the last {hold_s:.0f} s ({way_back} time): {kept} worker(s) carry it "
            f"at {autoscale_plan.DOWN_FILL:.0%} of {capacity:g}")
     if kept < current.workers:
-        return Decision(Action.DOWN, kept, why + ("; the rest sleep" if bounds.sleep_level else ""))
+        return Decision(Action.DOWN, kept, why + ("; the rest sleep" if sleeps else ""))
     return Decision(Action.HOLD, current.workers, f"steady: {why}")

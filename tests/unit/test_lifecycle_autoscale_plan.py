@@ -84,6 +84,14 @@ def test_a_pool_that_sleeps_its_surplus_lets_it_go_after_a_wake_up_time() -> Non
     assert decision.action is Action.DOWN and decision.target == 1 and "the rest sleep" in decision.reason
 
 
+def test_a_pool_that_sleeps_keeps_a_worker_still_starting_for_a_start_up_time() -> None:
+    # A worker launched 10 s ago (30-s start-up) for a rise that faded: it cannot sleep, so it is not
+    # released on a wake-up's hold (stopping it would waste its launch and pay another on the next rise).
+    faded = history(60, lambda t: 1.6 if t < 50 else 0.6, workers=2, ready=1)
+    decision = decide(faded, SLEEPS, PLANNED, now=60.0, last_change_at=50.0)
+    assert decision.action is Action.HOLD and "start-up time" in decision.reason
+
+
 def test_bounds_still_win_over_the_plan() -> None:
     flood = history(30, lambda t: 50.0, workers=8)
     assert decide(flood, BOUNDS, PLANNED, now=30.0, last_change_at=None).action is Action.HOLD
