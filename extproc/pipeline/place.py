@@ -51,9 +51,11 @@ class Place:
         self.scheduler = scheduler
         self.fleet = fleet
         self.inflight = inflight
-        self.reservations = reservations or ReservationBook(settings.reservation_settle_s,
-                                                            settings.kv_reserve_fraction)
-        self.affinity = affinity or AffinityMap(settings.affinity_max_entries)
+        # ``is None``, not ``or``: an empty affinity map is falsy (it has a length), and a stage that built its own
+        # would fill a map the peer exchange never shares.
+        self.reservations = (reservations if reservations is not None
+                             else ReservationBook(settings.reservation_settle_s, settings.kv_reserve_fraction))
+        self.affinity = affinity if affinity is not None else AffinityMap(settings.affinity_max_entries)
         self._metrics = metrics
         self._debug_header = settings.debug_header
         self._clock = clock
