@@ -279,17 +279,30 @@ class FaultStack:
             with contextlib.suppress(Exception):
                 self._heartbeat_task.result(5)
 
-    def leftovers(self) -> list[str]:
-        left = []
-        for proc in self.procs:
-            if proc.process is None:
-                continue
-            try:
-                os.killpg(proc.process.pid, 0)
-            except ProcessLookupError:
-                continue
-            left.append(proc.name)
-        return left
+    def leftovers(self, settle_s: float = 5.0) -> list[str]:
+        """The stack's processes whose group still has a live member once ``settle_s`` has passed (a child of a
+        killed process, like the controller's registry API processes, may stay a zombie until it is reaped)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            left = [proc.name for proc in self.procs
+                    if proc.process is not None and _group_has_live_member(proc.process.pid)]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+
+
+def _group_has_live_member(pgid: int) -> bool:
+    """A process of group ``pgid`` that is running (not a zombie), read from ``/proc``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            state, _parent, group = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 @dataclass
