@@ -274,6 +274,7 @@ class Poolgate(_Quiet):
         self._dealt = 0
         self._inflight_totals: dict[str, int] = {}
         self._next_exchange = 0.0
+        self._subscribed: set[str] = set()
 
     def _replica(self, seed: int) -> _Replica:
         index = PrefixIndex()
@@ -321,6 +322,13 @@ class Poolgate(_Quiet):
 
     def on_records(self, snapshot: FleetSnapshot, now: float) -> None:
         self._snapshot = snapshot
+        for worker in snapshot.by_id.records():
+            # A publisher that has stored nothing yet is in sync with an empty cache: extproc's subscriber
+            # finds so at its first replay check (``kvcache.stream``), before the engine's first event.
+            if worker.kv_events_endpoint and worker.id not in self._subscribed:
+                self._subscribed.add(worker.id)
+                for replica in self.replicas:
+                    replica.lookup.index.mark_known(worker.id)
         self._maybe_exchange(now)
 
     def on_kv_events(self, worker_id: str, batch: EventBatch) -> None:
