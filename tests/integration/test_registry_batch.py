@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from controller.batched_writes import MAX_BATCH as COALESCED_MAX
-from controller.batched_writes import Coalescer, HeartbeatCoalescer
+from controller.batched_writes import ROUTINE_GATHER_S, Coalescer, HeartbeatCoalescer
 from controller.overload import LoopLag
 from controller.registry_api import MAX_BATCH, REGISTRATION_RETRY_AFTER_S, RegistryApi
 from poolgate.kernel.config import parse_config
@@ -176,6 +176,49 @@ async def test_a_batch_longer_than_one_pipeline_is_answered_once_all_of_it_is_wr
     assert answers == {**{key: value * 2 for key, value in values.items()}, "k3": 200} and single == 200
 
 
+GATHER_S = 0.2
+"""A gathering time long enough that a late loop on a loaded host does not split what the tests gather."""
+
+
+class _CountingStore:
+    """A store that counts its heartbeat writes (one pipeline each)."""
+
+    def __init__(self) -> None:
+        self.written: list[dict[str, dict[str, Any]]] = []
+
+    async def heartbeat_many(self, beats: dict[str, dict[str, Any]], ttl_s: float) -> list[str]:
+        self.written.append(dict(beats))
+        return [worker_id for worker_id in beats if worker_id.startswith("gone")]
+
+
+async def test_heartbeats_that_arrive_one_by_one_share_a_pipeline() -> None:
+    """Workers beat at their own phases, so routine heartbeats come one per turn of the loop: they wait a
+    moment for each other, and a worker that is not registered is still told so."""
+    store = _CountingStore()
+    heartbeats = HeartbeatCoalescer(cast(FleetStore, store), gather_s=GATHER_S)
+    beats = []
+    for worker_id in ("w1", "w2", "gone", "w3"):
+        beats.append(asyncio.create_task(heartbeats.beat(worker_id, {}, 1.5)))
+        await asyncio.sleep(0.005)
+    assert await asyncio.gather(*beats) == [True, True, False, True]
+    assert store.written == [{"w1": {}, "w2": {}, "gone": {}, "w3": {}}]
+    assert heartbeats.batches == 1
+    state = await asyncio.wait_for(heartbeats.beat("w4", {"state": "Draining"}, 1.5), GATHER_S / 2)
+    assert state and store.written[-1] == {"w4": {"state": "Draining"}}  # a state change does not wait
+
+
+async def test_heartbeats_that_come_while_a_batch_is_in_redis_gather_too() -> None:
+    store = _SlowRoutineStore()
+    heartbeats = HeartbeatCoalescer(cast(FleetStore, store), gather_s=GATHER_S)
+    first = asyncio.create_task(heartbeats.beat("w1", {}, 1.5))
+    await asyncio.sleep(GATHER_S + 0.05)  # the first batch is in Redis and stays there
+    later = [asyncio.create_task(heartbeats.beat(worker_id, {}, 1.5)) for worker_id in ("w2", "w3")]
+    await asyncio.sleep(0)
+    store.release.set()
+    assert await first and all(await asyncio.gather(*later))
+    assert store.written == [{"w1": {}}, {"w2": {}, "w3": {}}]
+
+
 class _SlowRoutineStore:
     """A store whose routine heartbeats (no state) stay in flight until ``release`` is set."""
 
@@ -194,7 +237,7 @@ async def test_a_state_change_does_not_wait_for_the_routine_batch_in_flight() ->
     store = _SlowRoutineStore()
     heartbeats = HeartbeatCoalescer(cast(FleetStore, store))
     routine = asyncio.create_task(heartbeats.beat_many({"w1": {}, "w2": {"kv_usage": 0.5}}, 1.5))
-    await asyncio.sleep(0.01)  # the routine batch has left and stays in flight
+    await asyncio.sleep(ROUTINE_GATHER_S + 0.02)  # the routine batch has left and stays in flight
     assert await asyncio.wait_for(heartbeats.beat("w3", {"state": "Draining"}, 1.5), 1)
     assert store.written == [{"w3": {"state": "Draining"}}]
     mixed = asyncio.create_task(heartbeats.beat_many({"w4": {"state": "Draining"}, "w5": {}}, 1.5))
