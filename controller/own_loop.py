@@ -1,6 +1,6 @@
 """A duty of the controller on an event loop of its own, in a thread of the controller's process.
 
-The health monitor at 10,000 workers probes 8,000 workers a second, about a third of a core. On the
+The health monitor at 10,000 workers probes 5,000 workers a second, about half a core. On the
 controller's loop every probe's answer was a callback queued ahead of the xDS bridge's, so one worker's
 change reached Envoy behind hundreds of them. On a loop of its own, the bridge waits at most one
 interpreter switch interval (``SWITCH_INTERVAL_S``) for the monitor's thread to let go. ``poolgate bench

@@ -254,6 +254,41 @@ async def test_a_reported_worker_leaves_while_a_long_round_waits_to_probe_it(red
     await second
     assert (await states(redis_client))["w2"] is WorkerState.FAILED  # one good probe does not bring it back
     assert monitor.stats.transitions == {"Ready->Failed": 1}  # the round, reading w2 from before, wrote it once
+class StartsProber(SequenceProber):
+    """Passes every probe and notes when each started (the loop's clock)."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.started: list[float] = []
+
+    async def probe(self, record: WorkerRecord) -> ProbeResult:
+        self.started.append(asyncio.get_running_loop().time())
+        return await super().probe(record)
+
+
+async def test_a_round_over_a_large_fleet_starts_probes_at_the_configured_rate_at_most(
+        redis_client: aioredis.Redis) -> None:
+    """Past ``max_probes_per_s × probe_interval_s / 2`` workers a round stretches rather than probing faster: the
+    monitor's CPU is bounded by the rate, not by the fleet's size."""
+    for i in range(40):
+        await register(redis_client, f"w{i:02d}")
+    prober = StartsProber()
+    health = CONFIG.health.model_copy(update={"max_probes_per_s": 100.0})
+    monitor = HealthMonitor(fleet(redis_client), health, STALE_AFTER_S, prober)
+    await monitor.round()
+    assert len(prober.started) == 40
+    assert prober.started[-1] - prober.started[0] >= 39 / 100 * 0.9  # a late loop only spaces them more
+
+
+async def test_the_default_probe_rate_probes_10000_workers_within_a_few_seconds() -> None:
+    """The default rate is what keeps hung workers' detection within 5 s at 10,000 (a round, then 1.5 s of
+    probes) and the monitor within about half a core (~100 µs a probe)."""
+    default = parse_config({"pools": [{"name": "chat", "model": "m1"}]}).health
+    round_s = 10_000 / default.max_probes_per_s
+    assert round_s + default.probe_timeout_s + default.probe_interval_s <= 3.5
+    assert default.max_probes_per_s * 100e-6 <= 0.5
+
+
 async def test_one_read_of_passive_counts_removes_those_of_workers_that_left(redis_client: aioredis.Redis) -> None:
     store = fleet(redis_client)
     await store.record_passive_failures({"w1": 1, "left": 2})

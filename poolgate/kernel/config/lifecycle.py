@@ -28,14 +28,16 @@ class HealthSettings(Section):
     """Also ``GET /v1/models`` and require the pool's model in it (catches a worker serving the wrong model)."""
     slow_probe_s: float = Field(0.0, ge=0)
     """Probe latency above this counts as a failure (0 = off; the timeout still applies)."""
-    max_probes_per_s: float = Field(8000.0, gt=0)
+    max_probes_per_s: float = Field(5000.0, gt=0)
     """A round starts at most this many probes a second: past ``max_probes_per_s × probe_interval_s / 2``
     workers a round takes longer than the interval. A worker that hangs is Failed once its next probe and the
     ``failures_to_fail - 1`` that confirm it, started half an interval apart while the first is still out, have
     timed out (1.5 s at the defaults); that probe comes up to a round later: at 10,000 workers a round takes
-    1.3 s at the default (2.6 s at 4,000, when hangs took up to 6.7 s to leave). Each probe is one kept-alive HTTP
-    request, ~85 µs of the controller's CPU (``poolgate bench health_rounds``): 10,000 workers cost it about
-    0.6 of a core."""
+    2 s at the default, so 1,000 workers that hang at once leave within about 4.5 s (a round, 0.4 s for their
+    first probes to take and give back the round's slots, 1.5 s of probes, a write period and the push). Each
+    probe is one kept-alive HTTP request, ~100 µs of the controller's CPU: the default holds the monitor to about
+    half a core however large the fleet (at 8,000 a second it took 0.8 of a core at 10,000 workers, which with the
+    registry API's share passed the one core a 10,000-worker controller is meant to take)."""
     failures_to_fail: int = Field(3, ge=1)
     successes_to_ready: int = Field(2, ge=1)
     passive_failures_to_fail: int = Field(3, ge=1)
