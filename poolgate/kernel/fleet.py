@@ -8,8 +8,8 @@ record lives in Redis, and every read and write of it, is ``poolgate.kernel.stor
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
@@ -98,9 +98,25 @@ class WorkerRecord:
 
     @classmethod
     def from_redis(cls, raw: Mapping[bytes, bytes] | Mapping[str, str]) -> WorkerRecord:
-        data = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-                for k, v in raw.items()}
-        return cls(**{f.name: _decode(f.type, data[f.name]) for f in fields(cls) if f.name in data})
+        """The record a Redis hash holds (bytes or text); fields it lacks take their defaults, others are
+        ignored. Each field is read by its own decoder, looked up by the field's name (``_DECODERS``). A full
+        read of 10,000 workers (a reader's first, and one every resync) took ~0.7 s of its loop's CPU, most of
+        it here while each call walked the dataclass's fields and compared type names; this takes half as long."""
+        values = dict(_DEFAULTS)
+        for key, value in raw.items():
+            decoder = _DECODERS.get(key)
+            if decoder is not None:
+                values[decoder[0]] = decoder[1](value)
+        if cls is not WorkerRecord or len(values) < len(_FIELD_NAMES):  # (the constructor says what is missing)
+            return cls(**{name: value for name, value in values.items() if value is not _FROM_FACTORY})
+        for name, factory in _FACTORIES:
+            if values[name] is _FROM_FACTORY:
+                values[name] = factory()
+        # The generated __init__ sets the 31 fields of a frozen dataclass one ``object.__setattr__`` at a time:
+        # half of this call. It checks nothing more, so the decoded values go straight in.
+        record = object.__new__(cls)
+        record.__dict__.update(values)
+        return record
 
     def with_live(self, **live: Any) -> WorkerRecord:
         return replace(self, **live)
@@ -126,14 +142,48 @@ def encode_fields(values: Mapping[str, Any]) -> dict[str, str]:
             for key, value in values.items()}
 
 
-def _decode(annotation: object, text: str) -> Any:
-    """A field's Redis string as its declared type (annotations are strings here: postponed evaluation)."""
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+_STATES: Mapping[bytes | str, WorkerState] = MappingProxyType(
+    {**{state.value: state for state in WorkerState}, **{state.value.encode(): state for state in WorkerState}})
+
+
+def _state(value: bytes | str) -> WorkerState:
+    state = _STATES.get(value)
+    return state if state is not None else WorkerState(_text(value))  # (an unknown state raises ValueError)
+
+
+def _integer(value: bytes | str) -> int:
+    return int(float(value))
+
+
+def _sequence(value: bytes | str) -> tuple[Any, ...]:
+    return tuple(orjson.loads(value))
+
+
+def _decoder(annotation: object) -> Callable[[bytes | str], Any]:
+    """How a field's Redis value (bytes or text) reads as its declared type (annotations are strings here:
+    postponed evaluation)."""
     if annotation == "WorkerState":
-        return WorkerState(text)
+        return _state
     if annotation == "int":
-        return int(float(text))
+        return _integer
     if annotation == "float":
-        return float(text)
+        return float
     if str(annotation).startswith("tuple"):
-        return tuple(orjson.loads(text))
-    return text
+        return _sequence
+    return _text
+
+
+_FROM_FACTORY = object()
+"""Stands in ``_DEFAULTS`` for a field whose default comes from a factory (``_FACTORIES``), called per record."""
+_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {f.name: f.default if f.default is not MISSING else _FROM_FACTORY for f in fields(WorkerRecord)
+     if f.default is not MISSING or f.default_factory is not MISSING})
+"""Each field's default (the fields without one, the identity, must come from Redis)."""
+_FACTORIES = tuple((f.name, f.default_factory) for f in fields(WorkerRecord) if f.default_factory is not MISSING)
+_DECODERS: Mapping[bytes | str, tuple[str, Callable[[bytes | str], Any]]] = MappingProxyType({
+    key: (f.name, _decoder(f.type)) for f in fields(WorkerRecord) for key in (f.name, f.name.encode())})
+"""Field name (text or bytes, as a Redis client answers) → (field, its decoder)."""
