@@ -430,7 +430,7 @@ class HealthMonitor:
         in a row or one passed, each started ``CONFIRM_SHARE`` of the interval after the one before (those
         planned while the first was still out, ``_plan_early``, have started already): a dead or hung worker is
         ejected right after the probe that first finds it, not ``failures_to_fail`` rounds later (at 10,000
-        workers a round takes 1.3 s or more). The results in the order the probes started, the first's first."""
+        workers a round takes 2 s or more). The results in the order the probes started, the first's first."""
         results = [first]
         early = self._early.get(record.id)
         if early is not None:
