@@ -6,10 +6,11 @@ what this replica placed there drains like a queue:
     backlog_w(t) = max(0, backlog_w(t_k) − R_w × (t − t_k)) + U_k      at each placement k (U_k: its
                                                                         uncached prompt tokens there)
 
-read at any time t as max(0, backlog_w(t_k) − R_w × (t − t_k)), with R_w the worker's measured prefill rate
-(``WorkerRecord.prefill_tokens_per_s``, the configured default while unknown). This is what a pick needs to
-know of the queue ahead of a new request: how many tokens, not how many requests, and at once, not a
-metrics scrape later. The engine's own ``waiting`` count only says how many requests queue, and arrives up
+read at any time t as max(0, backlog_w(t_k) − R_w × (t − t_k)), with R_w the rate the pick predicts with:
+the fastest prefill rate the worker's kind has shown (``scheduling.rates``, from the records'
+``prefill_tokens_per_s``; the configured default while unknown). This is what a pick needs to know of the
+queue ahead of a new request: how many tokens, not how many requests, and at once, not a metrics scrape
+later. The engine's own ``waiting`` count only says how many requests queue, and arrives up
 to a scrape late; the reservations' prefill part (``reservations``) is dropped once the agent has seen the
 placement, long before a queued prompt is computed.
 
@@ -22,17 +23,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from extproc.scheduling.rates import KindRates
 from poolgate.kernel.fleet import WorkerRecord
 
 
 class PrefillLedger:
     def __init__(self, default_rate: float) -> None:
-        self.default_rate = default_rate
+        self.rates = KindRates(default_rate)
+        """The rate a worker's backlog drains at: its kind's peak (``scheduling.rates``), as the pick predicts."""
         self._backlog: dict[str, tuple[float, float, float]] = {}
         """Worker id → (tokens left at ``at``, ``at``, the rate it drains at)."""
 
     def placed(self, worker: WorkerRecord, tokens: int, now: float) -> None:
-        rate = worker.prefill_tokens_per_s if worker.prefill_tokens_per_s > 0 else self.default_rate
+        self.rates.observe((worker,))
+        rate = self.rates.of(worker)
         self._backlog[worker.id] = (self.left(worker.id, now) + tokens, now, rate)
 
     def left(self, worker_id: str, now: float) -> float:

@@ -80,12 +80,24 @@ class Place:
         when the other replicas' reservations changed."""
         snapshot = self.fleet.snapshot
         if snapshot is not self._settled_for or self.reservations.peers_moved:
+            if snapshot is not self._settled_for:
+                self._observe_rates(snapshot)
             self.reservations.settle(snapshot)
             self._settled_for = snapshot
         reservations = self.reservations
         ahead = self.ledger.at(self._clock(), reservations.prefill_tokens, reservations.own_prefill_tokens)
         return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, ahead, self.affinity.entries,
                            self.prefix_cache)
+
+    def _observe_rates(self, snapshot: FleetSnapshot) -> None:
+        """Fold the records that changed since the last snapshot into the kinds' peak prefill rates."""
+        before = self._settled_for
+        if before is None:
+            self.ledger.rates.observe(snapshot.by_id.records())
+            return
+        by_id = snapshot.by_id
+        self.ledger.rates.observe(record for worker_id in by_id.changed_since(before.by_id)
+                                  if (record := by_id.get(worker_id)) is not None)
 
     def wants_prompt(self, request: PickRequest) -> bool:
         """Tokenise this request's prompt first: some worker that may take it reports its cache."""

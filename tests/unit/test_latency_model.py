@@ -90,6 +90,22 @@ def test_workers_of_one_kind_share_the_fastest_rate_any_of_them_showed() -> None
     assert bigger == pytest.approx(6400 / 40_000.0)
 
 
+def test_a_kind_keeps_the_fastest_rate_it_has_shown_when_its_engines_later_read_slower() -> None:
+    """Mostly cached prompts make every engine of a kind read a low rate at once; a cold prompt still meets the
+    card's speed, and the prediction keeps it."""
+    scorer = PredictedLatency(8000.0)
+    request = pick_request({"model": "llama", "prompt": PROMPT}, lookup_over([worker("a")], {}))
+
+    def seconds(rate: float) -> float:
+        workers = [worker("a", prefill_tokens_per_s=rate), worker("b", prefill_tokens_per_s=rate)]
+        context = PickContext(build_snapshot(workers, POOLS, NOW, 3.0), {}, prefix_cache=lookup_over(workers, {}))
+        return scorer.seconds(request, workers, context)[0]
+
+    assert seconds(RATE) == pytest.approx(6400 / RATE)
+    assert seconds(900.0) == pytest.approx(6400 / RATE)
+    assert seconds(2 * RATE) == pytest.approx(6400 / (2 * RATE))
+
+
 def test_a_new_prefix_goes_where_it_evicts_least() -> None:
     """Two cold workers, one with its cache full of other prefixes: the prompt would push them out there."""
     workers = [worker("full", kv_capacity_tokens=8_000), worker("empty", kv_capacity_tokens=8_000)]

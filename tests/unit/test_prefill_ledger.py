@@ -29,6 +29,16 @@ def test_an_unknown_rate_drains_at_the_default() -> None:
     assert ledger.left("a", 0.5) == pytest.approx(4000)
 
 
+def test_the_backlog_drains_at_the_fastest_rate_the_workers_kind_has_shown() -> None:
+    """A worker whose rate reads low because its recent prompts were cached still computes a cold one at the
+    speed it showed before: the backlog must not outlive the prefill by the ratio of the two."""
+    ledger = PrefillLedger(default_rate=8000.0)
+    ledger.rates.observe((worker("twin", rate=27_000.0),))
+    ledger.placed(worker("a", rate=900.0), 27_000, now=0.0)
+    assert ledger.left("a", 0.5) == pytest.approx(13_500)
+    assert ledger.left("a", 1.0) == 0.0
+
+
 def test_a_pick_reads_this_replicas_backlog_and_the_others_unseen_placements() -> None:
     ledger = PrefillLedger(default_rate=8000.0)
     ledger.placed(worker("a"), 2000, now=0.0)

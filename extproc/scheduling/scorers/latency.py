@@ -11,14 +11,19 @@ For each candidate w, with P the prompt's tokens and c_w the tokens of its leadi
           queued_w: the prefill this replica placed on w, drained at w's rate (``extproc/prefill_ledger.py``),
           plus the other replicas' placements the agent has not seen yet (``PickContext.pending_prefill_tokens``);
           waiting_w × U_w stands in for a queue the ledger does not know (requests that came another way)
-    R_w = the fastest prefill rate measured (``agent.rates``: computed prompt tokens per second of prefill
-          time) among the model's ready workers of w's kind (same KV capacity and GPU memory: the same card serving the
-          same model), or ``scheduling.default_prefill_tokens_per_s`` while none is known. A request's
-          prefill shares its steps with the others' chunks and decodes, so each worker's own figure falls
-          below what its hardware does, by how busy it happened to be; the best of its kind is the
-          hardware's. Taking each worker's own would make the worker that served the most cached prompts
-          look slow and lose the cold ones it could take (measured in the lab: identical L4s read
-          730-2,700 tokens/s at once).
+    R_w = the fastest prefill rate ever measured (``agent.rates``: computed prompt tokens per second of
+          prefill time) among the model's workers of w's kind (same KV capacity and GPU memory: the same card
+          serving the same model), or ``scheduling.default_prefill_tokens_per_s`` while none is known
+          (``scheduling.rates``). A request's prefill shares its steps with the others' chunks and decodes, and
+          lasts at least one step however few tokens it computes, so each worker's figure falls below what
+          its hardware does, by how busy it happened to be and how much of its prompts was cached; the best
+          its kind has shown is the hardware's. Taking each worker's own would make the worker that served
+          the most cached prompts look slow and lose the cold ones it could take (measured in the lab:
+          identical L4s read 730-2,700 tokens/s at once); taking the kind's best at the moment fails when
+          every engine of the kind serves cached prompts (three H100s on shared documents read 27,000
+          tokens/s at the start and 900 a minute later), and the ledger then kept a cold prompt queued 30×
+          too long (the lab, H100s, shared documents at 85 %: p99 0.436 s with the moment's best, 0.362 s
+          with the best ever).
     E_w = max(0, U_w + O − free_w)     the cached tokens this request would evict there: its KV (prompt
           part not cached there, expected output O) beyond the room no block holds, free_w = capacity ×
           (1 − usage) less what the index says the cache keeps for reuse (an unknown stream: usage only)
@@ -51,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
+from extproc.scheduling.rates import KindRates
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
 from poolgate.kernel.fleet import WorkerRecord
 
@@ -74,7 +80,8 @@ class PredictedLatency:
         self.eviction_weight = eviction_weight
         self._affinity = PrefixAffinity()
         self._rates_of: object = None
-        self._rates: dict[str, dict[tuple[int, float], float]] = {}
+        self._observed: set[str] = set()
+        self._rates = KindRates(default_prefill_tokens_per_s)
 
     def seconds(self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext) -> list[float]:
         """t(w) for each candidate, in their order (one pass after the rates; the pick's hot loop)."""
@@ -87,13 +94,13 @@ class PredictedLatency:
         else:
             strengths = self._affinity.score(request, candidates, context)
         uniform = strengths.value if isinstance(strengths, SameScore) else None
-        fastest = self._kind_rates(context, request.model, candidates)
+        self._observe_rates(context, request.model, candidates)
+        rate_of = self._rates.of
         queued = context.pending_prefill_tokens.get
         inflight = context.inflight.get
         hit_of = cached.get
         held_of = view.held_tokens if view is not None else None
         per_request = self.inflight_tokens
-        default_rate = self.default_rate
         weight = self.eviction_weight
         output = request.output_tokens
         seconds: list[float] = []
@@ -121,26 +128,19 @@ class PredictedLatency:
                 evicted = own + output - (capacity - occupied)
                 if evicted > 0:
                     work += reuse * evicted
-            rate = fastest.get((capacity, worker.gpu_memory_total_mib)) or default_rate
-            seconds.append(work / rate)
+            seconds.append(work / rate_of(worker))
         return seconds
 
-    def _kind_rates(self, context: PickContext, model: str,
-                    candidates: Sequence[WorkerRecord]) -> dict[tuple[int, float], float]:
-        """(KV capacity, GPU memory) → the fastest prefill rate among the model's ready workers of that kind,
-        worked out once per snapshot and model (the pick's candidates are among them)."""
+    def _observe_rates(self, context: PickContext, model: str, candidates: Sequence[WorkerRecord]) -> None:
+        """Fold the model's ready workers into the kinds' peak rates, once per snapshot and model (the pick's
+        candidates are among them)."""
         snapshot = context.snapshot
         if snapshot is not self._rates_of:
-            self._rates_of, self._rates = snapshot, {}
-        fastest = self._rates.get(model)
-        if fastest is None:
-            fastest = {}
-            for worker in (*snapshot.ready_workers_for(model), *candidates):
-                kind = (worker.kv_capacity_tokens, worker.gpu_memory_total_mib)
-                if worker.prefill_tokens_per_s > fastest.get(kind, 0.0):
-                    fastest[kind] = worker.prefill_tokens_per_s
-            self._rates[model] = fastest
-        return fastest
+            self._rates_of, self._observed = snapshot, set()
+        if model not in self._observed:
+            self._observed.add(model)
+            self._rates.observe(snapshot.ready_workers_for(model))
+            self._rates.observe(candidates)
 
     def score(
         self, request: PickRequest, candidates: Sequence[WorkerRecord], context: PickContext

@@ -1,0 +1,54 @@
+"""A worker's prefill rate for predictions: the fastest its kind has shown, in prompt tokens per second.
+
+    kind(w) = (model, KV capacity, GPU memory)          the same card serving the same model
+    R(w)    = max over every record of kind(w) seen so far of ``prefill_tokens_per_s``
+              (``default_prefill_tokens_per_s`` until one is known)
+
+The agent's figure (``agent.rates``) is computed prompt tokens per second of the requests' prefill phase, and
+a request's prefill phase lasts at least the one engine step that gives its first token, shared with every
+decode and chunk in it. So the figure is the hardware's rate only while prompts are long and cold; when the
+prompts are mostly cached (a few dozen new tokens each) it falls to tokens per step time. Measured in the
+lab on three H100s serving questions about shared documents: 27,000 tokens/s on the cold start, 900 a
+minute later, for the same engines. A prediction in seconds from that figure charges a cold 6,000-token
+prompt 6.7 s instead of 0.22 s, and the prefill ledger (``extproc/prefill_ledger.py``) then keeps it queued
+that long. The hardware does not slow down, so the best a kind has shown is kept: per worker, at any moment,
+it is what a cold prompt meets there. (Each worker's own figure at the moment also varies with how busy it
+happened to be: identical L4s read 730-2,700 tokens/s at once, which is why the kind's best is taken.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from poolgate.kernel.fleet import WorkerRecord
+
+Kind = tuple[str, int, float]
+
+
+class KindRates:
+    """The peak prefill rate per worker kind, folded in from every record it is shown."""
+
+    __slots__ = ("_peak", "_seen", "default_rate")
+
+    def __init__(self, default_rate: float) -> None:
+        self.default_rate = default_rate
+        self._peak: dict[Kind, float] = {}
+        self._seen: dict[str, WorkerRecord] = {}
+        """Worker id → the record last folded in (a record object is folded once)."""
+
+    def observe(self, workers: Iterable[WorkerRecord]) -> None:
+        seen = self._seen
+        peak = self._peak
+        for worker in workers:
+            if seen.get(worker.id) is worker:
+                continue
+            seen[worker.id] = worker
+            rate = worker.prefill_tokens_per_s
+            if rate > 0:
+                kind = (worker.model, worker.kv_capacity_tokens, worker.gpu_memory_total_mib)
+                if rate > peak.get(kind, 0.0):
+                    peak[kind] = rate
+
+    def of(self, worker: WorkerRecord) -> float:
+        return self._peak.get((worker.model, worker.kv_capacity_tokens, worker.gpu_memory_total_mib),
+                              self.default_rate)
