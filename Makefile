@@ -47,7 +47,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check poolgate extproc controller agent simworker tests bench
 	$(BIN)/mypy
 
-test: setup lint vllm
+# The vLLM install (minutes, mostly waiting on pip) runs beside the lint.
+test: setup
+	$(MAKE) -j2 --output-sync=target lint vllm
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 clean:

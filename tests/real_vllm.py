@@ -30,9 +30,18 @@ TINY_MODEL = ROOT / ".vllm-models" / "tiny"
 START_TIMEOUT_S = 240.0
 """55 s cold and 23-27 s warm alone on two cores; three at once take longer."""
 
-EAGER = ("-O0",)
-"""vLLM's optimisation level 0: no torch.compile. On two cores it starts ~10 s sooner (the compile cache of this
-release fails to reload, so every start compiled again), and writes nothing under the user's cache directory."""
+FAST_START = ("-O0", "--distributed-executor-backend", "uni")
+"""Two start-up costs the tests do without. ``-O0``, vLLM's optimisation level 0: no torch.compile (~10 s on two
+cores; the compile cache of this release fails to reload, so every start compiled again; and nothing is written
+under the user's cache directory). The one-process executor (with ``ENGINE_ENV``): by default the API server
+spawns an engine core that spawns a model worker, and each of the three imports torch and vLLM (~13 s apiece
+here); with it the engine core runs the model itself, so a start takes ~29 s instead of ~42 s. (vLLM on CPU
+prefers the separate worker for its OpenMP thread binding, which a tiny model does not need.)"""
+
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+"""Lets the one-process executor of ``FAST_START`` stand on CPU (vLLM replaces it otherwise), with one OpenMP
+thread per engine as the separate worker would have had (threads that spin-wait for each other on a host whose
+cores are all busy would slow every step)."""
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -52,8 +61,10 @@ def unavailable_reason() -> str | None:
 
 
 def vllm_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a real vLLM runs in here: offline, with the vLLM venv first on ``PATH``."""
-    return {**os.environ, **OFFLINE_ENV, "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '')}", **(extra or {})}
+    """The environment a real vLLM runs in here: offline, started as ``FAST_START`` needs, with the vLLM venv first
+    on ``PATH``."""
+    path = f"{VENV / 'bin'}:{os.environ.get('PATH', '')}"
+    return {**os.environ, **OFFLINE_ENV, **ENGINE_ENV, "PATH": path, **(extra or {})}
 
 
 @dataclass
@@ -86,7 +97,7 @@ def vllm_server(model: str = "tiny", *, max_model_len: int = 2048, kv_cache_gib:
     log_path = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
     cmd = [str(VLLM_BIN), "serve", str(TINY_MODEL), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", model, "--max-model-len", str(max_model_len),
-           "--kv-events-config", kv_events_config(pub, replay), *EAGER, *extra_args]
+           "--kv-events-config", kv_events_config(pub, replay), *FAST_START, *extra_args]
     with log_path.open("wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env=vllm_env({"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})}))

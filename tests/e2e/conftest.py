@@ -203,7 +203,7 @@ def _pids_mentioning(run_dir: Path) -> list[int]:
     return pids
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stack(redis_server: object) -> Iterator[RunningStack]:
     """The shared stack; with the GenAI metrics on, every routed response passes through extproc."""
     config = {**E2E_CONFIG, "observability": {"genai_metrics": True, "extproc_metrics_port": free_port()}}

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from poolgate.procs import free_port
 from tests.e2e.conftest import RunningStack, poolgate_up
-from tests.real_vllm import EAGER, START_TIMEOUT_S, TINY_MODEL, unavailable_reason, vllm_env
+from tests.real_vllm import FAST_START, START_TIMEOUT_S, TINY_MODEL, unavailable_reason, vllm_env
 from tests.tiny_lora import make_adapter
 
 pytestmark = pytest.mark.e2e
@@ -55,10 +55,10 @@ CONFIG: dict[str, Any] = {
     ],
     "workers": [
         *({"id": worker, "pool": "tiny", "backend": "vllm", "model_path": str(TINY_MODEL), "kv_cache_gib": 1,
-          "extra_args": list(EAGER)}
+          "extra_args": list(FAST_START)}
           for worker in VLLM_WORKERS),
         {"id": EMBED_WORKER, "pool": "embed", "backend": "vllm", "model_path": str(TINY_MODEL), "kv_cache_gib": 1,
-         "extra_args": list(EAGER)},
+         "extra_args": list(FAST_START)},
         {"id": "sim-a", "pool": "sim"},
     ],
 }

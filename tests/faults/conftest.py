@@ -12,6 +12,6 @@ import pytest
 from tests.faults.harness import FaultStack, fault_stack_fixture
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fault_stack() -> Iterator[FaultStack]:
     yield from fault_stack_fixture(Path(tempfile.mkdtemp(prefix="poolgate-faults-")))

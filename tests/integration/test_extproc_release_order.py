@@ -10,11 +10,11 @@ from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
-from test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 from poolgate.kernel.config import Config, ExtprocSettings, PoolSpec, SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.store import FleetStore
+from tests.integration.test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 
 def chat(words: int) -> dict[str, object]:

@@ -10,11 +10,11 @@ import grpc
 import orjson
 import pytest
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
-from test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 from poolgate.kernel.config import Config, ExtprocSettings, PoolSpec, SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.store import FleetStore
+from tests.integration.test_extproc_grpc import KEYS, PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 LIMIT = 256 * 1024
 LONG_PROMPT = {"model": "llama", "max_tokens": 50,

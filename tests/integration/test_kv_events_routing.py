@@ -18,7 +18,6 @@ import redis.asyncio as aioredis
 import yaml
 from aiohttp import web
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
-from test_extproc_grpc import PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 from controller.registry_api import RegistryApi
 from poolgate.kernel.config import (
@@ -37,6 +36,7 @@ from poolgate.procs import extproc_process, free_port
 from simworker.kv_publisher import KVEventsConfig
 from simworker.presets import PRESETS
 from simworker.worker import SimWorker, WorkerSpec
+from tests.integration.test_extproc_grpc import PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 MODEL = "sim-llama-3-8b"
 DOC_A = " ".join(f"alpha{i % 211} section" for i in range(900))

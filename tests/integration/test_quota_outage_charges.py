@@ -20,7 +20,6 @@ import pytest
 import redis.asyncio as redis_asyncio
 import yaml
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
-from test_extproc_grpc import CHAT, PREFIX, Extproc, body, headers, record
 
 from bench.redis_deployments import RedisServer
 from extproc.errors import ApiError
@@ -30,6 +29,7 @@ from extproc.tenancy import Tenant, key_digest
 from poolgate.kernel.keys import QuotaKeys
 from poolgate.kernel.store import FleetStore
 from poolgate.procs import extproc_process
+from tests.integration.test_extproc_grpc import CHAT, PREFIX, Extproc, body, headers, record
 from tests.manual_clock import ManualClock
 
 KEYS = QuotaKeys(PREFIX)

@@ -18,13 +18,13 @@ import yaml
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest, ProcessingResponse
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
-from test_extproc_grpc import CHAT, KEYS, PREFIX, Extproc, body, eventually, headers, record
 
 from extproc.quota import WINDOW_S
 from extproc.tenancy import key_digest
 from poolgate.kernel.keys import QuotaKeys
 from poolgate.kernel.store import FleetStore
 from poolgate.procs import extproc_process
+from tests.integration.test_extproc_grpc import CHAT, KEYS, PREFIX, Extproc, body, eventually, headers, record
 
 QUOTA_KEYS = QuotaKeys(PREFIX)
 

@@ -10,7 +10,6 @@ import time
 from dataclasses import replace
 
 import pytest
-from test_extproc_service import CHAT, LIMIT, NOW, Fleet, Rig, body_answer, error_of, ready, rig
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
@@ -22,6 +21,7 @@ from extproc.snapshot import build_snapshot
 from extproc.watcher import held_per_pool
 from poolgate.kernel.config import AutoscaleSettings, PoolSpec, SchedulingSettings, parse_config
 from poolgate.kernel.routing import QUEUE_WAIT_HEADER
+from tests.unit.test_extproc_service import CHAT, LIMIT, NOW, Fleet, Rig, body_answer, error_of, ready, rig
 
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="code", model="coder"))
 

@@ -15,7 +15,6 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )
-from test_extproc_service import NOW, POOLS, Fleet, Rig, body, headers, ready, rig
 
 from extproc.catalogue import Catalogue
 from extproc.catalogue_source import CatalogueSource
@@ -28,6 +27,7 @@ from extproc.snapshot import build_snapshot
 from poolgate.kernel.config import PoolSpec, parse_config
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.metrics_doc import GENAI_ATTRIBUTES, GENAI_SERIES, exported_metrics
+from tests.unit.test_extproc_service import NOW, POOLS, Fleet, Rig, body, headers, ready, rig
 
 CHAT_LABELS = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai",
                "gen_ai_request_model": "llama", "gen_ai_response_model": "llama"}

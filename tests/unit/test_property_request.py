@@ -6,12 +6,12 @@ from __future__ import annotations
 import orjson
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_extproc_request import parse_request
 
 from extproc.endpoints import CHAT_PATH, COMPLETIONS_PATH
 from extproc.errors import ApiError
 from extproc.request import RequestFacts, RequestHead, parse_head
 from poolgate.kernel.routing import ROUTING_HEADERS
+from tests.unit.test_extproc_request import parse_request
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HEADS = (RequestHead("POST", CHAT_PATH, None), RequestHead("POST", COMPLETIONS_PATH, None))

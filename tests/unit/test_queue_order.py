@@ -8,9 +8,6 @@ import asyncio
 import random
 
 import redis.asyncio as aioredis
-from test_extproc_service import CHAT, LIMIT, NOW, Fleet, Rig, kv_worker, pin_of, ready, rig
-from test_peer_reservations import exchange as exchange_once
-from test_tenancy_service import TENANTS, ask, vip
 
 from extproc.flow_queue import FlowQueue
 from extproc.inflight import InflightTracker
@@ -25,6 +22,9 @@ from extproc.snapshot import build_snapshot
 from extproc.tenancy import TenantDirectory, key_digest
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, parse_config
 from poolgate.kernel.fleet import WorkerRecord
+from tests.unit.test_extproc_service import CHAT, LIMIT, NOW, Fleet, Rig, kv_worker, pin_of, ready, rig
+from tests.unit.test_peer_reservations import exchange as exchange_once
+from tests.unit.test_tenancy_service import TENANTS, ask, vip
 
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="vip", model="llama"),
          PoolSpec(name="code", model="coder"))

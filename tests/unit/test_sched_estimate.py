@@ -9,7 +9,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-from test_extproc_request import parse_request
 
 from extproc.request import RequestFacts, RequestHead
 from extproc.scheduling.estimate import (
@@ -22,6 +21,7 @@ from extproc.scheduling.estimate import (
     tokenizer_counter,
 )
 from poolgate.kernel.config import ConfigError, SchedulingSettings, TaskClassRules
+from tests.unit.test_extproc_request import parse_request
 
 CHAT = RequestHead("POST", "/v1/chat/completions", None)
 COMPLETIONS = RequestHead("POST", "/v1/completions", None)

@@ -7,7 +7,6 @@ import random
 
 import orjson
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
-from test_extproc_service import CHAT, LIMIT, NOW, Fleet, Rig, body, headers, kv_worker, pin_of, ready, rig
 
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
@@ -18,6 +17,7 @@ from extproc.snapshot import build_snapshot
 from extproc.tenancy import TenantDirectory, key_digest
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, parse_config
 from poolgate.kernel.fleet import WorkerRecord
+from tests.unit.test_extproc_service import CHAT, LIMIT, NOW, Fleet, Rig, body, headers, kv_worker, pin_of, ready, rig
 
 POOLS = (PoolSpec(name="chat", model="llama"), PoolSpec(name="vip", model="llama"),
          PoolSpec(name="code", model="coder"))
