@@ -47,10 +47,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check poolgate extproc controller agent simworker tests bench
 	$(BIN)/mypy
 
-# The vLLM install (minutes, mostly waiting on pip) runs beside the lint.
+# The vLLM install runs behind the lint and the tests that do not need it (tests/suite.sh).
 test: setup
-	$(MAKE) -j2 --output-sync=target lint vllm
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	MAKE="$(MAKE)" sh tests/suite.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .vllm-models bench/reports build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .vllm-models .vllm-install.log .lint.log .unit-tests.log bench/reports build *.egg-info

@@ -112,13 +112,15 @@ def test_model_list_shows_the_public_name_only(catalogue_stack: RunningStack) ->
 def test_cap_is_a_400_that_names_the_limit(catalogue_stack: RunningStack) -> None:
     with httpx.Client(timeout=30) as client:
         codes: Counter[int] = Counter()
-        for _ in range(60):  # the cap is on v2 only (10 % of draws)
-            answer = ask(client, catalogue_stack, max_tokens=1000)
+        for _ in range(80):  # the cap is on v2 only (10 % of draws): a 400 comes within 80 draws but once in 4,500
+            answer = ask(client, catalogue_stack, max_tokens=300)
             codes[answer.status_code] += 1
             if answer.status_code == 400:
                 error = answer.json()["error"]
                 assert error["param"] == "max_tokens" and "limit of 256" in error["message"]
-        assert codes[400] > 0 and codes[200] > 0
+                if codes[200]:
+                    break
+        assert codes[400] > 0 and codes[200] > 0, codes
 
 
 def test_live_config_change_moves_the_split_without_failures(catalogue_stack: RunningStack) -> None:
