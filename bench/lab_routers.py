@@ -46,6 +46,7 @@ from extproc.metrics import Metrics
 from extproc.output_lengths import OutputLengths
 from extproc.pipeline.context import Placement
 from extproc.pipeline.place import Place
+from extproc.prefill_ledger import placed_since
 from extproc.scheduling import Decision, NoCapacity, PickRequest, RequestProfiler, build_scheduler
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings
@@ -250,6 +251,8 @@ class _Replica:
     inflight: InflightTracker
     lookup: CacheLookup
     placements: dict[int, Placement] = field(default_factory=dict)
+    peer_prefill: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(Worker id, replica) → the others' prefill reservations at the last exchange (as ``peers`` keeps them)."""
 
 
 class Poolgate(_Quiet):
@@ -352,6 +355,7 @@ class Poolgate(_Quiet):
         for own, replica in enumerate(self.replicas):
             kv: dict[str, int] = {}
             prefill: dict[str, int] = {}
+            by_replica: dict[tuple[str, str], int] = {}
             for other, peer in enumerate(self.replicas):
                 if other == own:
                     continue
@@ -360,8 +364,11 @@ class Poolgate(_Quiet):
                     kv[worker_id] = kv.get(worker_id, 0) + tokens
                 for worker_id, tokens in book.own_prefill_tokens.items():
                     prefill[worker_id] = prefill.get(worker_id, 0) + tokens
+                    by_replica[worker_id, str(other)] = tokens
                 replica.place.affinity.apply(records[other])
-            replica.place.reservations.apply_peers(kv, prefill, self.processes, rank=own, at=now)
+            placed = placed_since(replica.peer_prefill, by_replica)
+            replica.peer_prefill = by_replica
+            replica.place.reservations.apply_peers(kv, prefill, self.processes, rank=own, at=now, placed=placed)
             replica.inflight.apply_remote(dict(totals))
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 
 from extproc.affinity import AffinityMap
+from extproc.prefill_ledger import placed_since
 from extproc.queue_order import REPORT_REFRESH_S, REPORT_TTL_S, QueueOrder
 from extproc.reservations import ReservationBook
 from poolgate.kernel.keys import PeerKeys
@@ -64,6 +65,9 @@ class PeerExchange:
         """Live replicas at the last read, this one included."""
         self._dead_fields: list[str] = []
         """Reservations of replicas that died holding them, seen at the last read; removed at the next beat."""
+        self._peer_prefill: dict[tuple[str, str], int] = {}
+        """(Worker id, replica) → the other replicas' prefill reservations at the last read (what they placed
+        since is the increase: ``prefill_ledger.placed_since``)."""
 
     def _pending(self) -> tuple[float, dict[str, tuple[int, int]], dict[str, tuple[int, int]], list[str], bool]:
         """Now, the current reservations, those changed since the last write, those gone, presence beat due."""
@@ -142,8 +146,8 @@ class PeerExchange:
         """Queue the reads of the replicas, the workers' reservations, the new affinity records and the queue
         reports; the callback takes the pipeline's results for them (in order), hands the other replicas'
         totals on ``known`` workers to the book (with this replica's rank among the live ones, which decides
-        its turns on the workers, and the time of the read), their affinity records to the map and their best
-        classes waiting to the order."""
+        its turns on the workers, the time of the read, and the prefill each placed since the last read, for
+        the prefill ledger), their affinity records to the map and their best classes waiting to the order."""
         pipe.hgetall(self._keys.replicas)
         pipe.hgetall(self._keys.reserved)
         if self._affinity is not None:
@@ -161,6 +165,7 @@ class PeerExchange:
             replicas.add(self.replica_id)
             kv: dict[str, int] = {}
             prefill: dict[str, int] = {}
+            by_replica: dict[tuple[str, str], int] = {}
             dead: list[str] = []
             for field, value in results[1].items():
                 worker_id, _, replica = _text(field).partition(" ")
@@ -172,10 +177,13 @@ class PeerExchange:
                 elif worker_id in known:
                     kv[worker_id] = kv.get(worker_id, 0) + parsed[0]
                     prefill[worker_id] = prefill.get(worker_id, 0) + parsed[1]
+                    by_replica[worker_id, replica] = parsed[1]
+            placed = placed_since(self._peer_prefill, by_replica)
+            self._peer_prefill = by_replica
             self._dead_fields = dead
             self.replicas = len(replicas)
             self._book.apply_peers(kv, prefill, self.replicas, rank=sorted(replicas).index(self.replica_id),
-                                   at=self._clock())
+                                   at=self._clock(), placed=placed)
         return apply
 
     def _best_elsewhere(self, reports: Any) -> dict[str, int]:

@@ -1,7 +1,8 @@
-"""The prefill this replica has placed on each worker and the engine has not done yet, in tokens.
+"""The prefill placed on each worker (by this replica, and by the others as the exchange brings it) that the
+engine has not done yet, in tokens.
 
 A worker's engine takes waiting prompts first come, first served, and computes them at its prefill rate, so
-what this replica placed there drains like a queue:
+what was placed there drains like a queue:
 
     backlog_w(t) = max(0, backlog_w(t_k) − R_w × (t − t_k)) + U_k      at each placement k (U_k: its
                                                                         uncached prompt tokens there)
@@ -13,6 +14,17 @@ queue ahead of a new request: how many tokens, not how many requests, and at onc
 later. The engine's own ``waiting`` count only says how many requests queue, and arrives up
 to a scrape late; the reservations' prefill part (``reservations``) is dropped once the agent has seen the
 placement, long before a queued prompt is computed.
+
+The other replicas' placements are placements on the same FCFS queue, and enter the same ledger: each
+replica publishes its unsettled prefill reservation per worker (``peers``), and an increase of one replica's
+figure on a worker since the last read is prefill it placed there (``placed_since``), added to the backlog
+when this replica reads it (``ReservationBook.take_peer_placements``), then drained like its own. Counting
+the others' reservations only while they were unsettled dropped their prompts from the queue as soon as the
+agent's record showed them, long before they were computed, and a replica then sent its next prompt behind
+them (the lab, three H100s, shared documents at 85 %, Poisson: p99 0.362 s with one process, 0.838 s with
+two and 0.893 s with four; with the others' placements in the ledger 0.645 and 0.784 s). An
+increase read in the same exchange as a drop of the same replica's figure on the same worker (an older
+reservation settled) is counted net: an undercount, never a double count.
 
 Nothing here needs the response: a drained estimate is free, where watching every response for its first
 byte costs extproc CPU per chunk. A worker slower than its measured rate (more decodes than usual) keeps its
@@ -50,34 +62,41 @@ class PrefillLedger:
             return 0.0
         return left
 
-    def at(self, now: float, reserved: Mapping[str, int], own_reserved: Mapping[str, int]) -> Mapping[str, int]:
-        """Worker id → prefill ahead of a request placed now: this replica's backlog plus the other replicas'
-        placements not yet seen by the agent (``reserved`` less ``own_reserved``: all replicas' prefill
-        reservations, and this one's, from ``reservations``)."""
-        return _Ahead(self, now, reserved, own_reserved)
+    def at(self, now: float) -> Mapping[str, int]:
+        """Worker id → prefill ahead of a request placed now: every replica's placements this one knows of,
+        drained to ``now``."""
+        return _Ahead(self, now)
+
+
+def placed_since(before: Mapping[tuple[str, str], int], current: Mapping[tuple[str, str], int]) -> dict[str, int]:
+    """Worker id → prefill tokens the other replicas placed there between two reads of their reservations
+    (``(worker id, replica)`` → unsettled prefill tokens): each figure's increase. A drop (settled, released)
+    adds nothing, and a figure read for the first time is new in full."""
+    placed: dict[str, int] = {}
+    for key, tokens in current.items():
+        grown = tokens - before.get(key, 0)
+        if grown > 0:
+            placed[key[0]] = placed.get(key[0], 0) + grown
+    return placed
 
 
 class _Ahead(Mapping[str, int]):
     """Read per worker on demand: a pick looks at its candidates only."""
 
-    __slots__ = ("_ledger", "_now", "_others", "_own")
+    __slots__ = ("_ledger", "_now")
 
-    def __init__(self, ledger: PrefillLedger, now: float, reserved: Mapping[str, int],
-                 own_reserved: Mapping[str, int]) -> None:
+    def __init__(self, ledger: PrefillLedger, now: float) -> None:
         self._ledger = ledger
         self._now = now
-        self._others = reserved
-        self._own = own_reserved
 
     def __getitem__(self, worker_id: str) -> int:
-        others = self._others.get(worker_id, 0) - self._own.get(worker_id, 0)
-        return int(self._ledger.left(worker_id, self._now)) + max(0, others)
+        return int(self._ledger.left(worker_id, self._now))
 
     def get(self, worker_id: str, default: int | None = 0) -> int:  # type: ignore[override]
         return self[worker_id]
 
     def __iter__(self) -> Iterator[str]:
-        return iter({*self._ledger._backlog, *self._others})
+        return iter(list(self._ledger._backlog))
 
     def __len__(self) -> int:
-        return len({*self._ledger._backlog, *self._others})
+        return len(self._ledger._backlog)

@@ -126,6 +126,8 @@ class ReservationBook:
         self.peers_moved = False
         """The other replicas' reservations, the turn or this replica's recent placements changed since the
         last ``settle``: the pick must settle again even if the fleet snapshot did not change."""
+        self._peer_placed: dict[str, int] = {}
+        """Worker id → prefill tokens the other replicas placed there since ``take_peer_placements``."""
 
     @property
     def kv_tokens(self) -> Mapping[str, int]:
@@ -148,11 +150,15 @@ class ReservationBook:
         return self._prefill
 
     def apply_peers(self, kv: Mapping[str, int], prefill: Mapping[str, int], replicas: int, rank: int = 0,
-                    at: float | None = None) -> None:
+                    at: float | None = None, placed: Mapping[str, int] | None = None) -> None:
         """The other replicas' reservations, how many replicas share the fleet (this one included), this
         replica's rank among them (its index in the sorted list of live replica ids) and the time of the read;
         the pick sees them from the next ``settle``, due at once (``peers_moved``) when they changed, when a
-        turn began or its claim window closed, or when a recent placement here has surely been seen."""
+        turn began or its claim window closed, or when a recent placement here has surely been seen.
+        ``placed``: the prefill tokens they placed on each worker since the last read
+        (``prefill_ledger.placed_since``), kept for the ledger until ``take_peer_placements``."""
+        for worker_id, tokens in (placed or {}).items():
+            _bump(self._peer_placed, worker_id, tokens)
         replicas = max(1, replicas)
         rank = min(max(0, rank), replicas - 1)
         if (kv, prefill, replicas, rank) != (self._peer_kv, self._peer_prefill, self._replicas, self._rank):
@@ -163,6 +169,12 @@ class ReservationBook:
             if replicas > 1 and (self._turn_at(self._now) != self._turn
                                  or (self._recent and self._recent[0][0] + self.exchange_s <= self._now)):
                 self.peers_moved = True
+
+    def take_peer_placements(self) -> dict[str, int]:
+        """Worker id → the prefill the other replicas placed there since the last call (for the prefill
+        ledger, which drains it as this replica's own)."""
+        placed, self._peer_placed = self._peer_placed, {}
+        return placed
 
     def reserve(self, worker_id: str, prompt_tokens: int, output_tokens: int, placed_at: float,
                 prefill_tokens: int | None = None) -> Reservation:

@@ -68,7 +68,7 @@ class Place:
         """Models whose long prompts are split over a prefill and a decode worker (None: no model)."""
         self._default_prefill_rate = settings.default_prefill_tokens_per_s
         self.ledger = PrefillLedger(settings.default_prefill_tokens_per_s)
-        """The prefill this replica placed on each worker that its engine has not done yet."""
+        """The prefill placed on each worker, by this replica and the others, that its engine has not done yet."""
         self._task_classes = settings.task_classes
 
     @property
@@ -77,17 +77,25 @@ class Place:
 
     def context(self) -> PickContext:
         """The current snapshot with this replica's accounting; settles reservations on a new snapshot, or
-        when the other replicas' reservations changed."""
+        when the other replicas' reservations changed, and enters the prefill the other replicas placed
+        (as the exchange brought it) into the ledger."""
         snapshot = self.fleet.snapshot
-        if snapshot is not self._settled_for or self.reservations.peers_moved:
+        reservations = self.reservations
+        if snapshot is not self._settled_for or reservations.peers_moved:
             if snapshot is not self._settled_for:
                 self._observe_rates(snapshot)
-            self.reservations.settle(snapshot)
+            reservations.settle(snapshot)
             self._settled_for = snapshot
-        reservations = self.reservations
-        ahead = self.ledger.at(self._clock(), reservations.prefill_tokens, reservations.own_prefill_tokens)
-        return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, ahead, self.affinity.entries,
-                           self.prefix_cache)
+        now = self._clock()
+        placed = reservations.take_peer_placements()
+        if placed:
+            by_id = snapshot.by_id
+            for worker_id, tokens in placed.items():
+                worker = by_id.get(worker_id)
+                if worker is not None:
+                    self.ledger.placed(worker, tokens, now)
+        return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, self.ledger.at(now),
+                           self.affinity.entries, self.prefix_cache)
 
     def _observe_rates(self, snapshot: FleetSnapshot) -> None:
         """Fold the records that changed since the last snapshot into the kinds' peak prefill rates."""

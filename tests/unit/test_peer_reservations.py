@@ -216,6 +216,31 @@ async def test_one_replica_reads_what_another_published_and_a_dead_ones_fades(re
     assert await redis_client.hkeys(keys.reserved) == []
 
 
+async def test_each_prefill_another_replica_placed_is_handed_to_the_ledger_once(redis_client: aioredis.Redis) -> None:
+    """The exchange carries each replica's unsettled prefill per worker; what grew since the last read is what
+    it placed, and reaches the reader's prefill ledger once, whether or not it is still unsettled."""
+    now = [1_000.0]
+    keys = PeerKeys("peers-prefill-test")
+    books = {name: ReservationBook(settle_s=0.5) for name in ("a", "b")}
+    peers = {name: PeerExchange(keys, name, book, clock=lambda: now[0]) for name, book in books.items()}
+    first = books["a"].reserve("w", 3_000, 100, placed_at=now[0])
+    await exchange(redis_client, peers["a"], ["w"])
+    await exchange(redis_client, peers["b"], ["w"])
+    assert books["b"].take_peer_placements() == {"w": 3_000}
+    await exchange(redis_client, peers["b"], ["w"])
+    assert books["b"].take_peer_placements() == {}  # read again: nothing new
+    books["a"].release(first)  # gone from the exchange (settled or ended): nothing new either
+    now[0] += 0.05
+    await exchange(redis_client, peers["a"], ["w"])
+    await exchange(redis_client, peers["b"], ["w"])
+    assert books["b"].take_peer_placements() == {}
+    books["a"].reserve("w", 1_000, 100, placed_at=now[0], prefill_tokens=400)  # 600 of it cached there
+    now[0] += 0.05
+    await exchange(redis_client, peers["a"], ["w"])
+    await exchange(redis_client, peers["b"], ["w"])
+    assert books["b"].take_peer_placements() == {"w": 400}
+
+
 async def test_a_clean_stop_removes_the_replica_at_once(redis_client: aioredis.Redis) -> None:
     keys = PeerKeys("peers-test")
     book = ReservationBook(settle_s=0.5)

@@ -1,12 +1,22 @@
-"""The prefill ledger: what a replica placed on a worker drains at the worker's prefill rate, and a pick reads
-it with the other replicas' unseen placements."""
+"""The prefill ledger: what a replica placed on a worker drains at the worker's prefill rate, and the other
+replicas' placements join it as the exchange brings them, drained the same way."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 
-from extproc.prefill_ledger import PrefillLedger
+from extproc.inflight import InflightTracker
+from extproc.metrics import Metrics
+from extproc.pipeline.place import Place
+from extproc.prefill_ledger import PrefillLedger, placed_since
+from extproc.scheduling import build_scheduler
+from extproc.snapshot import build_snapshot
+from poolgate.kernel.config import SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
+from tests.unit.test_latency_model import POOLS
 
 
 def worker(worker_id: str, rate: float = 1000.0) -> WorkerRecord:
@@ -39,30 +49,39 @@ def test_the_backlog_drains_at_the_fastest_rate_the_workers_kind_has_shown() -> 
     assert ledger.left("a", 1.0) == 0.0
 
 
-def test_a_pick_reads_this_replicas_backlog_and_the_others_unseen_placements() -> None:
-    ledger = PrefillLedger(default_rate=8000.0)
-    ledger.placed(worker("a"), 2000, now=0.0)
-    reserved = {"a": 2000 + 700, "b": 300}  # every replica's prefill reservations, this one's included
-    own = {"a": 2000}
-    ahead = ledger.at(1.0, reserved, own)
-    assert ahead.get("a", 0) == 1000 + 700
-    assert ahead.get("b", 0) == 300
-    assert ahead.get("c", 0) == 0
+def test_each_replicas_growth_is_what_it_placed_and_a_drop_elsewhere_does_not_hide_it() -> None:
+    before = {("a", "r1"): 1_000, ("a", "r2"): 500, ("b", "r1"): 300}
+    current = {("a", "r1"): 1_400, ("b", "r1"): 300, ("c", "r2"): 200}  # r2's 500 on a settled
+    assert placed_since(before, current) == {"a": 400, "c": 200}
+    assert placed_since(current, current) == {}
+
+
+def test_another_replicas_placement_stays_in_the_queue_estimate_until_drained() -> None:
+    """A prompt another replica placed counts ahead on its worker from the read that brought it until the
+    worker's rate has computed it, as this replica's own do: not only while the agent's record does not show
+    it yet (then the next prompt here was sent behind a queue this replica no longer saw)."""
+    now = [100.0]
+    record = WorkerRecord(id="w", pool="chat", model="llama", host="h", port=1, updated_at=100.0, metrics_at=100.0,
+                          prefill_tokens_per_s=1000.0)
+    fleet = SimpleNamespace(snapshot=build_snapshot([record], POOLS, 100.0, 3.0))
+    settings = SchedulingSettings()
+    place = Place(build_scheduler(settings), fleet, InflightTracker(), Metrics(), settings, clock=lambda: now[0])
+    place.reservations.apply_peers({"w": 2_500}, {"w": 2_000}, replicas=2, at=100.0, placed={"w": 2_000})
+    assert place.context().pending_prefill_tokens.get("w", 0) == 2_000
+    now[0] = 100.5  # the agent has seen it: the other replica's reservation is gone
+    fleet.snapshot = build_snapshot([replace(record, metrics_at=100.5)], POOLS, 100.5, 3.0)
+    place.reservations.apply_peers({}, {}, replicas=2, at=100.5)
+    assert place.context().pending_prefill_tokens.get("w", 0) == 1_500
+    now[0] = 102.0
+    assert place.context().pending_prefill_tokens.get("w", 0) == 0
 
 
 def test_a_placed_prompt_counts_in_full_on_a_worker_that_does_not_hold_it() -> None:
     """The placement marks its own blocks pending on the worker: its prefill and KV are read before that, or it
     would find itself cached there and leave the ledger empty (three 13k-token prompts then piled onto one
     worker in the lab)."""
-    from types import SimpleNamespace
-
-    from extproc.inflight import InflightTracker
-    from extproc.metrics import Metrics
-    from extproc.pipeline.place import Place
-    from extproc.scheduling import Decision, build_scheduler
-    from extproc.snapshot import build_snapshot
-    from poolgate.kernel.config import SchedulingSettings
-    from tests.unit.test_latency_model import NOW, POOLS, PROMPT, lookup_over, pick_request
+    from extproc.scheduling import Decision
+    from tests.unit.test_latency_model import NOW, PROMPT, lookup_over, pick_request
     from tests.unit.test_latency_model import worker as publishing_worker
 
     workers = [publishing_worker("cold")]

@@ -8,8 +8,8 @@ For each candidate w, with P the prompt's tokens and c_w the tokens of its leadi
           strength (``prefix_affinity``: where this session or prefix went last): an unknown worker may hold
           anything, but is never assumed empty or full
     Q_w = max(queued_w, waiting_w × U_w)
-          queued_w: the prefill this replica placed on w, drained at w's rate (``extproc/prefill_ledger.py``),
-          plus the other replicas' placements the agent has not seen yet (``PickContext.pending_prefill_tokens``);
+          queued_w: the prefill placed on w, by this replica and (as the exchange brings them) the others,
+          drained at w's rate (``extproc/prefill_ledger.py``; ``PickContext.pending_prefill_tokens``);
           waiting_w × U_w stands in for a queue the ledger does not know (requests that came another way)
     R_w = the fastest prefill rate ever measured (``agent.rates``: computed prompt tokens per second of
           prefill time) among the model's workers of w's kind (same KV capacity and GPU memory: the same card
