@@ -7,17 +7,10 @@ the same free KV and pile onto one worker. So each placement reserves its footpr
   there, until the agent read the worker's metrics ``settle_s`` after the placement (``metrics_at``; when
   it was last seen for a worker without an agent): the engine has admitted the request and the usage numbers
   include it;
-- after that, nothing: the record shows what the stream holds, and it grows as the stream writes.
+- after that, the expected output stays reserved as decode room until the request's stream ends: a stream
+  (in particular a long-lived SSE one) keeps growing its KV while the record shows only what it holds now.
 
-Everything left is released at stream end. Keeping the expected output reserved past the settle, as decode
-room for the KV a stream still grows, counts it twice: the record's usage already holds what the stream has
-written, so an open stream would count prompt + written + its whole expected output (the p95 of its class:
-``output_lengths``), and two dozen streams on an L4 hold back half its cache that no stream ever fills. The
-virtual-time lab (``bench lab``, six L4s, sessions) showed it: with that decode room, p99 2.39 s at 85 % on
-bursts (least-request 0.68 s), and at 100 % 13 (Poisson) and 62 (bursts) requests held 5 s and refused while
-every engine's KV was half free; without it p99 0.44, 0.54 and 0.53 s, nothing refused, and no engine
-preempted a sequence in any cell (the mix with its long streams included): each placement still has to fit
-its whole footprint, output included, in the room the record shows.
+Everything is released at stream end.
 
 Several replicas (extproc processes, nodes) place on the same workers. Each publishes its reservations and
 reads the others' through Redis (``extproc/peers.py``, folded in with ``apply_peers``): a placement reaches
@@ -88,7 +81,7 @@ class Reservation:
                  placed_at: float) -> None:
         self.worker_id = worker_id
         self.kv_tokens = kv_tokens
-        """What this reservation counts now on its worker (the whole footprint until settled, then nothing)."""
+        """What this reservation counts now on its worker (the whole footprint, then only the decode room)."""
         self.prefill_tokens = prefill_tokens
         self.decode_tokens = decode_tokens
         self.placed_at = placed_at
@@ -196,7 +189,7 @@ class ReservationBook:
         self._unsettled.discard(reservation)
 
     def settle(self, snapshot: FleetSnapshot) -> None:
-        """Drop reservations once the worker's facts are newer than placement + settle;
+        """Shrink reservations to their decode room once the worker's facts are newer than placement + settle;
         then bring the pick's view up to date with the other replicas' reservations, this replica's recent
         placements and its turns. Only the workers whose record, reservations here or elsewhere, recent
         placements or turn changed since the last settle are worked out again (all of them when the number of
@@ -281,8 +274,10 @@ class ReservationBook:
             worker = by_id.get(reservation.worker_id)
             if worker is None or (worker.metrics_at or snapshot.seen_at(worker)) < reservation.placed_at + settle_s:
                 continue
-            self._add(reservation.worker_id, -reservation.kv_tokens, -reservation.prefill_tokens)
-            reservation.kv_tokens = reservation.prefill_tokens = 0
+            self._add(reservation.worker_id, reservation.decode_tokens - reservation.kv_tokens,
+                      -reservation.prefill_tokens)
+            reservation.kv_tokens = reservation.decode_tokens
+            reservation.prefill_tokens = 0
             self._unsettled.discard(reservation)
 
     def _add(self, worker_id: str, kv_delta: int, prefill_delta: int) -> None:

@@ -149,9 +149,9 @@ class KvFits:
     not computed yet) are not counted: requests admitted together each allocate their own copy.
 
     free = capacity × (1 − usage − kv_reserve_fraction) − reserved, where reserved is extproc's optimistic
-    count of what was placed on the worker that the record does not show yet (``reservations``). A footprint
-    larger than a whole empty worker only needs an empty worker. Unknown capacity (0: not reported yet) counts
-    as fitting; the KV headroom scorer rates it low.
+    count of what it placed on the worker since the record was written plus the decode room of its open
+    streams. A footprint larger than a whole empty worker only needs an empty worker. Unknown capacity (0:
+    not reported yet) counts as fitting; the KV headroom scorer rates it low.
     """
 
     name = "kv_fits"

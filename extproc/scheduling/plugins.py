@@ -69,7 +69,8 @@ class PickContext:
     inflight: Mapping[str, int]
     """Worker id → requests in flight across all extproc replicas (as known to this one)."""
     reserved_kv_tokens: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
-    """Worker id → KV tokens placed there that the worker's record does not show yet (``reservations``)."""
+    """Worker id → KV tokens this replica placed there that the worker's record does not show yet, plus the
+    decode room of requests still streaming there."""
     pending_prefill_tokens: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     """Worker id → prompt tokens this replica placed there that the record does not show yet."""
     affinity: Mapping[Hashable, str] = field(default_factory=lambda: _NO_AFFINITY)

@@ -23,13 +23,13 @@ def test_reservation_counts_the_whole_footprint_until_the_record_shows_it() -> N
     assert book.kv_tokens == {"w": 1800} and book.prefill_tokens == {"w": 1500}
     book.settle(snapshot_at(10.4, "w"))  # a record written before the placements settled: nothing changes
     assert book.kv_tokens == {"w": 1800}
-    book.settle(snapshot_at(10.6, "w"))  # newer than the first placement + 0.5 s: the record holds it now
-    assert book.kv_tokens == {"w": 600} and book.prefill_tokens == {"w": 500}
+    book.settle(snapshot_at(10.6, "w"))  # newer than the first placement + 0.5 s: only its decode room stays
+    assert book.kv_tokens == {"w": 200 + 600} and book.prefill_tokens == {"w": 500}
     book.settle(snapshot_at(11.0, "w"))
-    assert book.kv_tokens == {} and book.prefill_tokens == {}
+    assert book.kv_tokens == {"w": 300} and book.prefill_tokens == {}
     book.release(first)
     book.release(first)  # twice is harmless
-    assert book.kv_tokens == {}
+    assert book.kv_tokens == {"w": 100}
 
 
 def test_stream_end_releases_everything_even_before_settling() -> None:
@@ -64,7 +64,7 @@ def test_reservations_settle_on_the_agents_reading_not_on_heartbeats() -> None:
     book.settle(build_snapshot([record], POOLS, taken_at=20.0, stale_after_s=30.0))
     assert book.kv_tokens == {"w": 150}  # heartbeats went on, but the metrics were read before it settled
     book.settle(build_snapshot([record.with_live(metrics_at=10.6)], POOLS, taken_at=20.0, stale_after_s=30.0))
-    assert book.kv_tokens == {}
+    assert book.kv_tokens == {"w": 50}
 
 
 def test_old_agent_facts_count_as_unknown() -> None:
