@@ -92,7 +92,7 @@ async def serve(
     service, watcher, catalogue, kv_cache = _assemble(config, client, metrics, profiler)
     server, health, bound = await _grpc_server(service, host, port, config.extproc.max_request_bytes,
                                                config.tls.extproc)
-    watch_task = asyncio.create_task(watcher.run(), name="fleet-watcher")
+    watch_tasks = watcher.start()
     kv_task = (asyncio.create_task(kv_cache[1].follow(watcher, metrics=metrics), name="kv-events")
                if kv_cache is not None else None)
     ready_task = asyncio.create_task(_serving_after_first_snapshot(watcher, health), name="health-ready")
@@ -106,14 +106,18 @@ async def serve(
         await server.start()
         if on_listening is not None:
             on_listening(bound)
-        await asyncio.gather(server.wait_for_termination(), watch_task)
+        # Not gRPC's wait_for_termination: cancelling it cancels the future the server's own stop awaits
+        # (grpcio 1.7x), and the stop then raised CancelledError before the watcher and Redis were closed.
+        ended, _ = await asyncio.wait(watch_tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in ended:  # the loops run until cancelled: one that ended failed, and that ends extproc
+            task.result()
     finally:
         ready_task.cancel()
         if reload_task is not None:
             reload_task.cancel()
         if kv_task is not None:
             kv_task.cancel()
-        await asyncio.shield(_stop(server, watch_task, watcher, client, health))
+        await asyncio.shield(_stop(server, watch_tasks, watcher, client, health))
         if kv_task is not None:  # its subscriptions close their sockets as it ends
             await asyncio.gather(kv_task, return_exceptions=True)
         if metrics_server is not None:
@@ -182,13 +186,14 @@ async def _serving_after_first_snapshot(watcher: FleetWatcher, health: health_ai
     log.info("extproc health: SERVING")
 
 
-async def _stop(server: grpc.aio.Server, watch_task: asyncio.Task[None], watcher: FleetWatcher,
+async def _stop(server: grpc.aio.Server, watch_tasks: list[asyncio.Task[None]], watcher: FleetWatcher,
                 client: RedisLike, health: health_aio.HealthServicer) -> None:
     await health.enter_graceful_shutdown()  # NOT_SERVING first, so probes stop sending while streams drain
     await server.stop(SHUTDOWN_GRACE_S)
-    await cancel_and_wait([watch_task])
-    if not watch_task.cancelled() and (error := watch_task.exception()) is not None:
-        log.error("fleet watcher failed", exc_info=error)
+    await cancel_and_wait(watch_tasks)
+    for task in watch_tasks:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("fleet watcher's %s failed", task.get_name(), exc_info=error)
     try:
         await asyncio.wait_for(watcher.flush(), timeout=1.0)
         await asyncio.wait_for(watcher.leave(), timeout=1.0)

@@ -109,11 +109,14 @@ class FleetWatcher:
         """Set after the first successful refresh."""
         metrics.snapshot_age_seconds.set_function(lambda: max(0.0, self._clock() - self.synced_at))
 
-    async def run(self) -> None:
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._refresh_loop())
-            group.create_task(self._listen_loop())
-            group.create_task(self._flush_loop())
+    def start(self) -> list[asyncio.Task[None]]:
+        """Start the refresh, change-feed and flush loops; the caller stops them with ``cancel_and_wait``.
+
+        Plain tasks, not a ``TaskGroup``: a loop inside a Redis command can swallow its cancel (see
+        ``poolgate.kernel.cancel``), and a group that is already aborting never cancels its children again, so
+        one swallowed cancel kept the process alive until its stop deadline killed it."""
+        loops = (self._refresh_loop, self._listen_loop, self._flush_loop)
+        return [asyncio.create_task(loop(), name=f"fleet-{loop.__name__.strip('_')}") for loop in loops]
 
     async def refresh(self) -> bool:
         """Take the fleet's changes and the in-flight totals once; False (snapshot kept) when Redis fails.
