@@ -28,21 +28,17 @@ Kind = tuple[str, int, float]
 class KindRates:
     """The peak prefill rate per worker kind, folded in from every record it is shown."""
 
-    __slots__ = ("_peak", "_seen", "default_rate")
+    __slots__ = ("_peak", "default_rate")
 
     def __init__(self, default_rate: float) -> None:
         self.default_rate = default_rate
         self._peak: dict[Kind, float] = {}
-        self._seen: dict[str, WorkerRecord] = {}
-        """Worker id → the record last folded in (a record object is folded once)."""
 
     def observe(self, workers: Iterable[WorkerRecord]) -> None:
-        seen = self._seen
+        """Fold records in; one shown again changes nothing, so callers pass what changed when they know it
+        (nothing is kept per worker: the state is one figure per kind, however many workers come and go)."""
         peak = self._peak
         for worker in workers:
-            if seen.get(worker.id) is worker:
-                continue
-            seen[worker.id] = worker
             rate = worker.prefill_tokens_per_s
             if rate > 0:
                 kind = (worker.model, worker.kv_capacity_tokens, worker.gpu_memory_total_mib)
