@@ -1,9 +1,10 @@
 """The fleet's xDS snapshot: built from the fleet, checked, and published to the cache the ADS server reads.
 
 ``FleetSnapshots.update`` turns the fleet into resources (``build``, ``endpoint_table``), checks that the
-clusters and their load assignments agree (``consistency_problems``: every EDS cluster has its assignment and
-every assignment its cluster, as go-control-plane's ``Snapshot.Consistent``), and sets them in the
-``SnapshotCache``; then it tells its listener (the ADS server) which type URLs changed. Only the clusters whose
+snapshot holds together (``consistency_problems``, as go-control-plane's ``Snapshot.Consistent``: every cluster
+a route can name is served, every EDS cluster has its assignment and every assignment its cluster), and sets
+it in the ``SnapshotCache``; then it tells its listener (the ADS server) which type URLs changed. A snapshot
+that does not hold together is refused with an error logged, and Envoy keeps the last good one. Only the clusters whose
 endpoints changed (``endpoint_key``) are built again. ``update_off_loop`` does the build in a worker thread, so
 a large rebuild does not stall the registry API on the same event loop. Nothing here speaks gRPC.
 """
@@ -22,8 +23,8 @@ from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, build_clus
 from controller.xds.cache import Snapshot, SnapshotCache
 from controller.xds.endpoint_table import LARGE_CLUSTER, EndpointTable, suggested_shards
 from poolgate.kernel.config import PoolSpec, TlsSettings
-from poolgate.kernel.errors import PoolgateError
 from poolgate.kernel.fleet import WorkerRecord
+from poolgate.kernel.routing import FALLBACK_CLUSTER, pool_clusters
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,6 @@ Fleet: TypeAlias = Sequence[WorkerRecord] | Mapping[str, WorkerRecord]
 """The whole fleet as read: a list, or by id (a ``FleetView``'s records, not copied)."""
 
 
-class InconsistentSnapshot(PoolgateError):
-    """Clusters and load assignments that do not match; never published (a bug in the build, not the fleet)."""
-
-
 def eds_names(clusters: Snapshot) -> frozenset[str]:
     """The load assignment names the EDS clusters of ``clusters`` ask for (``service_name``, else the name)."""
     names = set()
@@ -61,9 +58,22 @@ def eds_names(clusters: Snapshot) -> frozenset[str]:
     return frozenset(names)
 
 
-def consistency_problems(wanted: frozenset[str], endpoints: Snapshot) -> list[str]:
-    """What is wrong with ``endpoints`` for clusters that ask for the assignments ``wanted`` (empty: nothing)."""
-    problems = [f"cluster {name} has no load assignment" for name in sorted(wanted - endpoints.wires.keys())]
+def routed_clusters(pools: Sequence[PoolSpec]) -> frozenset[str]:
+    """The clusters a request can be routed to: each pool's (extproc names one in the cluster header) and the
+    fallback cluster (the bootstrap's fail-open route). The bootstrap's route table does not validate its
+    clusters (they arrive later over CDS), so Envoy would not refuse a missing one: its requests would end in
+    503s."""
+    return frozenset({FALLBACK_CLUSTER, *(name for pool in pools
+                                          for name in pool_clusters(pool.name, pool.endpoint_shards))})
+
+
+def consistency_problems(wanted: frozenset[str], endpoints: Snapshot, routed: frozenset[str] = frozenset(),
+                         clusters: Snapshot | None = None) -> list[str]:
+    """What is wrong with ``endpoints`` for clusters that ask for the assignments ``wanted``, and with
+    ``clusters`` for routes that name ``routed`` (empty: nothing)."""
+    problems = [f"route's cluster {name} is not served" for name in
+                sorted(routed - (clusters.wires.keys() if clusters is not None else set()))]
+    problems += [f"cluster {name} has no load assignment" for name in sorted(wanted - endpoints.wires.keys())]
     problems += [f"load assignment {name} has no cluster" for name in sorted(endpoints.wires.keys() - wanted)]
     return problems
 
@@ -78,12 +88,15 @@ class FleetSnapshots:
                  tls: TlsSettings | None = None, *, fallback_period_s: float | None = None,
                  fallback_quiet_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._pools = tuple(pools)
+        self._routed = routed_clusters(self._pools)
         self._cache = cache
         self._on_publish = on_publish
         self._table = EndpointTable(self._pools)
         """Per cluster, what Envoy was sent of its workers, serialized."""
         self.assignments_built = 0
         """Cluster load assignments built so far (a one-worker change builds one)."""
+        self.refused = 0
+        """Snapshots refused because they did not hold together (``consistency_problems``); none is expected."""
         self._warned_large: set[str] = set()
         self._clock = clock
         self._given_period_s = fallback_period_s
@@ -211,7 +224,16 @@ class FleetSnapshots:
         self._publish([self._clusters, previous.replaced([self._table.fallback()])])
 
     def _publish(self, snapshots: Sequence[Snapshot]) -> str:
-        self._check(snapshots)
+        """Cache ``snapshots`` and tell the listener what changed, if they hold together; returns the version
+        served (the last good one when they are refused)."""
+        problems = self._problems(snapshots)
+        if problems:
+            # A bug in the build, not in the fleet: Envoy keeps what it has rather than lose a cluster's hosts
+            # or route to a cluster it was never sent. Not raised, as the bridge would stop pushing at all.
+            self.refused += 1
+            log.error("xds: snapshot not published, Envoy keeps version %s: %s", self._cache.version(),
+                      "; ".join(problems))
+            return self._cache.version()
         changed = self._cache.set(snapshots)
         version = self._cache.version()
         if changed:
@@ -219,18 +241,16 @@ class FleetSnapshots:
             self._on_publish(tuple(changed))
         return version
 
-    def _check(self, snapshots: Sequence[Snapshot]) -> None:
-        """Raise ``InconsistentSnapshot`` unless the clusters and assignments that would be served agree."""
+    def _problems(self, snapshots: Sequence[Snapshot]) -> list[str]:
+        """What keeps the clusters and assignments that would be served from holding together (empty: none)."""
         by_type = {snapshot.type_url: snapshot for snapshot in snapshots}
         clusters = by_type.get(CLUSTER_TYPE_URL) or self._cache.get(CLUSTER_TYPE_URL)
         endpoints = by_type.get(ENDPOINT_TYPE_URL) or self._cache.get(ENDPOINT_TYPE_URL)
         if clusters is None or endpoints is None:
-            return  # not served yet: the first update publishes both
+            return []  # not served yet: the first update publishes both
         if self._wanted[0] != clusters.version:
             self._wanted = (clusters.version, eds_names(clusters))
-        problems = consistency_problems(self._wanted[1], endpoints)
-        if problems:
-            raise InconsistentSnapshot("xds: not published, " + "; ".join(problems))
+        return consistency_problems(self._wanted[1], endpoints, self._routed, clusters)
 
     @property
     def version(self) -> str:

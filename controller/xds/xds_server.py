@@ -57,6 +57,11 @@ class XdsServer:
         return self._snapshots.assignments_built
 
     @property
+    def snapshots_refused(self) -> int:
+        """Snapshots not published because they did not hold together (each logged as an error)."""
+        return self._snapshots.refused
+
+    @property
     def version(self) -> str:
         return self._cache.version()
 
@@ -64,7 +69,8 @@ class XdsServer:
         return self._ads.streams()
 
     def _publish(self, snapshots: Sequence[Snapshot]) -> str:
-        """Publish ``snapshots`` as they are (tests: a snapshot Envoy will reject)."""
+        """Publish ``snapshots`` as they are, once checked (tests: a snapshot Envoy will reject, or one the
+        check refuses)."""
         return self._snapshots._publish(snapshots)
 
     async def stop(self, grace: float = 1.0) -> None:

@@ -32,7 +32,7 @@ from google.protobuf import struct_pb2
 
 from controller.xds import XdsServer
 from controller.xds.bootstrap import render_bootstrap
-from controller.xds.build import CLUSTER_TYPE_URL, build_clusters
+from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, build_clusters, build_endpoints
 from controller.xds.cache import Snapshot
 from controller.xds.upstream_failures import UpstreamFailureLog
 from poolgate.kernel.config import Config, parse_config
@@ -422,6 +422,33 @@ async def test_nack_is_logged_and_serving_continues(xds, start_envoy, upstreams,
                 and await host_health(session, envoy, cluster_name("a")) == {w1.port: "HEALTHY"})
 
     await wait_for(recovered, PROPAGATION_S, "recovery after NACK")
+
+
+async def test_a_snapshot_that_does_not_hold_together_never_reaches_envoy(xds, start_envoy, upstreams, session,
+                                                                         caplog) -> None:
+    server, _ = xds
+    envoy = await start_envoy()
+    w1, w2 = upstreams["w1"], upstreams["w2"]
+    server.update([w1.record("a")])
+
+    async def serving(ports: set[int]) -> bool:
+        health = await host_health(session, envoy, cluster_name("a"))
+        return health == {port: "HEALTHY" for port in ports} and acked(server)
+
+    await wait_for(lambda: serving({w1.port}), PROPAGATION_S, "w1 in Envoy")
+    sent = [status.sent for status in server.streams()]
+    caplog.set_level(logging.ERROR, logger="controller.xds")
+    # Pool a's worker gone, and an assignment for a pool Envoy has no cluster for: if it went out, Envoy would
+    # drop w1 and hold an assignment no cluster reads.
+    stray = build_endpoints((*CONFIG.pools, *parse_config({"pools": [{"name": "gone", "model": "x"}]}).pools), [])
+    server._publish([Snapshot.of(ENDPOINT_TYPE_URL, stray)])
+    assert server.snapshots_refused == 1
+    assert any("load assignment pool-gone has no cluster" in r.getMessage() for r in caplog.records)
+    await asyncio.sleep(0.5)
+    assert await serving({w1.port}) and [status.sent for status in server.streams()] == sent
+
+    server.update([w1.record("a"), w2.record("a")])  # the next good snapshot goes out as ever
+    await wait_for(lambda: serving({w1.port, w2.port}), PROPAGATION_S, "w2 in Envoy after a refused snapshot")
 
 
 async def envoy_stat(session: aiohttp.ClientSession, envoy: Envoy, name: str) -> str:
