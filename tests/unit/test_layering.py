@@ -152,6 +152,18 @@ def module_circles(found: Iterable[Import]) -> list[frozenset[str]]:
     return circles((e.importer, e.imported) for e in found)
 
 
+def circle_edges(found: Iterable[Import], every: Iterable[frozenset[str]]) -> list[Import]:
+    """The imports that close ``every`` circle: between two of its modules, or two of its packages."""
+    every = list(every)
+    edges = []
+    for edge in found:
+        packages = {package_of(edge.importer), package_of(edge.imported)}
+        if any({edge.importer, edge.imported} <= circle or (len(packages) == 2 and packages <= circle)
+               for circle in every):
+            edges.append(edge)
+    return edges
+
+
 def _explain(edges: Iterable[Import]) -> str:
     return "\n".join(f"  {e.importer} (line {e.line}) imports {e.imported}" for e in edges)
 
@@ -163,8 +175,9 @@ def test_every_import_points_down() -> None:
 
 def test_no_import_circles() -> None:
     found = list(imports(modules()))
-    every = [sorted(c) for c in package_circles(found) + module_circles(found)]
-    assert not every, f"import circles (one side must stop importing the other): {every}"
+    every = package_circles(found) + module_circles(found)
+    assert not every, (f"import circles (one side must stop importing the other): {[sorted(c) for c in every]}\n"
+                       + _explain(circle_edges(found, every)))
 
 
 def test_one_exception_tree() -> None:
@@ -209,3 +222,37 @@ def test_the_reader_sees_what_runs_up_and_what_circles() -> None:
                                                                  ("extproc.d", "controller.c")]
     assert module_circles(edges) == [frozenset({"controller.b", "controller.c", "poolgate.kernel.a"})]
     assert package_circles(edges) == [frozenset({"poolgate.kernel", "controller"})]
+    assert [(e.importer, e.imported) for e in circle_edges(edges, package_circles(edges))] == [
+        ("poolgate.kernel.a", "controller.b"), ("controller.b", "poolgate.kernel.a")]
+
+
+def test_the_reader_finds_late_relative_and_type_checking_imports(tmp_path: Path) -> None:
+    # An import inside a function, a relative one and one under TYPE_CHECKING each run up as surely as one at
+    # the top of the module.
+    files = {
+        "poolgate/__init__.py": "",
+        "poolgate/kernel/__init__.py": "",
+        "poolgate/kernel/clock.py": "def now():\n    from controller.xds import build\n    return build\n",
+        "poolgate/kernel/names.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import extproc.pick\n",
+        "poolgate/kernel/keys.py": "from . import names\n",
+        "controller/__init__.py": "",
+        "controller/xds/__init__.py": "",
+        "controller/xds/build.py": "from . import cache\nfrom poolgate import up\n",
+        "controller/xds/cache.py": "",
+        "extproc/__init__.py": "",
+        "extproc/pick.py": "from poolgate.kernel.keys import *\n",
+        "poolgate/up.py": "import controller.xds.build\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = list(imports(modules(tmp_path)))
+    assert sorted((e.importer, e.imported, e.line) for e in upward(found)) == [
+        ("controller.xds.build", "poolgate.up", 2),
+        ("poolgate.kernel.clock", "controller.xds.build", 2),
+        ("poolgate.kernel.names", "extproc.pick", 3),
+    ]
+    assert ("poolgate.kernel.keys", "poolgate.kernel.names") in {(e.importer, e.imported) for e in found}
+    assert ("controller.xds.build", "controller.xds.cache") in {(e.importer, e.imported) for e in found}
+    assert set(module_circles(found)) == {frozenset({"controller.xds.build", "poolgate.up"}),
+                                          frozenset({"extproc.pick", "poolgate.kernel.keys", "poolgate.kernel.names"})}
