@@ -38,6 +38,8 @@ def live_fields(metrics: EngineMetrics, rates: RateState, gpus: GpuSummary | Non
         fields["ttft_ewma_s"] = round(rates.ttft_ewma_s, 6)
     if rates.prefill_tokens_per_s > 0:
         fields["prefill_tokens_per_s"] = round(rates.prefill_tokens_per_s, 1)
+    if rates.inter_token_ewma_s >= 0:
+        fields["inter_token_s"] = round(rates.inter_token_ewma_s, 6)
     if metrics.sleep_level is not None:
         fields["sleep_level"] = metrics.sleep_level
     if rates.prefix_cache_hit_rate >= 0:

@@ -1,4 +1,5 @@
-"""Rates that need two scrapes: recent time to first token, observed prefill throughput, prefix-cache hit rate.
+"""Rates that need two scrapes: recent time to first token, observed prefill throughput, prefix-cache hit rate,
+time between a stream's tokens.
 
 Both are exponentially weighted moving averages of per-interval samples, so a single odd interval does not
 swing routing. Timestamps are passed in (no clock here). A counter that went backwards means the worker
@@ -34,6 +35,10 @@ class RateState:
     prefix_cache_queries: float | None = None
     prefix_cache_hit_rate: float = -1.0
     """Cached share of the prompt tokens looked up per interval; -1 = unknown (no lookup yet)."""
+    inter_token_sum_s: float | None = None
+    inter_token_count: float | None = None
+    inter_token_ewma_s: float = -1.0
+    """Mean time between a stream's tokens per interval; -1 = unknown (no stream has written a second token)."""
 
 
 def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float = DEFAULT_ALPHA) -> RateState:
@@ -49,6 +54,11 @@ def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float
     queries = _delta(state.prefix_cache_queries, metrics.prefix_cache_queries_total)
     if hits is not None and queries:  # no prompt looked up this interval: keep the last value
         hit_rate = _ewma(hit_rate, min(1.0, hits / queries), alpha, unknown=-1.0)
+    inter_token = state.inter_token_ewma_s
+    gap_seconds = _delta(state.inter_token_sum_s, metrics.inter_token_sum_s)
+    gaps = _delta(state.inter_token_count, metrics.inter_token_count)
+    if gap_seconds is not None and gaps:  # no stream wrote a token this interval: keep the last value
+        inter_token = _ewma(inter_token, gap_seconds / gaps, alpha, unknown=-1.0)
     prefill = state.prefill_tokens_per_s
     prompt_delta = _delta(state.prompt_tokens, metrics.prompt_tokens_total)
     prefill_seconds = _delta(state.prefill_time_sum_s, metrics.prefill_time_sum_s)
@@ -65,7 +75,9 @@ def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float
                    prompt_tokens=metrics.prompt_tokens_total, prefill_time_sum_s=metrics.prefill_time_sum_s,
                    busy=busy, ttft_ewma_s=ttft,
                    prefill_tokens_per_s=prefill, prefix_cache_hits=metrics.prefix_cache_hits_total,
-                   prefix_cache_queries=metrics.prefix_cache_queries_total, prefix_cache_hit_rate=hit_rate)
+                   prefix_cache_queries=metrics.prefix_cache_queries_total, prefix_cache_hit_rate=hit_rate,
+                   inter_token_sum_s=metrics.inter_token_sum_s, inter_token_count=metrics.inter_token_count,
+                   inter_token_ewma_s=inter_token)
 
 
 def _delta(before: float | None, after: float | None) -> float | None:

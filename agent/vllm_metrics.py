@@ -34,6 +34,11 @@ GENERATION_TOKENS = "vllm:generation_tokens_total"
 TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
 PREFILL_TIME_SUM = "vllm:request_prefill_time_seconds_sum"
+INTER_TOKEN_SUM = "vllm:inter_token_latency_seconds_sum"
+INTER_TOKEN_COUNT = "vllm:inter_token_latency_seconds_count"
+"""Time between a stream's tokens (V1 engines); V0 engines name it ``vllm:time_per_output_token_seconds``."""
+INTER_TOKEN_SUM_V0 = "vllm:time_per_output_token_seconds_sum"
+INTER_TOKEN_COUNT_V0 = "vllm:time_per_output_token_seconds_count"
 LORA_INFO = "vllm:lora_requests_info"
 """LoRA adapters in use: labels ``running_lora_adapters`` / ``waiting_lora_adapters`` (comma lists) and
 ``max_lora``; the value is a timestamp and old label sets linger, so the series with the largest value is
@@ -53,7 +58,8 @@ SIM_GPU_MEMORY_USED = "poolgate_sim_gpu_memory_used_bytes"
 SIM_GPU_UTILIZATION = "poolgate_sim_gpu_utilization"
 
 _SUMMED = (RUNNING, WAITING, PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, TTFT_SUM, TTFT_COUNT, PREFILL_TIME_SUM,
-           PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, SIM_GPU_MEMORY_TOTAL, SIM_GPU_MEMORY_USED)
+           INTER_TOKEN_SUM, INTER_TOKEN_COUNT, INTER_TOKEN_SUM_V0, INTER_TOKEN_COUNT_V0, PREFIX_CACHE_HITS,
+           PREFIX_CACHE_QUERIES, SIM_GPU_MEMORY_TOTAL, SIM_GPU_MEMORY_USED)
 _AVERAGED = (KV_USAGE, KV_USAGE_LEGACY, SIM_GPU_UTILIZATION)
 _LABELLED = (SLEEP_STATE, WAITING_BY_REASON)
 """Families whose meaning is in a label: kept with their labels, not summed blindly."""
@@ -81,6 +87,9 @@ class EngineMetrics:
     ttft_count: float | None = None
     prefill_time_sum_s: float | None = None
     """Total time requests spent in prefill (V1 engines); with prompt tokens it gives the prefill rate."""
+    inter_token_sum_s: float | None = None
+    inter_token_count: float | None = None
+    """Seconds between streamed tokens and how many gaps: their mean is how fast a running stream grows."""
     sim_gpu_memory_total_bytes: float | None = None
     sim_gpu_memory_used_bytes: float | None = None
     sim_gpu_utilization: float | None = None
@@ -148,6 +157,8 @@ def parse_engine_metrics(text: str, model_name: str | None = None) -> EngineMetr
         preemptions_total=total(PREEMPTIONS), prompt_tokens_total=total(PROMPT_TOKENS),
         generation_tokens_total=total(GENERATION_TOKENS),
         ttft_sum_s=total(TTFT_SUM), ttft_count=total(TTFT_COUNT), prefill_time_sum_s=total(PREFILL_TIME_SUM),
+        inter_token_sum_s=_either(total(INTER_TOKEN_SUM), total(INTER_TOKEN_SUM_V0)),
+        inter_token_count=_either(total(INTER_TOKEN_COUNT), total(INTER_TOKEN_COUNT_V0)),
         sim_gpu_memory_total_bytes=total(SIM_GPU_MEMORY_TOTAL),
         sim_gpu_memory_used_bytes=total(SIM_GPU_MEMORY_USED),
         sim_gpu_utilization=mean(SIM_GPU_UTILIZATION),
@@ -157,6 +168,11 @@ def parse_engine_metrics(text: str, model_name: str | None = None) -> EngineMetr
         prefix_cache_hits_total=total(PREFIX_CACHE_HITS), prefix_cache_queries_total=total(PREFIX_CACHE_QUERIES),
         waiting_by_reason=_by_reason(labelled.get(WAITING_BY_REASON, [])),
     )
+
+
+def _either(current: float | None, legacy: float | None) -> float | None:
+    """A V1 family, else its V0 name."""
+    return current if current is not None else legacy
 
 
 def _sleep_level(samples: list[Sample]) -> int | None:

@@ -14,7 +14,8 @@ least-request, doubled until completions per second stop growing by 5 %; the lev
 
 Reported per router and cell: TTFT p50 / p99 (a refused request counts as an infinite TTFT), goodput (the
 share of requests whose first token came within their class's objective), the prefix-cache hit rate as vLLM
-counts it (hit tokens / queried tokens at admission), refusals, and the spread of requests over workers.
+counts it (hit tokens / queried tokens at admission), refusals, the sequences the engines preempted (room a
+router promised that the running streams then needed), and the spread of requests over workers.
 ``bench/reports/lab.json`` and ``lab.png`` (p99 per cell and router) hold the run.
 """
 
@@ -308,7 +309,7 @@ def figures(requests: Sequence[LabRequest], run: Run) -> dict[str, Any]:
         "requests": len(requests), "ttft_p50_s": percentile(ttfts, 0.50), "ttft_p99_s": percentile(ttfts, 0.99),
         "goodput": good / len(requests) if requests else math.nan,
         "prefix_hit": hits / queries if queries else 0.0, "refused": len(outcome.refused),
-        "failed": len(outcome.failed), "per_worker": spread,
+        "failed": len(outcome.failed), "preempted": sum(w.preemptions for w in workers), "per_worker": spread,
     }
 
 
@@ -382,10 +383,10 @@ def print_rows(rows: Sequence[Mapping[str, Any]]) -> None:
             cell = row["cell"]
             print(f"\n{cell}  ({row['requests']} requests at {row['rate_per_s']} req/s)", flush=True)
             print(f"  {'router':<22} {'p50 s':>7} {'p99 s':>7} {'goodput':>8} {'hit':>6} {'refused':>8} "
-                  f"{'spread':>16} {'wall s':>7}")
+                  f"{'preempted':>9} {'spread':>16} {'wall s':>7}")
         spread = sorted(row["per_worker"].values())
         print(f"  {row['router']:<22} {_fmt(row['ttft_p50_s']):>7} {_fmt(row['ttft_p99_s']):>7} "
-              f"{row['goodput']:>8.3f} {row['prefix_hit']:>6.3f} {row['refused']:>8} "
+              f"{row['goodput']:>8.3f} {row['prefix_hit']:>6.3f} {row['refused']:>8} {row['preempted']:>9} "
               f"{f'{spread[0]}..{spread[-1]}':>16} {row['wall_s']:>7.1f}")
 
 

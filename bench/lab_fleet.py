@@ -76,7 +76,8 @@ class WorkerPlan:
 @dataclass
 class _Rates:
     """The agent's rates, from the counters it reads (``agent.rates``): prompt tokens less prefix-cache hits
-    per second of the requests' prefill phase (first scheduled to first token), and the hit rate."""
+    per second of the requests' prefill phase (first scheduled to first token), the hit rate, and the mean
+    time to first token and between a stream's tokens."""
 
     prompt_tokens: float = 0.0
     cache_hits: float = 0.0
@@ -85,6 +86,12 @@ class _Rates:
     queries: float = 0.0
     prefix_cache_hit_rate: float = -1.0
     queued_for: dict[str, float] = field(default_factory=dict)
+    ttft_seconds: float = 0.0
+    first_tokens: int = 0
+    ttft_ewma_s: float = -1.0
+    gap_seconds: float = 0.0
+    gaps: int = 0
+    inter_token_s: float = -1.0
 
 
 class LabWorker:
@@ -104,6 +111,9 @@ class LabWorker:
         self.stepping = False
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.preemptions = 0
+        """Sequences the engine preempted (their KV freed, to be computed again): a router that promised room
+        the streams then needed."""
         self._rates = _Rates()
 
     @property
@@ -126,7 +136,13 @@ class LabWorker:
             sample = min(1.0, rates.cache_hits / rates.queries)
             rates.prefix_cache_hit_rate = (sample if rates.prefix_cache_hit_rate < 0 else
                                            RATE_ALPHA * sample + (1 - RATE_ALPHA) * rates.prefix_cache_hit_rate)
+        if rates.first_tokens:
+            rates.ttft_ewma_s = _ewma(rates.ttft_ewma_s, rates.ttft_seconds / rates.first_tokens)
+        if rates.gaps:
+            rates.inter_token_s = _ewma(rates.inter_token_s, rates.gap_seconds / rates.gaps)
         rates.prompt_tokens = rates.prefill_seconds = rates.queries = rates.cache_hits = 0.0
+        rates.ttft_seconds = rates.gap_seconds = 0.0
+        rates.first_tokens = rates.gaps = 0
         kv = self.engine.kv
         return WorkerRecord(
             id=self.plan.id, pool=self.plan.pool, model=self.plan.model, host="10.0.0.1",
@@ -134,11 +150,13 @@ class LabWorker:
             state=WorkerState.READY, kv_capacity_tokens=self.kv_capacity_tokens, kv_block_size=BLOCK_SIZE,
             kv_usage=1.0 - kv.free_blocks / kv.num_blocks if kv.num_blocks else 0.0,
             running=self.engine.num_running, waiting=self.engine.num_waiting,
-            prefill_tokens_per_s=rates.prefill_tokens_per_s, prefix_cache_hit_rate=rates.prefix_cache_hit_rate,
+            ttft_ewma_s=rates.ttft_ewma_s, prefill_tokens_per_s=rates.prefill_tokens_per_s,
+            inter_token_s=rates.inter_token_s, prefix_cache_hit_rate=rates.prefix_cache_hit_rate,
             updated_at=now, metrics_at=now,
             registered_at=START_TIME, kv_events_endpoint=f"ipc://lab/{self.plan.id}")
 
     def note_step(self, outcome: StepOutcome) -> None:
+        self.preemptions += outcome.preemptions
         self.prefix_cache_queries += outcome.prefix_cache_queries
         self.prefix_cache_hits += outcome.prefix_cache_hits
         rates = self._rates
@@ -149,6 +167,11 @@ class LabWorker:
             rates.queued_for[request_id] = queue_s
         for request_id, ttft_s in outcome.first_token_times:
             rates.prefill_seconds += max(0.0, ttft_s - rates.queued_for.pop(request_id, 0.0))
+            rates.ttft_seconds += ttft_s
+        rates.first_tokens += len(outcome.first_token_times)
+        later_tokens = len(outcome.emitted) - len(outcome.first_token_times)  # as vLLM's histogram counts them
+        rates.gaps += later_tokens
+        rates.gap_seconds += later_tokens * outcome.duration_s
 
     def take_events(self, now: float) -> EventBatch | None:
         """This step's KV events through the wire format: encoded as vLLM does, decoded as extproc does."""
@@ -205,3 +228,8 @@ class LabFleet:
         if batch is not None:
             self.loop.at(self.loop.now + EVENT_DELAY_S, lambda: self.on_events(worker.id, batch))
         self._step(worker)
+
+
+def _ewma(previous: float, sample: float) -> float:
+    """The agent's moving average (``agent.rates``); a negative ``previous`` is unknown."""
+    return sample if previous < 0 else RATE_ALPHA * sample + (1 - RATE_ALPHA) * previous

@@ -53,6 +53,9 @@ class WorkerRecord:
     """Recent time to first token (moving average of the worker's histogram deltas); -1 = unknown."""
     prefill_tokens_per_s: float = 0.0
     """Observed prompt throughput while busy; 0 = unknown (the scheduler then uses its configured default)."""
+    inter_token_s: float = -1.0
+    """Recent mean time between a stream's tokens (vLLM's inter-token latency histogram): how fast the running
+    streams grow their KV; -1 = unknown."""
     gpu_memory_total_mib: float = -1.0
     gpu_memory_free_mib: float = -1.0
     gpu_utilization: float = -1.0
@@ -112,7 +115,7 @@ class WorkerRecord:
         for name, factory in _FACTORIES:
             if values[name] is _FROM_FACTORY:
                 values[name] = factory()
-        # The generated __init__ sets the 31 fields of a frozen dataclass one ``object.__setattr__`` at a time:
+        # The generated __init__ sets the 32 fields of a frozen dataclass one ``object.__setattr__`` at a time:
         # half of this call. It checks nothing more, so the decoded values go straight in.
         record = object.__new__(cls)
         record.__dict__.update(values)
@@ -123,8 +126,8 @@ class WorkerRecord:
 
 
 AGENT_FACTS = ("kv_capacity_tokens", "kv_usage", "running", "waiting", "preemptions_total", "ttft_ewma_s",
-               "prefill_tokens_per_s", "gpu_memory_total_mib", "gpu_memory_free_mib", "gpu_utilization",
-               "sleep_level", "prefix_cache_hit_rate", "waiting_deferred")
+               "prefill_tokens_per_s", "inter_token_s", "gpu_memory_total_mib", "gpu_memory_free_mib",
+               "gpu_utilization", "sleep_level", "prefix_cache_hit_rate", "waiting_deferred")
 """The agent's observations that lose their meaning with age: readers reset them to ``UNKNOWN_AGENT_FACTS``
 when ``metrics_at`` is older than their staleness bound."""
 UNKNOWN_AGENT_FACTS: Mapping[str, Any] = MappingProxyType(

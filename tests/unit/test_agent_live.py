@@ -20,11 +20,12 @@ FULL = EngineMetrics(running=3, waiting=1, kv_usage=0.41234, kv_block_size=16, n
 
 
 def test_full_scrape_fills_every_live_field_but_state() -> None:
-    rates = RateState(ttft_ewma_s=0.125, prefill_tokens_per_s=5000.0, prefix_cache_hit_rate=0.25)
+    rates = RateState(ttft_ewma_s=0.125, prefill_tokens_per_s=5000.0, prefix_cache_hit_rate=0.25,
+                      inter_token_ewma_s=0.0375)
     fields = live_fields(FULL, rates, None)
     assert fields == {
         "kv_capacity_tokens": 16000, "kv_block_size": 16, "kv_usage": 0.4123, "running": 3, "waiting": 1,
-        "preemptions_total": 2, "ttft_ewma_s": 0.125, "prefill_tokens_per_s": 5000.0,
+        "preemptions_total": 2, "ttft_ewma_s": 0.125, "prefill_tokens_per_s": 5000.0, "inter_token_s": 0.0375,
         "gpu_memory_total_mib": 8192.0, "gpu_memory_free_mib": 2048.0, "gpu_utilization": 0.5,
         "lora_adapters": '["sql","chat"]', "max_loras": 2, "sleep_level": 0, "prefix_cache_hit_rate": 0.25,
         "waiting_deferred": 0,

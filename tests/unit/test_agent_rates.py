@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from agent.live import live_fields
 from agent.rates import RateState, advance
 from agent.vllm_metrics import EngineMetrics
 
@@ -85,3 +86,15 @@ def test_prefill_rate_counts_only_the_prompt_tokens_the_cache_did_not_hold() -> 
     state = advance(advance(RateState(), before, 0.0), after, 1.0)
     assert state.prefill_tokens_per_s == pytest.approx(1000.0)
     assert state.prefix_cache_hit_rate == pytest.approx(5000 / 6000)
+
+
+def test_the_gap_between_a_streams_tokens_is_an_ewma_of_interval_means() -> None:
+    state = advance(RateState(), EngineMetrics(inter_token_sum_s=10.0, inter_token_count=200), now_s=0.0)
+    assert state.inter_token_ewma_s == -1.0  # a baseline only
+    state = advance(state, EngineMetrics(inter_token_sum_s=12.0, inter_token_count=240), now_s=0.25)
+    assert state.inter_token_ewma_s == pytest.approx(0.05)  # 40 gaps in 2 s
+    state = advance(state, EngineMetrics(inter_token_sum_s=12.0, inter_token_count=240), now_s=0.5)
+    assert state.inter_token_ewma_s == pytest.approx(0.05)  # nothing written: the last value stays
+    state = advance(state, EngineMetrics(inter_token_sum_s=13.0, inter_token_count=250), now_s=0.75)
+    assert state.inter_token_ewma_s == pytest.approx(0.3 * 0.1 + 0.7 * 0.05)
+    assert live_fields(EngineMetrics(), state, None)["inter_token_s"] == pytest.approx(0.065)

@@ -50,6 +50,7 @@ def test_the_real_page_gives_every_fact_the_agent_reads() -> None:
     assert (metrics.prefix_cache_hits_total, metrics.prefix_cache_queries_total) == (2688.0, 5340.0)
     assert metrics.waiting_by_reason == (("capacity", 0), ("deferred", 0))
     assert metrics.prompt_tokens_total is not None and metrics.ttft_count is not None
+    assert (metrics.inter_token_sum_s, metrics.inter_token_count) == (3.610280408998733, 1290.0)
     assert parse_engine_metrics(PAGE, "other-model").sleep_level is None  # not this model's series
 
 

@@ -141,6 +141,16 @@ def test_v0_page_without_final_newline() -> None:
     assert metrics.preemptions_total is None and metrics.generation_tokens_total is None
 
 
+def test_v0_inter_token_histogram_under_its_old_name() -> None:
+    page = V0_PAGE + (
+        '\n# TYPE vllm:time_per_output_token_seconds histogram\n'
+        'vllm:time_per_output_token_seconds_count{model_name="org/small-model"} 6.0\n'
+        'vllm:time_per_output_token_seconds_sum{model_name="org/small-model"} 0.19\n')
+    metrics = parse_engine_metrics(page)
+    assert (metrics.inter_token_sum_s, metrics.inter_token_count) == (0.19, 6.0)
+    assert parse_engine_metrics(V0_PAGE).inter_token_count is None  # not exported: unknown, not zero
+
+
 def test_data_parallel_engines_are_combined() -> None:
     metrics = parse_engine_metrics(DATA_PARALLEL_PAGE)
     assert (metrics.running, metrics.waiting, metrics.generation_tokens_total) == (10, 1, 150.0)

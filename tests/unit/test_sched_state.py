@@ -32,6 +32,39 @@ def test_reservation_counts_the_whole_footprint_until_the_record_shows_it() -> N
     assert book.kv_tokens == {"w": 100}
 
 
+def streaming_at(taken_at: float, inter_token_s: float, ttft_s: float = -1.0) -> object:
+    """A worker whose agent measured the gap between a stream's tokens (and time to first token), read now."""
+    record = WorkerRecord(id="w", pool="chat", model="llama", host="h", port=1, updated_at=taken_at,
+                          metrics_at=taken_at, inter_token_s=inter_token_s, ttft_ewma_s=ttft_s)
+    return build_snapshot([record], POOLS, taken_at=taken_at, stale_after_s=3.0)
+
+
+def test_decode_room_shrinks_by_what_the_stream_has_written() -> None:
+    book = ReservationBook(settle_s=0.5)
+    stream = book.reserve("w", prompt_tokens=1000, output_tokens=400, placed_at=10.0)
+    book.settle(streaming_at(10.6, inter_token_s=0.05, ttft_s=1.0))  # shown by the record: its decode room stays
+    assert book.kv_tokens == {"w": 400}
+    book.settle(streaming_at(11.0, inter_token_s=0.05, ttft_s=1.0))  # its first token is due now: nothing written
+    assert book.kv_tokens == {"w": 400}
+    book.settle(streaming_at(16.0, inter_token_s=0.05, ttft_s=1.0))  # 5 s at 20 tokens a second: 100 written
+    assert book.kv_tokens == {"w": 300}
+    book.settle(streaming_at(40.0, inter_token_s=0.05, ttft_s=1.0))  # longer than expected: no room left to keep
+    assert book.kv_tokens == {}
+    book.release(stream)
+    assert book.kv_tokens == {}
+
+
+def test_decode_room_stays_whole_while_the_workers_token_gap_is_unknown() -> None:
+    book = ReservationBook(settle_s=0.5)
+    stream = book.reserve("w", prompt_tokens=1000, output_tokens=400, placed_at=10.0)
+    book.settle(streaming_at(30.0, inter_token_s=-1.0))
+    assert book.kv_tokens == {"w": 400}  # an engine that does not export the histogram: as before, all of it
+    book.settle(streaming_at(31.0, inter_token_s=0.1))  # known now: 20.5 s of writing from placement + settle
+    assert book.kv_tokens == {"w": 400 - 205}
+    book.release(stream)
+    assert book.kv_tokens == {}
+
+
 def test_stream_end_releases_everything_even_before_settling() -> None:
     book = ReservationBook(settle_s=0.5)
     reservation = book.reserve("w", 100, 100, placed_at=1.0)
