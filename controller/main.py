@@ -51,6 +51,7 @@ from controller.periodic import every
 from controller.placement import GpuFree
 from controller.probe import HttpProber
 from controller.registry_api import RegistryApi
+from controller.xds.metrics import XdsMetrics
 from controller.xds.upstream_failures import UpstreamFailureLog
 from controller.xds.xds_server import XdsServer
 from controller.xds_bridge import bridge_fleet_to_xds
@@ -244,6 +245,7 @@ async def run_controller(config: Config, redis_url: str, *, host: str, xds_port:
     drainer = Drainer(store, config.drain)
     instances = InstanceController(store, backend, drainer, is_leader=lease.is_leader)
     metrics = CollectorRegistry()
+    XdsMetrics(xds, metrics)
     lag = LoopLag()
     registry = RegistryApi(store, token, config.pools, config.controller, config.autoscale.pools, instances, metrics,
                            lag)

@@ -41,6 +41,8 @@ def _controller() -> CollectorRegistry:
     from controller.autoscaler import Autoscaler
     from controller.monitor import MonitorStats
     from controller.monitor_metrics import MonitorMetrics
+    from controller.xds.metrics import XdsMetrics
+    from controller.xds.xds_server import XdsServer
     from poolgate.kernel.config import parse_config
 
     registry = CollectorRegistry()
@@ -48,6 +50,7 @@ def _controller() -> CollectorRegistry:
     # The constructor only registers its counter; the I/O parts it keeps are never touched here.
     Autoscaler(cast(Any, None), config.autoscale, cast(Any, None), registry)
     MonitorMetrics(MonitorStats(), registry)
+    XdsMetrics(XdsServer(config.pools), registry)
     return registry
 
 

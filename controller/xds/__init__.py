@@ -6,8 +6,8 @@ and the access log service its failed upstream attempts come back on.
 - ``build`` → ``snapshots`` → ``server``: ``build`` is pure (fleet → resources, with ``endpoint_table``
   keeping each cluster's endpoints serialized); ``snapshots.FleetSnapshots`` checks that the snapshot holds
   together (every cluster a route can name is served, every EDS cluster has its load assignment and every
-  assignment its cluster), refuses one that does not (an error logged, the last good one kept) and publishes
-  the others to ``cache`` (versioned snapshots, version = content hash);
+  assignment its cluster), refuses one that does not (an error logged, a count in ``metrics``, the last good
+  one kept) and publishes the others to ``cache`` (versioned snapshots, version = content hash);
   ``server.AdsServer`` only speaks the protocol (a stream's state in ``server.AdsStream`` or
   ``delta.DeltaAdsStream``, on the common ``stream.StreamState``). ``XdsServer`` wires the two over one cache.
 - ``envoy_tls``: Envoy's TLS contexts and the SDS files they read.

@@ -4,9 +4,10 @@
 snapshot holds together (``consistency_problems``, as go-control-plane's ``Snapshot.Consistent``: every cluster
 a route can name is served, every EDS cluster has its assignment and every assignment its cluster), and sets
 it in the ``SnapshotCache``; then it tells its listener (the ADS server) which type URLs changed. A snapshot
-that does not hold together is refused with an error logged, and Envoy keeps the last good one. Only the clusters whose
-endpoints changed (``endpoint_key``) are built again. ``update_off_loop`` does the build in a worker thread, so
-a large rebuild does not stall the registry API on the same event loop. Nothing here speaks gRPC.
+that does not hold together is refused (logged once per set of problems, and counted: the controller's
+``poolgate_xds_snapshots_refused``), and Envoy keeps the last good one. Only the clusters whose endpoints
+changed (``endpoint_key``) are built again. ``update_off_loop`` does the build in a worker thread, so a large
+rebuild does not stall the registry API on the same event loop. Nothing here speaks gRPC.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class FleetSnapshots:
         """Cluster load assignments built so far (a one-worker change builds one)."""
         self.refused = 0
         """Snapshots refused because they did not hold together (``consistency_problems``); none is expected."""
+        self._refused_for: tuple[str, ...] = ()
+        """The problems of the last refusal, logged once (the next update is likely refused for the same)."""
         self._warned_large: set[str] = set()
         self._clock = clock
         self._given_period_s = fallback_period_s
@@ -231,9 +234,12 @@ class FleetSnapshots:
             # A bug in the build, not in the fleet: Envoy keeps what it has rather than lose a cluster's hosts
             # or route to a cluster it was never sent. Not raised, as the bridge would stop pushing at all.
             self.refused += 1
-            log.error("xds: snapshot not published, Envoy keeps version %s: %s", self._cache.version(),
-                      "; ".join(problems))
+            if tuple(problems) != self._refused_for:
+                self._refused_for = tuple(problems)
+                log.error("xds: snapshot not published, Envoy keeps version %s: %s", self._cache.version(),
+                          "; ".join(problems))
             return self._cache.version()
+        self._refused_for = ()
         changed = self._cache.set(snapshots)
         version = self._cache.version()
         if changed:

@@ -7,9 +7,11 @@ import logging
 
 import pytest
 from envoy.service.discovery.v3 import discovery_pb2
+from prometheus_client import CollectorRegistry
 
 from controller.xds.build import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, build_clusters, build_endpoints
 from controller.xds.cache import Snapshot, SnapshotCache
+from controller.xds.metrics import XdsMetrics
 from controller.xds.server import AdsStream
 from controller.xds.snapshots import FleetSnapshots, consistency_problems, eds_names, routed_clusters
 from controller.xds.xds_server import XdsServer
@@ -104,9 +106,17 @@ def test_an_envoy_is_never_sent_a_refused_snapshot() -> None:
     assert push.version_info != first.version_info and len(push.resources) == 1
 
 
-def test_the_server_counts_what_it_refused() -> None:
+def test_every_refusal_is_counted_on_the_controllers_metrics_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
     server = XdsServer(POOLS)
+    registry = CollectorRegistry()
+    XdsMetrics(server, registry)
     server.update([W1])
-    assert server.snapshots_refused == 0
-    server._publish([Snapshot.of(ENDPOINT_TYPE_URL, build_endpoints((PoolSpec(name="gone", model="x"),), []))])
-    assert server.snapshots_refused == 1
+    assert registry.get_sample_value("poolgate_xds_snapshots_refused_total") == 0
+    broken = Snapshot.of(ENDPOINT_TYPE_URL, build_endpoints((PoolSpec(name="gone", model="x"),), []))
+    with caplog.at_level(logging.ERROR, logger="controller.xds"):
+        for _ in range(3):  # a build bug refuses every update after it: one error line, not one per update
+            server._publish([broken])
+    assert server.snapshots_refused == 3
+    assert registry.get_sample_value("poolgate_xds_snapshots_refused_total") == 3
+    assert len(caplog.records) == 1
