@@ -33,7 +33,7 @@ from agent.podresources import POD_RESOURCES_SOCKET, PodKey, PodResourcesClient,
 from agent.rates import RateState, advance
 from agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
 from poolgate.kernel.config import Config, KubernetesSettings, WorkerSpec
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import UpstreamError
 from poolgate.kernel.fleet import WorkerRecord
 from poolgate.kernel.fleet_view import FleetView
 from poolgate.kernel.outage import REDIS_ERRORS, OutageLog
@@ -75,7 +75,7 @@ class PodGpuSource(Protocol):
     async def pod_gpus(self) -> Mapping[PodKey, Sequence[str]]: ...
 
 
-class ScrapeError(PoolgateError):
+class ScrapeError(UpstreamError):
     """A worker's metrics could not be read or understood."""
 
 

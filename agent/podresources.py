@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 
 from agent.kubelet.podresources_pb2 import ListPodResourcesRequest, ListPodResourcesResponse
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import UpstreamError
 
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 """Where the kubelet serves the API (``--pod-resources-socket`` changes it)."""
@@ -30,7 +30,7 @@ PodKey = tuple[str, str]
 """(namespace, pod name)"""
 
 
-class PodResourcesError(PoolgateError):
+class PodResourcesError(UpstreamError):
     """The kubelet's PodResources API did not answer."""
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import UpstreamError
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -66,7 +66,7 @@ _LABELLED = (SLEEP_STATE, WAITING_BY_REASON)
 _WANTED = frozenset((*_SUMMED, *_AVERAGED, *_LABELLED, CACHE_CONFIG, LORA_INFO))
 
 
-class MetricsFormatError(PoolgateError, ValueError):
+class MetricsFormatError(UpstreamError, ValueError):
     """The page is not Prometheus text exposition."""
 
 

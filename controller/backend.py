@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import Refused
 
 
-class PlacementRefused(PoolgateError):
+class PlacementRefused(Refused):
     """No capacity fits the worker (e.g. no GPU with enough free memory); the message says why."""
 
 

@@ -23,14 +23,14 @@ import aiohttp
 from controller.backend import InstanceBackend
 from controller.drain import DrainEnd, Drainer
 from controller.health import Remedy
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import Refused
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.instances")
 
 
-class NotLeader(PoolgateError):
+class NotLeader(Refused):
     """Another controller holds the lease; it alone acts."""
 
 

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from controller.registry_api import HEALTHY, UNAUTHORIZED, Answer, RegistryApi, error_answer
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import Refused
 
 log = logging.getLogger("poolgate.controller.api")
 
@@ -48,7 +48,7 @@ class _Request:
         self.close = close
 
 
-class BadRequest(PoolgateError, ValueError):
+class BadRequest(Refused, ValueError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status

@@ -1,8 +1,9 @@
 """The one request-path error type: a value that becomes an OpenAI-style JSON error answer.
 
 Everything that can go wrong for one request (bad JSON, unknown model, no worker) is returned as an
-``ApiError``, never raised through the gRPC stream. The exceptions extproc raises itself derive from
-``ExtprocError`` (a ``PoolgateError``). ``answers.error_answer`` is the one place that turns it
+``ApiError``, never raised through the gRPC stream. The exceptions extproc raises itself are
+``PoolgateError``s: the stream's ``ProtocolError`` by way of ``ExtprocError``, a worker's KV events that do
+not decode as an ``UpstreamError``. ``answers.error_answer`` is the one place that turns an ``ApiError``
 into Envoy's ImmediateResponse, so every error a client sees has the same shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 """

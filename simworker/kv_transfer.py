@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import Refused
 from simworker.json_flag import json_object
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -109,7 +109,7 @@ class RemotePrefill:
     port: int
 
 
-class TransferParamsError(PoolgateError, ValueError):
+class TransferParamsError(Refused, ValueError):
     """``kv_transfer_params`` that no step of the protocol can use (400)."""
 
 

@@ -13,12 +13,12 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from agent.gpu_sources.reading import NO_GPUS, GpuReading
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import UpstreamError
 
 log = logging.getLogger("poolgate.agent.gpu_sources")
 
 
-class GpuSourceError(PoolgateError):
+class GpuSourceError(UpstreamError):
     """A GPU source did not answer, or answered something that is not what it should."""
 
 

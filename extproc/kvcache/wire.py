@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import UpstreamError
 from poolgate.kernel.kv_event_shapes import (
     ALL_BLOCKS_CLEARED,
     BATCH_FIELDS,
@@ -35,7 +35,7 @@ from poolgate.kernel.kv_event_shapes import (
 EngineHash = int | bytes
 
 
-class KVEventDecodeError(PoolgateError, ValueError):
+class KVEventDecodeError(UpstreamError, ValueError):
     """A message that is not a KV-event batch: the stream is treated as broken, never guessed at."""
 
 

@@ -6,10 +6,10 @@
 - ``keys`` and ``store``: the fleet in Redis. ``FleetStore`` is the only code that reads or writes a fleet
   key; ``RedisKeys`` the only place a key name is spelled.
 - ``outage``: living through a Redis outage (``OutageLog``, ``ReturnGrace``, ``REDIS_ERRORS``).
-- ``errors`` (``PoolgateError``, the base of poolgate's own exceptions), ``routing`` (names Envoy and
-  extproc agree on), ``kv_event_shapes`` (vLLM's KV-event tags and field orders, for the simulator's
-  encoder and extproc's decoder), ``logging_setup``, ``shutdown`` (graceful stop with a hard deadline), ``reload``
-  (config file changes), ``redaction`` (no secrets in logs).
+- ``errors`` (``PoolgateError``, the base of poolgate's own exceptions, with the kinds ``UpstreamError`` and
+  ``Refused``), ``routing`` (names Envoy and extproc agree on), ``kv_event_shapes`` (vLLM's KV-event tags and
+  field orders, for the simulator's encoder and extproc's decoder), ``logging_setup``, ``shutdown`` (graceful
+  stop with a hard deadline), ``reload`` (config file changes), ``redaction`` (no secrets in logs).
 
 It must not import ``extproc``, ``controller``, ``agent``, ``simworker`` or the application layer
 (``poolgate.cli``, ``poolgate.up`` and the other top modules of ``poolgate``). Import the module you need:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import cast
 
 from poolgate.kernel.coarse_timers import CoarseTimer, coarse_timers
-from poolgate.kernel.errors import PoolgateError
+from poolgate.kernel.errors import UpstreamError
 
 MAX_HEAD_BYTES = 16 * 1024
 """An answer's status line and headers may be this long at most."""
@@ -48,11 +48,11 @@ Reply = Callable[[Answer | BaseException], None]
 """Told a request's answer, or why there is none, once (``_Connection.ask``)."""
 
 
-class AnswerTooLarge(PoolgateError, ValueError):
+class AnswerTooLarge(UpstreamError, ValueError):
     """The answer's body was larger than the caller accepts."""
 
 
-class PeerClosed(PoolgateError, ConnectionResetError):
+class PeerClosed(UpstreamError, ConnectionResetError):
     """The peer closed the connection before the whole answer came."""
 
 
