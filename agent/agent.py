@@ -31,7 +31,7 @@ from agent.gpus import GpuReader, open_gpus
 from agent.live import live_fields, notable_change
 from agent.podresources import POD_RESOURCES_SOCKET, PodKey, PodResourcesClient, PodResourcesError
 from agent.rates import RateState, advance
-from agent.vllm_metrics import EngineMetrics, MetricsFormatError, parse_engine_metrics
+from agent.vllm_metrics import EngineMetrics, parse_engine_metrics
 from poolgate.kernel.config import Config, KubernetesSettings, WorkerSpec
 from poolgate.kernel.errors import UpstreamError
 from poolgate.kernel.fleet import WorkerRecord
@@ -47,7 +47,8 @@ FLEET_REFRESH_S = 2.0
 
 
 class MetricsSource(Protocol):
-    """Fetches one worker's ``/metrics`` page; raises on any failure."""
+    """Fetches one worker's ``/metrics`` page; raises on any failure (an ``UpstreamError`` for an answer
+    that is not the page, such as ``ScrapeError``)."""
 
     async def fetch(self, host: str, port: int) -> str: ...
 
@@ -240,7 +241,7 @@ class Agent:
         record = tracked.record
         try:
             metrics = parse_engine_metrics(await self._source.fetch(record.host, record.port))
-        except (aiohttp.ClientError, TimeoutError, OSError, ScrapeError, MetricsFormatError) as exc:
+        except (aiohttp.ClientError, TimeoutError, OSError, UpstreamError) as exc:
             self.stats.scrape_failures += 1
             tracked.consecutive_failures += 1
             if tracked.consecutive_failures == 1:
