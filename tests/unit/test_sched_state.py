@@ -25,8 +25,8 @@ def test_reservation_counts_the_whole_footprint_until_the_record_shows_it() -> N
     assert book.kv_tokens == {"w": 1800}
     book.settle(snapshot_at(10.6, "w"))  # newer than the first placement + 0.5 s: only its decode room stays
     assert book.kv_tokens == {"w": 200 + 600} and book.prefill_tokens == {"w": 500}
-    book.settle(snapshot_at(11.0, "w"))
-    assert book.kv_tokens == {"w": 300} and book.prefill_tokens == {}
+    book.settle(snapshot_at(11.0, "w"))  # two streams with 200 and 100 to write: both grow 100, then one ends
+    assert book.kv_tokens == {"w": 200} and book.prefill_tokens == {}
     book.release(first)
     book.release(first)  # twice is harmless
     assert book.kv_tokens == {"w": 100}
@@ -63,6 +63,27 @@ def test_decode_room_stays_whole_while_the_workers_token_gap_is_unknown() -> Non
     assert book.kv_tokens == {"w": 400 - 205}
     book.release(stream)
     assert book.kv_tokens == {}
+
+
+def test_the_streams_room_is_the_peak_of_their_growth_not_the_sum() -> None:
+    """Streams share every engine step: by the time the longest has written its output, the shorter ones ended
+    and freed their blocks. Room is kept for the highest the worker's usage will climb."""
+    book = ReservationBook(settle_s=0.5)
+    for prompt, output in ((2000, 100), (2000, 300), (2000, 600)):
+        book.reserve("w", prompt_tokens=prompt, output_tokens=output, placed_at=10.0)
+    book.settle(streaming_at(10.6, inter_token_s=-1.0))
+    # 3 × 100 while all three write; then 2 × 300 less the first's 2,100 freed; then 600 less 4,400 freed
+    assert book.kv_tokens == {"w": 300}
+
+
+def test_a_short_streams_end_makes_room_for_a_long_one_and_its_release_reprices() -> None:
+    book = ReservationBook(settle_s=0.5)
+    short = book.reserve("w", prompt_tokens=10, output_tokens=50, placed_at=10.0)
+    book.reserve("w", prompt_tokens=10, output_tokens=1000, placed_at=10.0)
+    book.settle(streaming_at(10.6, inter_token_s=-1.0))
+    assert book.kv_tokens == {"w": 1000 - 10}  # both grow 50, the short one frees 60, the long one grows 950
+    book.release(short)  # priced again without it: the long one's whole room
+    assert book.kv_tokens == {"w": 1000}
 
 
 def test_stream_end_releases_everything_even_before_settling() -> None:
