@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import sys
 
+from extproc.scheduling import PLUGINS
 from poolgate.kernel.config import ConfigError, load_process_config
 from poolgate.kernel.heap import freeze_startup_objects
 from poolgate.kernel.logging_setup import add_log_format_argument, configure_logging
@@ -35,6 +36,7 @@ def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
         config, redis_url = load_process_config(args.config, args.redis_url, "extproc")
+        PLUGINS.check(config.scheduling)  # the scheduling plugins' names and own settings, before anything listens
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2

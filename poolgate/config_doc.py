@@ -1,9 +1,11 @@
-"""The configuration reference, generated from the config schema itself.
+"""The configuration reference, generated from the config schema itself and the scheduling plugin registry.
 
 ``python -m poolgate.config_doc > docs/configuration.md``. Walks the pydantic models of
 ``poolgate.kernel.config`` from ``Config`` down: every field with its type, default, bounds and the docstring
 written under it in the source (pydantic keeps those only when asked, so they are read from the source
-here). A test compares the committed file with this output, so the reference cannot drift from the code.
+here); then every scheduling plugin extproc's registry holds, with its default weight and its own settings
+model, so a new plugin's settings appear here without an edit. A test compares the committed file with this
+output, so the reference cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from extproc.scheduling import PLUGINS, Registry
 from poolgate.kernel import config as config_module
 
 BOUNDS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
@@ -124,13 +127,45 @@ def sections(model: type[BaseModel], path: str) -> Iterator[str]:
         yield from sections(child, child_path)
 
 
-def render() -> str:
+def _summary(module_name: str) -> str:
+    """The first sentence of a plugin module's docstring (it gives the plugin's formula)."""
+    doc = inspect.cleandoc(sys.modules[module_name].__doc__ or "")
+    first = " ".join(doc.split("\n\n")[0].split())
+    return first.split(": ")[0].split(". ")[0].rstrip(".") if first else ""
+
+
+def plugin_sections(registry: Registry) -> Iterator[str]:
+    """The scheduling plugins: filters in the order they run, scorers with their default weight, then the
+    settings of each plugin that has some of its own."""
+    lines = ["## Scheduling plugins", "",
+             "What extproc's plugin registry holds. Filters run in this order; `scheduling.weights` weighs the "
+             "scorers\n(not set: the default weight below). A plugin's own parameters go under "
+             "`scheduling.filter_settings.<name>`\nor `scheduling.scorer_settings.<name>`.", "",
+             "| plugin | kind | default weight | settings | what it does |", "|---|---|---|---|---|"]
+    own: list[tuple[type[BaseModel], str]] = []
+
+    def row(name: str, kind: str, settings: type[BaseModel], weight: str = "", about: str = "") -> str:
+        path = f"scheduling.{kind}_settings.{name}" if settings.model_fields else ""
+        if path:
+            own.append((settings, path))
+        return f"| `{name}` | {kind} | {weight} | {f'`{path}`' if path else ''} | {_cell(about)} |"
+
+    lines += [row(name, "filter", plugin.settings) for name, plugin in registry.filters.items()]
+    lines += [row(name, "scorer", plugin.settings, f"{plugin.default_weight:g}", _summary(plugin.build.__module__))
+              for name, plugin in registry.scorers.items()]
+    yield "\n".join(lines) + "\n"
+    for model, path in own:
+        yield from sections(model, path)
+
+
+def render(registry: Registry = PLUGINS) -> str:
     head = ("# Configuration reference\n\n"
             "One YAML file configures every poolgate process (`poolgate config check FILE` validates it; errors "
-            "name the\nfield path). Generated from the schema in `poolgate/kernel/config/` by "
+            "name the\nfield path). Generated from the schema in `poolgate/kernel/config/` and extproc's scheduling "
+            "plugins by "
             "`python -m poolgate.config_doc > docs/configuration.md`;\n"
             "do not edit by hand. `[]` marks a list item, `<name>` a key you choose.\n")
-    return "\n".join([head, *sections(config_module.Config, "")])
+    return "\n".join([head, *sections(config_module.Config, ""), *plugin_sections(registry)])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import NoCapacity, PickContext, PickRequest, Refusal
+from extproc.scheduling.plugins import FilterPlugin, NoCapacity, NoSettings, PickContext, PickRequest, Refusal
+from poolgate.kernel.config import SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
 
 
@@ -54,3 +55,12 @@ class PrefillBacklogGate:
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
         return NoCapacity(request.model, self.reason, self.retry_after_s)
+
+
+def _gate(own: NoSettings, s: SchedulingSettings) -> PrefillBacklogGate | None:
+    if not s.max_prefill_backlog_s:
+        return None
+    return PrefillBacklogGate(s.max_prefill_backlog_s, s.default_prefill_tokens_per_s, s.retry_after_s)
+
+
+PLUGIN: FilterPlugin[NoSettings] = FilterPlugin("prefill_backlog", _gate, NoSettings)

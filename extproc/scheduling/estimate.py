@@ -37,6 +37,7 @@ from extproc.endpoints import ENDPOINTS
 from extproc.endpoints.cost import apply_cost
 from extproc.request import RequestFacts
 from extproc.scheduling.plugins import PickRequest
+from extproc.scheduling.registry import PLUGINS
 from poolgate.kernel.config import ConfigError, SchedulingSettings, TaskClass, TaskClassRules
 
 MAX_CHARS_PER_TOKEN = 8
@@ -191,6 +192,7 @@ def build_profiler(settings: SchedulingSettings) -> RequestProfiler:
     """The profiler the settings ask for; raises ``ConfigError`` at start-up if the tokenizer cannot load."""
     counter = tokenizer_counter(settings.tokenizer_path) if settings.tokenizer_path else None
     # The latency scorer falls back on the affinity map where a worker's cache is not known from its events.
-    affinity = settings.weights.get("prefix_affinity", 0) > 0 or settings.weights.get("latency", 0) > 0
+    weights = PLUGINS.weights(settings)
+    affinity = weights.get("prefix_affinity", 0) > 0 or weights.get("latency", 0) > 0
     return RequestProfiler(settings, counter, with_prefix_keys=affinity)
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from extproc import errors
 from extproc.scheduling.kv import kv_footprint, kv_free_tokens, kv_room_after
-from extproc.scheduling.plugins import NoCapacity, PickContext, PickRequest, Refusal
+from extproc.scheduling.plugins import FilterPlugin, NoCapacity, NoSettings, PickContext, PickRequest, Refusal
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 
@@ -181,3 +181,16 @@ class KvFits:
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
         return NoCapacity(request.model, self.reason, self.retry_after_s)
+
+
+TENANT_POOLS: FilterPlugin[NoSettings] = FilterPlugin(
+    "tenant_pools", lambda own, shared: TenantPools(shared.retry_after_s), NoSettings)
+TASK_CLASS: FilterPlugin[NoSettings] = FilterPlugin("task_class", lambda own, shared: TaskClassPools(), NoSettings)
+READY_AND_FRESH: FilterPlugin[NoSettings] = FilterPlugin(
+    "ready_and_fresh", lambda own, shared: ReadyAndFresh(shared.retry_after_s), NoSettings)
+FITS_CONTEXT: FilterPlugin[NoSettings] = FilterPlugin("fits_context", lambda own, shared: FitsContext(), NoSettings)
+GPU_MEMORY: FilterPlugin[NoSettings] = FilterPlugin(
+    "gpu_memory", lambda own, shared: GpuMemoryWatermark(shared.gpu_memory_min_free_mib, shared.retry_after_s),
+    NoSettings)
+KV_FITS: FilterPlugin[NoSettings] = FilterPlugin(
+    "kv_fits", lambda own, shared: KvFits(shared.kv_reserve_fraction, shared.retry_after_s), NoSettings)

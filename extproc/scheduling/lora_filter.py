@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extproc import errors
-from extproc.scheduling.plugins import PickContext, PickRequest, Refusal
+from extproc.scheduling.plugins import FilterPlugin, NoSettings, PickContext, PickRequest, Refusal
 from extproc.scheduling.scorers.lora_affinity import adapter_score
 from poolgate.kernel.fleet import WorkerRecord
 
@@ -29,3 +29,6 @@ class AdapterRoom:
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
         return errors.no_worker(request.model, 1)  # not reached: the filter keeps all rather than none
+
+
+PLUGIN: FilterPlugin[NoSettings] = FilterPlugin("lora_room", lambda own, shared: AdapterRoom(), NoSettings)

@@ -8,17 +8,17 @@ nothing else: no clock, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from types import MappingProxyType
-from typing import Protocol, TypeAlias, overload
+from typing import Generic, Protocol, TypeAlias, TypeVar, overload
 
 from extproc.errors import ApiError
 from extproc.kvcache.blocks import PrefixCacheView, PromptBlocks
 from extproc.request import RequestFacts
 from extproc.snapshot import FleetSnapshot
-from poolgate.kernel.config import TaskClass
+from poolgate.kernel.config import SchedulingSettings, Section, TaskClass
 from poolgate.kernel.fleet import WorkerRecord
 
 _EMPTY: Mapping[str, int] = MappingProxyType({})
@@ -175,3 +175,34 @@ class Picker(Protocol):
     name: str
 
     def choose(self, totals: Sequence[float], full_score: float) -> int: ...
+
+
+class NoSettings(Section):
+    """A plugin without parameters of its own (an empty mapping, or none, under its name)."""
+
+
+SettingsT = TypeVar("SettingsT", bound=Section)
+
+
+@dataclass(frozen=True, slots=True)
+class ScorerPlugin(Generic[SettingsT]):
+    """What a scorer module declares as ``PLUGIN``: the registry finds it there (one module, nothing else).
+
+    ``settings`` validates ``scheduling.scorer_settings.<name>``; ``build`` makes the scorer from those and the
+    shared section (for the few values every plugin shares, such as ``default_prefill_tokens_per_s``);
+    ``default_weight`` is its weight when ``scheduling.weights`` is not set."""
+
+    name: str
+    build: Callable[[SettingsT, SchedulingSettings], Scorer]
+    settings: type[SettingsT]
+    default_weight: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FilterPlugin(Generic[SettingsT]):
+    """What a filter declares: ``settings`` validates ``scheduling.filter_settings.<name>``; ``build`` may answer
+    None (switched off: the pick pays nothing for it)."""
+
+    name: str
+    build: Callable[[SettingsT, SchedulingSettings], Filter | None]
+    settings: type[SettingsT]

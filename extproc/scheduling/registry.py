@@ -1,125 +1,149 @@
 """The one registry of scheduling plugins: filters, scorers and pickers by their snake_case names.
 
-Each entry builds its plugin from the ``scheduling`` section (a filter's factory may answer None: switched
-off, the pick pays nothing for it). Filters run in the registry's order: those that judge the request (task
-class, context length) before those that judge the workers' present load, whose refusal is a ``NoCapacity``
-the queue may wait out. ``scheduling.weights`` picks the scorers by name, and ``check`` validates it against
-the registry with the field path.
+A scorer is one module of ``scorers/`` that declares ``PLUGIN = ScorerPlugin(name, build, settings,
+default_weight)``: ``discover`` imports every module of that package and registers the ones that declare one,
+so a new scorer is one new file. Its own parameters live under ``scheduling.scorer_settings.<name>`` and are
+validated by its settings model; the values every plugin shares (``default_prefill_tokens_per_s``,
+``retry_after_s``, ...) stay in the ``scheduling`` section and reach each factory with it.
 
-A new scorer is one module under ``scorers/`` and one entry in ``SCORERS`` (and its default weight in the
-configuration, which names every scorer the product ships; ``Registry.with_scorer`` extends the registry
-without it, as tests do).
+Filters declare themselves the same way (``FilterPlugin``, parameters under ``scheduling.filter_settings``), but
+their order is part of the policy, so ``FILTERS`` lists them: those that judge the request (task class,
+context length) before those that judge the workers' present load, whose refusal is a ``NoCapacity`` the
+queue may wait out. A filter's factory may answer None: switched off, the pick pays nothing for it.
+
+``scheduling.weights`` picks the scorers by name (not set: each scorer's default weight); ``check`` validates
+the names and every plugin's own settings against the registry, with the field path.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from extproc.scheduling.backlog import PrefillBacklogGate
-from extproc.scheduling.filters import (
-    FitsContext,
-    GpuMemoryWatermark,
-    KvFits,
-    ReadyAndFresh,
-    TaskClassPools,
-    TenantPools,
-)
-from extproc.scheduling.lora_filter import AdapterRoom
+from extproc.scheduling import backlog, filters, lora_filter, saturation
+from extproc.scheduling import scorers as scorers_package
 from extproc.scheduling.picker import MaxScore
-from extproc.scheduling.plugins import Filter, Picker, Scorer
-from extproc.scheduling.saturation import SaturationGate
+from extproc.scheduling.plugins import Filter, FilterPlugin, Picker, Scorer, ScorerPlugin
 from extproc.scheduling.scheduler import Scheduler
-from extproc.scheduling.scorers.cache_aware_ttft import CacheAwareTtft
-from extproc.scheduling.scorers.kv_headroom import KvHeadroom
-from extproc.scheduling.scorers.latency import PredictedLatency
-from extproc.scheduling.scorers.least_inflight import LeastInflight
-from extproc.scheduling.scorers.lora_affinity import LoraAffinity
-from extproc.scheduling.scorers.predicted_ttft import PredictedTtft
-from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
 from poolgate.kernel.config import ConfigError, SchedulingSettings
 
-FilterFactory = Callable[[SchedulingSettings], Filter | None]
-ScorerFactory = Callable[[SchedulingSettings], Scorer]
 PickerFactory = Callable[[SchedulingSettings, random.Random | None], Picker]
 
-
-def _saturation_gate(s: SchedulingSettings) -> SaturationGate | None:
-    if not (s.max_inflight_per_worker or s.queue_when_waiting):
-        return None
-    return SaturationGate(s.max_inflight_per_worker, s.lower_class_inflight_fraction, s.queue_when_waiting,
-                          s.retry_after_s)
-
-
-def _prefill_backlog_gate(s: SchedulingSettings) -> PrefillBacklogGate | None:
-    if not s.max_prefill_backlog_s:
-        return None
-    return PrefillBacklogGate(s.max_prefill_backlog_s, s.default_prefill_tokens_per_s, s.retry_after_s)
-
-
-FILTERS: Mapping[str, FilterFactory] = MappingProxyType({
-    "tenant_pools": lambda s: TenantPools(s.retry_after_s),
-    "task_class": lambda s: TaskClassPools(),
-    "ready_and_fresh": lambda s: ReadyAndFresh(s.retry_after_s),
-    "fits_context": lambda s: FitsContext(),
-    "gpu_memory": lambda s: GpuMemoryWatermark(s.gpu_memory_min_free_mib, s.retry_after_s),
-    "kv_fits": lambda s: KvFits(s.kv_reserve_fraction, s.retry_after_s),
-    "lora_room": lambda s: AdapterRoom(),
-    "saturated": _saturation_gate,
-    "prefill_backlog": _prefill_backlog_gate,
-})
-SCORERS: Mapping[str, ScorerFactory] = MappingProxyType({
-    "predicted_ttft": lambda s: PredictedTtft(s.default_prefill_tokens_per_s, s.ttft_reference_s),
-    "kv_headroom": lambda s: KvHeadroom(s.kv_reserve_fraction),
-    "inflight": lambda s: LeastInflight(),
-    "prefix_affinity": lambda s: PrefixAffinity(),
-    "lora_affinity": lambda s: LoraAffinity(),
-    "cache_aware_ttft": lambda s: CacheAwareTtft(s.default_prefill_tokens_per_s, s.ttft_reference_s),
-    "latency": lambda s: PredictedLatency(s.default_prefill_tokens_per_s),
-})
+FILTERS: tuple[FilterPlugin[Any], ...] = (
+    filters.TENANT_POOLS,
+    filters.TASK_CLASS,
+    filters.READY_AND_FRESH,
+    filters.FITS_CONTEXT,
+    filters.GPU_MEMORY,
+    filters.KV_FITS,
+    lora_filter.PLUGIN,
+    saturation.PLUGIN,
+    backlog.PLUGIN,
+)
 PICKERS: Mapping[str, PickerFactory] = MappingProxyType({
     "max_score": lambda s, rng: MaxScore(rng),
 })
 DEFAULT_PICKER = "max_score"
 
 
+def scorer_plugins(package: ModuleType = scorers_package) -> tuple[ScorerPlugin[Any], ...]:
+    """The ``PLUGIN`` of every module of ``package`` (searched along its ``__path__``), in module-name order; a
+    module without one (a helper) is skipped."""
+    found = []
+    for module in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        plugin = getattr(importlib.import_module(f"{package.__name__}.{module.name}"), "PLUGIN", None)
+        if isinstance(plugin, ScorerPlugin):
+            found.append(plugin)
+    return tuple(found)
+
+
+def _by_name(plugins: Iterable[Any], kind: str) -> Mapping[str, Any]:
+    named: dict[str, Any] = {}
+    for plugin in plugins:
+        if plugin.name in named:
+            raise ValueError(f"two {kind}s are named {plugin.name}")
+        named[plugin.name] = plugin
+    return MappingProxyType(named)
+
+
+def _problems(exc: ValidationError, path: str) -> list[str]:
+    return [f"{path}{''.join(f'.{p}' for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()]
+
+
 @dataclass(frozen=True, slots=True)
 class Registry:
-    filters: Mapping[str, FilterFactory]
-    scorers: Mapping[str, ScorerFactory]
+    filters: Mapping[str, FilterPlugin[Any]]
+    scorers: Mapping[str, ScorerPlugin[Any]]
     pickers: Mapping[str, PickerFactory]
 
-    def with_scorer(self, name: str, factory: ScorerFactory) -> Registry:
-        return Registry(self.filters, MappingProxyType({**self.scorers, name: factory}), self.pickers)
+    @classmethod
+    def of(cls, filter_plugins: Iterable[FilterPlugin[Any]], scorer_plugins: Iterable[ScorerPlugin[Any]],
+           pickers: Mapping[str, PickerFactory] = PICKERS) -> Registry:
+        return cls(_by_name(filter_plugins, "filter"), _by_name(scorer_plugins, "scorer"), pickers)
+
+    def with_scorer(self, plugin: ScorerPlugin[Any]) -> Registry:
+        return Registry.of(self.filters.values(), (*self.scorers.values(), plugin), self.pickers)
+
+    @property
+    def default_weights(self) -> dict[str, float]:
+        return {name: plugin.default_weight for name, plugin in self.scorers.items()}
+
+    def weights(self, settings: SchedulingSettings) -> Mapping[str, float]:
+        """The configured weights, or each scorer's default weight where ``scheduling.weights`` is not set."""
+        return settings.weights if settings.weights is not None else self.default_weights
 
     def settings(self, section: Mapping[str, Any]) -> SchedulingSettings:
-        """A ``scheduling`` section validated against this registry's scorers; ConfigError names the field."""
+        """A ``scheduling`` section validated, with its plugins' names and settings, against this registry;
+        ConfigError names every problem's field."""
         try:
-            return SchedulingSettings.model_validate(section, context={"scorer_names": tuple(self.scorers)})
+            settings = SchedulingSettings.model_validate(section)
         except ValidationError as exc:
-            problems = "; ".join(f"scheduling.{'.'.join(str(p) for p in e['loc'])}: "
-                                 f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
-            raise ConfigError(problems) from None
+            raise ConfigError("; ".join(_problems(exc, "scheduling"))) from None
+        self.check(settings)
+        return settings
 
     def check(self, settings: SchedulingSettings) -> None:
-        """ConfigError, with the field path, for a scorer name the registry does not hold."""
-        unknown = sorted(set(settings.weights) - set(self.scorers))
+        """ConfigError, with the field path, for a plugin name the registry does not hold or a plugin's own
+        setting it refuses."""
+        problems = []
+        unknown = sorted(set(settings.weights or {}) - set(self.scorers))
         if unknown:
-            raise ConfigError(f"scheduling.weights: unknown scorer {', '.join(unknown)}; known: "
-                              f"{', '.join(self.scorers)}")
+            problems.append(f"scheduling.weights: unknown scorer {', '.join(unknown)}; known: "
+                            f"{', '.join(self.scorers)}")
+        for field, plugins, kind in (("scorer_settings", self.scorers, "scorer"),
+                                     ("filter_settings", self.filters, "filter")):
+            for name, values in getattr(settings, field).items():
+                plugin = plugins.get(name)
+                if plugin is None:
+                    problems.append(f"scheduling.{field}: unknown {kind} {name}; known: {', '.join(plugins)}")
+                    continue
+                try:
+                    plugin.settings.model_validate(values)
+                except ValidationError as exc:
+                    problems += _problems(exc, f"scheduling.{field}.{name}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def _own(self, plugin: ScorerPlugin[Any] | FilterPlugin[Any], given: Mapping[str, Any]) -> BaseModel:
+        return plugin.settings.model_validate(given.get(plugin.name) or {})
 
     def build_filters(self, settings: SchedulingSettings) -> list[Filter]:
-        built = (factory(settings) for factory in self.filters.values())
+        built = (plugin.build(self._own(plugin, settings.filter_settings), settings)
+                 for plugin in self.filters.values())
         return [f for f in built if f is not None]
 
     def build_scorers(self, settings: SchedulingSettings) -> dict[str, Scorer]:
         """Every scorer by its name (weighted or not)."""
-        return {name: factory(settings) for name, factory in self.scorers.items()}
+        return {name: plugin.build(self._own(plugin, settings.scorer_settings), settings)
+                for name, plugin in self.scorers.items()}
 
     def scheduler(self, settings: SchedulingSettings, rng: random.Random | None = None,
                   picker: str = DEFAULT_PICKER) -> Scheduler:
@@ -127,16 +151,22 @@ class Registry:
         picker (its random source breaks ties)."""
         self.check(settings)
         scorers = self.build_scorers(settings)
+        weights = self.weights(settings)
         return Scheduler(
             filters=self.build_filters(settings),
-            scorers=[(scorers[name], settings.weights.get(name, 0.0)) for name in self.scorers],
+            scorers=[(scorers[name], weights.get(name, 0.0)) for name in self.scorers],
             picker=self.pickers[picker](settings, rng),
             explain=settings.debug_header,
             rng=rng,
         )
 
 
-PLUGINS = Registry(FILTERS, SCORERS, PICKERS)
+def discover() -> Registry:
+    """The registry the product ships: the filters in their order, every scorer module's declaration."""
+    return Registry.of(FILTERS, scorer_plugins())
+
+
+PLUGINS = discover()
 
 
 def build_scheduler(settings: SchedulingSettings, rng: random.Random | None = None) -> Scheduler:

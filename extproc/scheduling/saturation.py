@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import NoCapacity, PickContext, PickRequest, Refusal
+from extproc.scheduling.plugins import FilterPlugin, NoCapacity, NoSettings, PickContext, PickRequest, Refusal
+from poolgate.kernel.config import SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
 
 
@@ -68,3 +69,13 @@ class SaturationGate:
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
         return NoCapacity(request.model, self.reason, self.retry_after_s)
+
+
+def _gate(own: NoSettings, s: SchedulingSettings) -> SaturationGate | None:
+    if not (s.max_inflight_per_worker or s.queue_when_waiting):
+        return None
+    return SaturationGate(s.max_inflight_per_worker, s.lower_class_inflight_fraction, s.queue_when_waiting,
+                          s.retry_after_s)
+
+
+PLUGIN: FilterPlugin[NoSettings] = FilterPlugin("saturated", _gate, NoSettings)

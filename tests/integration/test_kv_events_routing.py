@@ -20,8 +20,8 @@ from aiohttp import web
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 
 from controller.registry_api import RegistryApi
+from extproc.scheduling import PLUGINS
 from poolgate.kernel.config import (
-    DEFAULT_WEIGHTS,
     Config,
     ExtprocSettings,
     KvEventsSettings,
@@ -48,7 +48,7 @@ def extproc_config() -> Config:
         key_prefix=PREFIX, pools=(PoolSpec(name="chat", model=MODEL, max_model_len=8192),),
         extproc=ExtprocSettings(max_request_bytes=1 << 20, snapshot_refresh_s=0.05, stale_after_s=3600.0,
                                 kv_events=KvEventsSettings(pending_s=0.0)),
-        scheduling=SchedulingSettings(weights={**DEFAULT_WEIGHTS, "prefix_affinity": 0.0}))
+        scheduling=SchedulingSettings(weights={**PLUGINS.default_weights, "prefix_affinity": 0.0}))
 
 
 @dataclass

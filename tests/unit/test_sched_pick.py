@@ -97,7 +97,8 @@ def test_explained_decision_carries_every_weighted_score() -> None:
     settings = SchedulingSettings(debug_header=True, weights={"kv_headroom": 1, "inflight": 0, "predicted_ttft": 2})
     decision = pick(worker("a", kv_usage=0.5), worker("b", kv_usage=0.6), settings=settings)
     assert isinstance(decision, Decision) and decision.worker_id == "a"
-    assert [name for name, _ in decision.scores] == ["predicted_ttft", "kv_headroom"]  # weight 0 is not run
+    # weight 0 is not run; the rest in the registry's order (the scorer modules by name)
+    assert [name for name, _ in decision.scores] == ["kv_headroom", "predicted_ttft"]
     assert all(0 <= score <= 1 for _, score in decision.scores)
     single = pick(worker("a"), settings=settings)
     assert isinstance(single, Decision) and len(single.scores) == 2

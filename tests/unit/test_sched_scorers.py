@@ -13,7 +13,7 @@ from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.scheduling.scorers.predicted_ttft import PredictedTtft
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
 from extproc.snapshot import build_snapshot
-from poolgate.kernel.config import SCORER_NAMES, PoolSpec, SchedulingSettings
+from poolgate.kernel.config import PoolSpec, SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
 
 NOW = 1_000.0
@@ -42,7 +42,7 @@ def scores(scorer: object, req: PickRequest, workers: list[WorkerRecord], **acco
 
 def test_every_configured_name_has_a_scorer_of_that_name() -> None:
     registry = PLUGINS.build_scorers(SchedulingSettings())
-    assert set(registry) == set(SCORER_NAMES)
+    assert set(registry) == set(PLUGINS.scorers) == set(PLUGINS.default_weights)
     assert all(scorer.name == name for name, scorer in registry.items())
 
 
@@ -102,7 +102,7 @@ def test_prefix_affinity(keys: tuple[Hashable, ...], session: str, affinity: dic
     assert scores(PrefixAffinity(), request(keys=keys, session=session), workers, affinity=affinity) == expected
 
 
-@pytest.mark.parametrize("name", SCORER_NAMES)
+@pytest.mark.parametrize("name", PLUGINS.scorers)
 def test_scores_stay_in_the_unit_interval(name: str) -> None:
     scorer = PLUGINS.build_scorers(SchedulingSettings())[name]
     workers = [worker("a", kv_capacity_tokens=1000, kv_usage=1.0, waiting=100),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
+from extproc.scheduling.plugins import NoSettings, PickContext, PickRequest, SameScore, ScorerPlugin
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
 from poolgate.kernel.fleet import WorkerRecord
 
@@ -62,3 +62,8 @@ class CacheAwareTtft:
             seconds = ((worker.waiting + 1) * (prompt - hit) + pending(worker.id, 0)) / rate
             scores.append(reference / (reference + seconds))
         return scores
+
+
+PLUGIN: ScorerPlugin[NoSettings] = ScorerPlugin(
+    "cache_aware_ttft",
+    lambda own, shared: CacheAwareTtft(shared.default_prefill_tokens_per_s, shared.ttft_reference_s), NoSettings)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extproc.scheduling.kv import kv_room_after
-from extproc.scheduling.plugins import PickContext, PickRequest
+from extproc.scheduling.plugins import NoSettings, PickContext, PickRequest, ScorerPlugin
 from poolgate.kernel.fleet import WorkerRecord
 
 
@@ -25,3 +25,7 @@ class KvHeadroom:
     ) -> Sequence[float]:
         room = kv_room_after(candidates, request.total_tokens, self.reserve_fraction, context.reserved_kv_tokens)
         return [0.0 if left <= 0 else (left if left < 1 else 1.0) for left in room]
+
+
+PLUGIN: ScorerPlugin[NoSettings] = ScorerPlugin(
+    "kv_headroom", lambda own, shared: KvHeadroom(shared.kv_reserve_fraction), NoSettings)

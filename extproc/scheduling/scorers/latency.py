@@ -55,7 +55,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
+from extproc.scheduling.plugins import NoSettings, PickContext, PickRequest, SameScore, ScorerPlugin
 from extproc.scheduling.rates import KindRates
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
 from poolgate.kernel.fleet import WorkerRecord
@@ -148,3 +148,8 @@ class PredictedLatency:
         seconds = self.seconds(request, candidates, context)
         best = min(seconds) + FLOOR_S
         return [best / (t + FLOOR_S) for t in seconds]
+
+
+PLUGIN: ScorerPlugin[NoSettings] = ScorerPlugin(
+    "latency", lambda own, shared: PredictedLatency(shared.default_prefill_tokens_per_s), NoSettings,
+    default_weight=1.0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
+from extproc.scheduling.plugins import NoSettings, PickContext, PickRequest, SameScore, ScorerPlugin
 from poolgate.kernel.fleet import WorkerRecord
 
 
@@ -25,3 +25,6 @@ class LeastInflight:
             return SameScore(len(counts), 1.0)
         span = high - low
         return [(high - n) / span for n in counts]
+
+
+PLUGIN: ScorerPlugin[NoSettings] = ScorerPlugin("inflight", lambda own, shared: LeastInflight(), NoSettings)

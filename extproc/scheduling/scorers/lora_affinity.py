@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
+from extproc.scheduling.plugins import NoSettings, PickContext, PickRequest, SameScore, ScorerPlugin
 from poolgate.kernel.fleet import WorkerRecord
 
 IN_USE = 1.0
@@ -35,3 +35,7 @@ class LoraAffinity:
         if adapter is None:
             return SameScore(len(candidates))
         return [adapter_score(adapter, w) for w in candidates]
+
+
+PLUGIN: ScorerPlugin[NoSettings] = ScorerPlugin(
+    "lora_affinity", lambda own, shared: LoraAffinity(), NoSettings, default_weight=2.0)

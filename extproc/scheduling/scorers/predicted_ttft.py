@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import PickContext, PickRequest
+from extproc.scheduling.plugins import NoSettings, PickContext, PickRequest, ScorerPlugin
 from poolgate.kernel.fleet import WorkerRecord
 
 
@@ -37,3 +37,8 @@ class PredictedTtft:
                          / (w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else default_rate))
             for w in candidates
         ]
+
+
+PLUGIN: ScorerPlugin[NoSettings] = ScorerPlugin(
+    "predicted_ttft", lambda own, shared: PredictedTtft(shared.default_prefill_tokens_per_s, shared.ttft_reference_s),
+    NoSettings)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.plugins import PickContext, PickRequest, SameScore
+from extproc.scheduling.plugins import NoSettings, PickContext, PickRequest, SameScore, ScorerPlugin
 from poolgate.kernel.fleet import WorkerRecord
 
 
@@ -43,3 +43,7 @@ class PrefixAffinity:
                     scores[index] = strength
                     return scores
         return SameScore(len(candidates))
+
+
+PLUGIN: ScorerPlugin[NoSettings] = ScorerPlugin(
+    "prefix_affinity", lambda own, shared: PrefixAffinity(), NoSettings)

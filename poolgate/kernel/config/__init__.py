@@ -50,9 +50,7 @@ from poolgate.kernel.config.processes import (
     Ports,
 )
 from poolgate.kernel.config.scheduling import (
-    DEFAULT_WEIGHTS,
     MAX_WAIT_LIMIT_S,
-    SCORER_NAMES,
     LearnedOutputSettings,
     SchedulingSettings,
     TaskClass,
@@ -62,12 +60,10 @@ from poolgate.kernel.config.tenancy import PRIORITY_CLASS_PATTERN, PriorityClass
 from poolgate.kernel.config.transport import TlsClientFiles, TlsServerFiles, TlsSettings
 
 __all__ = [
-    "DEFAULT_WEIGHTS",
     "MAX_COLD_START_WAIT_S",
     "MAX_WAIT_LIMIT_S",
     "MODEL_NAME_PATTERN",
     "PRIORITY_CLASS_PATTERN",
-    "SCORER_NAMES",
     "AgentSettings",
     "AliasRule",
     "AutoscaleSettings",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 
 from poolgate.kernel.config.base import Section
 
@@ -21,12 +21,6 @@ class TaskClassRules(Section):
     code_models: tuple[str, ...] = ()
 
 
-DEFAULT_WEIGHTS = {"predicted_ttft": 0.0, "kv_headroom": 0.0, "inflight": 0.0, "prefix_affinity": 0.0,
-                   "lora_affinity": 2.0, "cache_aware_ttft": 0.0, "latency": 1.0}
-SCORER_NAMES = tuple(DEFAULT_WEIGHTS)
-"""The scorers extproc's plugin registry ships, by the name ``scheduling.weights`` uses: every process
-validates the file at load without importing extproc, and a unit test holds this list to the registry. A
-registry extended elsewhere passes its own names as the validation context ``scorer_names``."""
 MAX_WAIT_LIMIT_S = 50.0
 """Longest hold for capacity allowed (Envoy's ext_proc ``max_message_timeout``, 300 s, bounds every hold; a
 client waiting longer than this for a busy fleet is better told to retry)."""
@@ -52,12 +46,18 @@ class LearnedOutputSettings(Section):
 class SchedulingSettings(Section):
     """Weights and bounds of the resource-aware picker (extproc)."""
 
-    weights: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    weights: dict[str, float] | None = None
     """Scorer name → weight; scores are in [0, 1] and combine as a weighted sum. A missing name weighs 0.
-    By default one scorer decides, ``latency`` (each worker's predicted time to first token: prefill queued
-    there, this prompt's uncached part, what it would evict, requests in flight), and ``lora_affinity``
-    speaks only for requests that name a LoRA adapter (an adapter swap stalls the batch). The older scorers
-    stay available by name, at weight 0."""
+    Not set: each scorer's default weight (the scheduling plugins' table below). By default one scorer
+    decides, ``latency`` (each worker's predicted time to first token: prefill queued there, this prompt's
+    uncached part, what it would evict, requests in flight), and ``lora_affinity`` speaks only for requests
+    that name a LoRA adapter (an adapter swap stalls the batch). The older scorers stay available by name,
+    at weight 0. Names are checked against extproc's plugin registry (``poolgate config check``, extproc's
+    start-up)."""
+    scorer_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Scorer name → that scorer's own parameters, validated by the scorer (the scheduling plugins below)."""
+    filter_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Filter name → that filter's own parameters, validated by the filter (the scheduling plugins below)."""
     default_prefill_tokens_per_s: float = Field(8000.0, gt=0)
     """Prefill rate assumed for a worker that has not reported one yet."""
     default_output_tokens: int = Field(256, gt=0)
@@ -107,12 +107,8 @@ class SchedulingSettings(Section):
 
     @field_validator("weights")
     @classmethod
-    def _known_weights(cls, weights: dict[str, float], info: ValidationInfo) -> dict[str, float]:
-        known = tuple((info.context or {}).get("scorer_names", SCORER_NAMES))
-        unknown = sorted(set(weights) - set(known))
-        if unknown:
-            raise ValueError(f"unknown scorer {', '.join(unknown)}; known: {', '.join(known)}")
-        negative = sorted(name for name, weight in weights.items() if weight < 0)
+    def _no_negative_weight(cls, weights: dict[str, float] | None) -> dict[str, float] | None:
+        negative = sorted(name for name, weight in (weights or {}).items() if weight < 0)
         if negative:
             raise ValueError(f"{', '.join(negative)} must be 0 or more")
         return weights
