@@ -13,7 +13,10 @@ separately; it happens once per request, outside the pick.
 
 Scenarios: ``per-model`` (25 models × 2 pools × 20 workers: 40 candidates), ``restricted`` (the same with
 every second pool taking only long-context requests), ``busy`` (per-model plus reservations on every worker
-and a full affinity map), ``one-model`` (all 1,000 workers, in 50 pools, serve one model), ``one-pool``
+and a full affinity map), ``kv-events`` (per-model with every worker publishing KV events: each model has
+eight 4-8k-token documents, each held whole or in part by a third of its workers, and every request asks
+about one of them, so the pick walks the KV index for the cached prefix of 250-500 blocks), ``one-model``
+(all 1,000 workers, in 50 pools, serve one model), ``one-pool``
 (one pool of 1,000 workers), ``10k-workers`` (10,000 workers in 200 pools of 25 models: 400 per model).
 
     .venv/bin/python -m bench.pick_microbench [--picks 20000]
@@ -29,7 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -37,9 +40,14 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from bench import host_quiet
 from bench.report import Column, Panel, save_rows
+from extproc.kvcache.blocks import PromptBlocks
+from extproc.kvcache.index import PrefixIndex
+from extproc.kvcache.keys import prompt_keys
+from extproc.kvcache.lookup import CacheLookup
+from extproc.kvcache.wire import EventBatch, Stored
 from extproc.request import RequestFacts
 from extproc.scheduling import PickContext, PickRequest, RequestProfiler, build_scheduler
-from extproc.snapshot import build_snapshot
+from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, TaskClass
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
@@ -55,13 +63,14 @@ class Scenario:
     models: int
     restricted: bool = False
     busy: bool = False
+    kv_events: bool = False
     workers: int = WORKERS
     pools: int = POOLS
     target_p99_us: float = TARGET_P99_US
 
 
 SCENARIOS = (Scenario("per-model", 25), Scenario("restricted", 25, restricted=True),
-             Scenario("busy", 25, busy=True), Scenario("one-model", 1),
+             Scenario("busy", 25, busy=True), Scenario("kv-events", 25, kv_events=True), Scenario("one-model", 1),
              Scenario("one-pool", 1, pools=1, target_p99_us=200.0),
              Scenario("10k-workers", 25, workers=10_000, pools=200, target_p99_us=500.0))
 
@@ -105,6 +114,32 @@ def requests(scenario: Scenario, profiler: RequestProfiler, rng: random.Random, 
     return made
 
 
+def documents_held(snapshot: FleetSnapshot, workers: Sequence[WorkerRecord], made: Sequence[PickRequest],
+                   rng: random.Random) -> tuple[CacheLookup, list[PickRequest]]:
+    """Every worker publishes KV events; each model's documents are held, whole or their first part, by a
+    third of its workers; each request asks a question about one document (its blocks: the document's and
+    its own)."""
+    index = PrefixIndex()
+    documents: dict[str, list[list[int]]] = {}
+    for worker in workers:
+        index.mark_known(worker.id)
+    for model in sorted({w.model for w in workers}):
+        documents[model] = docs = [[rng.randrange(1, 128_000) for _ in range(rng.randrange(4000, 8000))]
+                                   for _ in range(8)]
+        for doc in docs:
+            for worker in rng.sample(snapshot.workers_for(model), len(snapshot.workers_for(model)) // 3):
+                blocks = rng.choice((len(doc) // 16, rng.randrange(1, len(doc) // 16)))
+                stored = Stored(tuple(rng.getrandbits(63) for _ in range(blocks)), None, tuple(doc[:blocks * 16]), 16)
+                index.apply(worker.id, EventBatch(NOW, (stored,)))
+    asked = []
+    for request in made:
+        question = [rng.randrange(1, 128_000) for _ in range(rng.randrange(20, 200))]
+        tokens = rng.choice(documents[request.model]) + question
+        asked.append(replace(request, prompt_tokens=len(tokens),
+                             prompt_blocks=PromptBlocks(len(tokens), {16: prompt_keys(tokens, 16)})))
+    return CacheLookup(index, lambda: snapshot, clock=lambda: NOW), asked
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -128,7 +163,10 @@ def run(scenario: Scenario, picks: int, seed: int = 1) -> dict[str, float | int 
             for key in request.affinity_keys:
                 affinity[key] = rng.choice(snapshot.workers_for(request.model)).id
         affinity.update({("filler", i): "w00000" for i in range(50_000 - len(affinity))})
-    context = PickContext(snapshot, inflight, reserved, pending, affinity)
+    prefix_cache = None
+    if scenario.kv_events:
+        prefix_cache, pool_of_requests = documents_held(snapshot, workers, pool_of_requests, rng)
+    context = PickContext(snapshot, inflight, reserved, pending, affinity, prefix_cache)
     scheduler = build_scheduler(settings, random.Random(seed))
 
     facts = [r.facts for r in pool_of_requests]

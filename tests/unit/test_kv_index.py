@@ -191,3 +191,49 @@ def test_joining_mid_stream_replays_from_the_start() -> None:
     stream.catch_up(0, 2, [Frame(0, payload(stored(0, 1))), Frame(1, payload(stored(1, 1, parent=100)))])
     stream.accept(Frame(2, payload(stored(2, 1, parent=101))))
     assert index.cached_blocks(KEYS, ["a"], 0.0) == {"a": 3} and stream.lost == 0
+
+
+def walked_key_by_key(index: PrefixIndex, keys: tuple[int, ...], workers: list[str], now: float,
+                      pending: bool) -> dict[str, int]:
+    """The cached prefix by its definition: for each known worker, the leading keys it holds (confirmed, or
+    pending until after ``now`` when ``pending``)."""
+    depth = {}
+    for worker in workers:
+        if not index.is_known(worker):
+            continue
+        position = 0
+        for key in keys:
+            held = worker in index.holders().get(key, ())
+            until = index._pending.get(key, {}).get(worker) if pending else None
+            if not (held or (until is not None and until > now)):
+                break
+            position += 1
+        depth[worker] = position
+    return depth
+
+
+def test_the_fast_walk_gives_every_worker_its_leading_run_as_defined() -> None:
+    """Random holdings with holes, partial prefixes, pending placements (some expired) and unknown workers:
+    the walk that measures the runs all matching workers share in one go answers as the key-by-key one."""
+    import random
+
+    rng = random.Random(5)
+    tokens = tuple(range(1, 4 * 60 + 1))
+    keys = prompt_keys(tokens, BLOCK)
+    for _ in range(200):
+        index = PrefixIndex(pending_s=1.0)
+        workers = [f"w{i}" for i in range(rng.randrange(1, 12))]
+        for worker in workers:
+            if rng.random() < 0.9:
+                index.mark_known(worker)
+            held = rng.randrange(0, len(keys) + 1)
+            if held:
+                index.apply(worker, batch(stored(0, held, tokens=tokens, base=1000 * len(worker) + held)))
+            if held > 3 and rng.random() < 0.3:  # a hole: one block of the run evicted
+                hole = rng.randrange(1, held)
+                index.apply(worker, batch(Removed((1000 * len(worker) + held + hole,))))
+            if rng.random() < 0.3:
+                index.add_pending(worker, keys[:rng.randrange(1, len(keys) + 1)], now=rng.choice((0.0, 5.0)))
+        for pending in (True, False):
+            assert index.cached_blocks(keys, workers, 5.5, pending) == walked_key_by_key(
+                index, keys, workers, 5.5, pending)
