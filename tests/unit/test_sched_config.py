@@ -40,6 +40,8 @@ def test_a_streaming_only_pool() -> None:
     ({"prefix_chunk_chars": 4}, "scheduling.prefix_chunk_chars"),
     ({"task_classes": {"long_context_min_tokens": 0}}, "scheduling.task_classes.long_context_min_tokens"),
     ({"debug_headers": True}, "scheduling.debug_headers: Extra inputs are not permitted"),
+    ({"scorer_settings": {"latency": {"inflight_tokens": -1}}},
+     "scheduling.scorer_settings.latency.inflight_tokens: Input should be greater than or equal to 0"),
     ({"scorer_settings": {"latency": {"inflight": 5}}},
      "scheduling.scorer_settings.latency.inflight: Extra inputs are not permitted"),
     ({"scorer_settings": {"luck": {}}}, "scheduling.scorer_settings: unknown scorer luck"),
@@ -65,7 +67,7 @@ def test_unknown_task_class_names_the_pool_field() -> None:
 BAD_PLUGINS = """pools: [{name: chat, model: m}]
 scheduling:
   weights: {latency: 1, luck: 2}
-  scorer_settings: {latency: {inflight_tokens: 100}}
+  scorer_settings: {latency: {inflight_tokens: -5}}
 """
 
 
@@ -77,9 +79,17 @@ def test_config_check_and_extproc_refuse_bad_plugin_settings(tmp_path: Path,
     assert cli_main(["config", "check", str(path)]) == 2
     err = capsys.readouterr().err
     assert "scheduling.weights: unknown scorer luck" in err
-    assert "scheduling.scorer_settings.latency.inflight_tokens: Extra inputs are not permitted" in err
+    assert "scheduling.scorer_settings.latency.inflight_tokens: Input should be greater than or equal to 0" in err
     parser = argparse.ArgumentParser()
     extproc_cli.add_arguments(parser)
     args = parser.parse_args(["--config", str(path), "--redis-url", "redis://127.0.0.1:1/0"])
     assert extproc_cli.main(args) == 2
     assert "scheduling.scorer_settings.latency.inflight_tokens" in capsys.readouterr().err
+
+
+def test_the_latency_scorer_reads_its_own_settings() -> None:
+    default = PLUGINS.build_scorers(parse_config(POOLS).scheduling)["latency"]
+    assert (default.inflight_tokens, default.eviction_weight) == (100, 1.0)  # type: ignore[attr-defined]
+    section = {"scorer_settings": {"latency": {"inflight_tokens": 200, "eviction_weight": 0.5}}}
+    tuned = PLUGINS.build_scorers(parse_config({**POOLS, "scheduling": section}).scheduling)["latency"]
+    assert (tuned.inflight_tokens, tuned.eviction_weight) == (200, 0.5)  # type: ignore[attr-defined]

@@ -29,17 +29,18 @@ For each candidate w, with P the prompt's tokens and c_w the tokens of its leadi
           (1 − usage) less what the index says the cache keeps for reuse (an unknown stream: usage only)
     t(w) = (Q_w + U_w + λ_w × E_w + K × n_w) / R_w
 
-where n_w is the requests in flight on w (all replicas) and K = ``INFLIGHT_TOKENS``: each request there
-takes its share of every engine step this prefill runs in (vLLM batches decodes with the prefill chunks),
-and is slowed by it in turn, so between two workers with the same prefill ahead the one with fewer streams
-answers sooner and harms fewer. Counted in prefill tokens, it weighs alike on fast and slow cards.
+where n_w is the requests in flight on w (all replicas) and K = ``INFLIGHT_TOKENS`` (the setting
+``scheduling.scorer_settings.latency.inflight_tokens``): each request there takes its share of every engine
+step this prefill runs in (vLLM batches decodes with the prefill chunks), and is slowed by it in turn, so
+between two workers with the same prefill ahead the one with fewer streams answers sooner and harms fewer.
+Counted in prefill tokens, it weighs alike on fast and slow cards.
 
-λ_w = w's prefix-cache hit rate (``agent.rates``; ``EVICTION_WEIGHT`` while unknown): an evicted block is
-a prefix some later request might have found, and would then prefill again; how likely that is, the share
-of prompt tokens w's cache has been serving says. Without this term a new prefix goes to any idle worker
-and pushes out the prefixes that worker is warm for; with it, a new prefix goes where it displaces least, as
-the cache-aware routers' "smallest tree" rule does, but weighed against the queue (the lab, six L4s, shared
-documents at 85 %: p99 2.09 s and hit rate 0.954 without it, 1.93 s and 0.967 with it).
+λ_w = w's prefix-cache hit rate (``agent.rates``; ``EVICTION_WEIGHT``, the setting ``eviction_weight``, while
+unknown): an evicted block is a prefix some later request might have found, and would then prefill again; how
+likely that is, the share of prompt tokens w's cache has been serving says. Without this term a new prefix
+goes to any idle worker and pushes out the prefixes that worker is warm for; with it, a new prefix goes where
+it displaces least, as the cache-aware routers' "smallest tree" rule does, but weighed against the queue (the
+lab, six L4s, shared documents at 85 %: p99 2.09 s and hit rate 0.954 without it, 1.93 s and 0.967 with it).
 
 The engine is FCFS: everything queued before the request is computed before it, so the prefill ahead is the
 ledger's sum, in tokens, not the number of requests times this request's size. A warm worker's queue is then
@@ -55,9 +56,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from extproc.scheduling.plugins import NoSettings, PickContext, PickRequest, SameScore, ScorerPlugin
+from pydantic import Field
+
+from extproc.scheduling.plugins import PickContext, PickRequest, SameScore, ScorerPlugin
 from extproc.scheduling.rates import KindRates
 from extproc.scheduling.scorers.prefix_affinity import PrefixAffinity
+from poolgate.kernel.config import Section
 from poolgate.kernel.fleet import WorkerRecord
 
 EVICTION_WEIGHT = 1.0
@@ -150,6 +154,16 @@ class PredictedLatency:
         return [best / (t + FLOOR_S) for t in seconds]
 
 
-PLUGIN: ScorerPlugin[NoSettings] = ScorerPlugin(
-    "latency", lambda own, shared: PredictedLatency(shared.default_prefill_tokens_per_s), NoSettings,
-    default_weight=1.0)
+class LatencySettings(Section):
+    """The latency scorer's own constants, K and λ of its formula (``extproc/scheduling/scorers/latency.py``)."""
+
+    inflight_tokens: float = Field(INFLIGHT_TOKENS, ge=0)
+    """K: the prefill tokens of work each request in flight on a worker counts for."""
+    eviction_weight: float = Field(EVICTION_WEIGHT, ge=0)
+    """λ for a worker whose prefix-cache hit rate is not known yet (tokens to prefill again per evicted one)."""
+
+
+PLUGIN: ScorerPlugin[LatencySettings] = ScorerPlugin(
+    "latency",
+    lambda own, shared: PredictedLatency(shared.default_prefill_tokens_per_s, own.inflight_tokens, own.eviction_weight),
+    LatencySettings, default_weight=1.0)
