@@ -137,22 +137,25 @@ def _summary(module_name: str) -> str:
 def plugin_sections(registry: Registry) -> Iterator[str]:
     """The scheduling plugins: filters in the order they run, scorers with their default weight, then the
     settings of each plugin that has some of its own."""
-    lines = ["## Scheduling plugins", "",
-             "What extproc's plugin registry holds. Filters run in this order; `scheduling.weights` weighs the "
-             "scorers\n(not set: the default weight below). A plugin's own parameters go under "
-             "`scheduling.filter_settings.<name>`\nor `scheduling.scorer_settings.<name>`.", "",
-             "| plugin | kind | default weight | settings | what it does |", "|---|---|---|---|---|"]
     own: list[tuple[type[BaseModel], str]] = []
 
-    def row(name: str, kind: str, settings: type[BaseModel], weight: str = "", about: str = "") -> str:
-        path = f"scheduling.{kind}_settings.{name}" if settings.model_fields else ""
-        if path:
-            own.append((settings, path))
-        return f"| `{name}` | {kind} | {weight} | {f'`{path}`' if path else ''} | {_cell(about)} |"
+    def settings_path(kind: str, name: str, settings: type[BaseModel]) -> str:
+        if not settings.model_fields:
+            return "—"
+        own.append((settings, f"scheduling.{kind}_settings.{name}"))
+        return f"`scheduling.{kind}_settings.{name}`"
 
-    lines += [row(name, "filter", plugin.settings) for name, plugin in registry.filters.items()]
-    lines += [row(name, "scorer", plugin.settings, f"{plugin.default_weight:g}", _summary(plugin.build.__module__))
-              for name, plugin in registry.scorers.items()]
+    lines = ["## Scheduling plugins", "",
+             "What extproc's plugin registry holds. A plugin's own parameters go under "
+             "`scheduling.filter_settings.<name>` or\n`scheduling.scorer_settings.<name>`; the values they "
+             "share are fields of `scheduling` above.", "",
+             "Filters, in the order they run:", "", "| filter | settings |", "|---|---|"]
+    lines += [f"| `{name}` | {settings_path('filter', name, plugin.settings)} |"
+              for name, plugin in registry.filters.items()]
+    lines += ["", "Scorers, weighed by `scheduling.weights` (not set: the default weight here):", "",
+              "| scorer | default weight | settings | what it scores |", "|---|---|---|---|"]
+    lines += [f"| `{name}` | {plugin.default_weight:g} | {settings_path('scorer', name, plugin.settings)} | "
+              f"{_cell(_summary(plugin.build.__module__))} |" for name, plugin in registry.scorers.items()]
     yield "\n".join(lines) + "\n"
     for model, path in own:
         yield from sections(model, path)

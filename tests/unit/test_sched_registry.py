@@ -156,5 +156,5 @@ def test_a_new_scorer_with_a_setting_of_its_own_is_one_new_file(busiest_file: Pa
 
     # and the configuration reference documents it
     doc = config_doc.render(registry)
-    assert "| `busiest` | scorer | 0 | `scheduling.scorer_settings.busiest` | Busiest |" in doc
+    assert "| `busiest` | 0 | `scheduling.scorer_settings.busiest` | Busiest |" in doc
     assert "## `scheduling.scorer_settings.busiest`" in doc and "| `min_running` | `int` | `0` |" in doc
