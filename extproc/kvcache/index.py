@@ -147,37 +147,50 @@ class PrefixIndex:
     def cached_blocks(self, keys: Sequence[int], workers: Iterable[str], now: float,
                       pending: bool = True) -> dict[str, int]:
         """Leading blocks of ``keys`` each known worker among ``workers`` holds (pending ones included unless
-        ``pending`` is False); unknown workers are absent from the answer.
+        ``pending`` is False); unknown workers are absent from the answer."""
+        confirmed, with_pending = self.cached_prefixes(keys, workers, now)
+        return with_pending if pending else confirmed
+
+    def cached_prefixes(self, keys: Sequence[int], workers: Iterable[str], now: float) -> (
+            tuple[dict[str, int], dict[str, int]]):
+        """``cached_blocks`` both ways in one walk: (confirmed by the events only, pending ones included).
 
         The walk goes key by key only where the set of workers still matching changes or a pending block is
         needed to keep one matching; in between, the run of keys every one of them holds as their events
         confirmed is measured in C (``takewhile`` over the holder sets): a document's few hundred blocks
-        cost ~0.05 ms instead of ~0.2 ms, and a pick reads them twice (the KV filter and the latency)."""
-        active = {w for w in workers if self.is_known(w)}
-        depth: dict[str, int] = {}
+        against 40 workers cost ~0.1 ms instead of ~0.2 ms, and a pick needs both answers."""
+        matching = {w for w in workers if self.is_known(w)}
+        confirmed_matching = set(matching)  # always within ``matching``: a pending block only adds holders
+        confirmed: dict[str, int] = {}
+        with_pending: dict[str, int] = {}
         position = 0
         count = len(keys)
         holders_of = self._holders.get
-        pending_of = self._pending.get if pending and self._pending else _no_pending
-        while active and position < count:
-            confirmed_by_all = takewhile(active.issubset, map(holders_of, islice(keys, position, None),
-                                                              repeat(_NONE)))
-            position += len(list(confirmed_by_all))  # counted without a Python step per key
+        pending_of = self._pending.get if self._pending else _no_pending
+        while matching and position < count:
+            held_by_all = takewhile(matching.issubset, map(holders_of, islice(keys, position, None), repeat(_NONE)))
+            position += len(list(held_by_all))  # counted without a Python step per key
             if position == count:
                 break
             key = keys[position]
             holders: set[str] | frozenset[str] = holders_of(key, _NONE)
+            if not confirmed_matching.issubset(holders):
+                for worker_id in confirmed_matching - holders:
+                    confirmed[worker_id] = position
+                confirmed_matching &= holders
             placed = pending_of(key)
             if placed:
                 holders = holders | {w for w, until in placed.items() if until > now}
-            if not active.issubset(holders):
-                for worker_id in active - holders:
-                    depth[worker_id] = position
-                active &= holders
+            if not matching.issubset(holders):
+                for worker_id in matching - holders:
+                    with_pending[worker_id] = position
+                matching &= holders
             position += 1
-        for worker_id in active:
-            depth[worker_id] = position
-        return depth
+        for worker_id in confirmed_matching:
+            confirmed[worker_id] = position
+        for worker_id in matching:
+            with_pending[worker_id] = position
+        return confirmed, with_pending
 
     def stats(self) -> IndexStats:
         known = sum(1 for w in self._workers.values() if w.known)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -70,18 +70,35 @@ class CacheLookup:
 
     def cached_tokens(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord],
                       pending: bool = True) -> Mapping[str, int]:
+        answer = self.answer(blocks, candidates)
+        return answer.with_pending if pending else answer.confirmed
+
+    def for_pick(self) -> PickLookup:
+        """The view one pick reads: it asks about the same prompt up to three times (the KV filter, the
+        backlog gate, the latency), and the index cannot change within a pick (nothing awaits), so the
+        first answer serves them all."""
+        return PickLookup(self)
+
+    def answer(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord]) -> CachedPrefixes:
+        """Both answers (confirmed blocks only, and with pending ones) for the known workers among
+        ``candidates``, from one walk of the index per block size."""
         now = self._clock()
         by_size: dict[int, list[str]] = {}
         for worker in candidates:
             by_size.setdefault(self._block_size(worker), []).append(worker.id)
-        cached: dict[str, int] = {}
+        confirmed: dict[str, int] = {}
+        with_pending: dict[str, int] = {}
+        most = max(0, blocks.token_count - 1)
         for block_size, worker_ids in by_size.items():
             keys = blocks.keys.get(block_size)
             if keys is None:
                 continue
-            for worker_id, depth in self.index.cached_blocks(keys, worker_ids, now, pending).items():
-                cached[worker_id] = min(depth * block_size, max(0, blocks.token_count - 1))
-        return cached
+            held, held_or_pending = self.index.cached_prefixes(keys, worker_ids, now)
+            for worker_id, depth in held.items():
+                confirmed[worker_id] = min(depth * block_size, most)
+            for worker_id, depth in held_or_pending.items():
+                with_pending[worker_id] = min(depth * block_size, most)
+        return CachedPrefixes(blocks, frozenset(w.id for w in candidates), confirmed, with_pending)
 
     def held_tokens(self, worker: WorkerRecord) -> int | None:
         blocks = self.index.held_blocks(worker.id)
@@ -121,3 +138,35 @@ def _prompt_blocks(body: bytes, tokenizer: PromptTokenizer, block_sizes: tuple[i
     if token_ids is None:
         return None
     return PromptBlocks(len(token_ids), {size: prompt_keys(token_ids, size, adapter) for size in block_sizes})
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefixes:
+    """One lookup of a prompt against the index, both ways, for the workers asked about."""
+
+    blocks: PromptBlocks
+    asked: frozenset[str]
+    confirmed: dict[str, int]
+    with_pending: dict[str, int]
+
+
+class PickLookup:
+    """``CacheLookup`` as one pick reads it: the answer for a prompt is worked out once and then read for any
+    of the workers it was asked about (a filter's survivors are among them)."""
+
+    __slots__ = ("_last", "_lookup")
+
+    def __init__(self, lookup: CacheLookup) -> None:
+        self._lookup = lookup
+        self._last: CachedPrefixes | None = None
+
+    def cached_tokens(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord],
+                      pending: bool = True) -> Mapping[str, int]:
+        last = self._last
+        if last is None or last.blocks is not blocks or not all(w.id in last.asked for w in candidates):
+            last = self._last = self._lookup.answer(blocks, candidates)
+        answer = last.with_pending if pending else last.confirmed
+        return {w.id: answer[w.id] for w in candidates if w.id in answer}
+
+    def held_tokens(self, worker: WorkerRecord) -> int | None:
+        return self._lookup.held_tokens(worker)

@@ -95,7 +95,8 @@ class Place:
                 if worker is not None:
                     self.ledger.placed(worker, tokens, now)
         return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, self.ledger.at(now),
-                           self.affinity.entries, self.prefix_cache)
+                           self.affinity.entries,
+                           self.prefix_cache.for_pick() if self.prefix_cache is not None else None)
 
     def _observe_rates(self, snapshot: FleetSnapshot) -> None:
         """Fold the records that changed since the last snapshot into the kinds' peak prefill rates."""

@@ -104,6 +104,33 @@ def test_the_lookup_gives_each_known_worker_its_exact_cached_prefix() -> None:
     assert lookup.cached_tokens(request.prompt_blocks, workers)["cold"] == len(token_ids) // 16 * 16
 
 
+def test_a_picks_view_answers_every_stage_from_one_walk_and_as_the_lookup_does() -> None:
+    body = long_body(3000)
+    token_ids = prompt_token_ids(body, SimTokenizer())
+    assert token_ids is not None
+    workers = [worker("warm"), worker("half"), worker("cold"), worker("x")]
+    lookup = indexed(workers, {"warm": 150, "half": 70}, token_ids)
+    request = pick_request(body, lookup)
+    lookup.placed(workers[2], request)  # pending on "cold"
+    blocks = request.prompt_blocks
+    assert blocks is not None
+    walks = []
+    walk = lookup.index.cached_prefixes
+    lookup.index.cached_prefixes = lambda *args: walks.append(args) or walk(*args)  # type: ignore[method-assign]
+    view = lookup.for_pick()
+    answers = [view.cached_tokens(blocks, workers, pending=False),  # the KV filter, over every candidate
+               view.cached_tokens(blocks, workers[:3]),  # the latency, over the filter's survivors
+               view.cached_tokens(blocks, workers[1:3], pending=False)]
+    assert len(walks) == 1
+    assert answers == [lookup.cached_tokens(blocks, workers, pending=False), lookup.cached_tokens(blocks, workers[:3]),
+                       lookup.cached_tokens(blocks, workers[1:3], pending=False)]
+    assert answers[0] == {"warm": 2400, "half": 1120, "cold": 0, "x": 0}
+    assert answers[1]["cold"] == min(len(token_ids) // 16 * 16, len(token_ids) - 1)  # pending: the whole prompt
+    other = replace(blocks, keys=dict(blocks.keys))  # another prompt: worked out anew
+    view.cached_tokens(other, workers)
+    assert len(walks) == 5  # 1 + the three lookups above + this one
+
+
 def scorer_scores(request: PickRequest, workers: list[WorkerRecord], lookup: CacheLookup,
                   pending: dict[str, int] | None = None) -> list[float]:
     context = PickContext(build_snapshot(workers, POOLS, NOW, 3.0), {}, pending_prefill_tokens=pending or {},
