@@ -46,10 +46,20 @@ class PrefillLedger:
         self._backlog: dict[str, tuple[float, float, float]] = {}
         """Worker id → (tokens left at ``at``, ``at``, the rate it drains at)."""
 
-    def placed(self, worker: WorkerRecord, tokens: int, now: float) -> None:
+    def placed(self, worker: WorkerRecord, tokens: int, now: float, since: float | None = None) -> None:
+        """``tokens`` placed on the worker ``since`` (default: ``now``), entered at ``now``: queued behind
+        what was ahead of them then, and drained with it since."""
         self.rates.observe((worker,))
         rate = self.rates.of(worker)
-        self._backlog[worker.id] = (self.left(worker.id, now) + tokens, now, rate)
+        entry = self._backlog.get(worker.id)
+        start = now if since is None else min(since, now)
+        if entry is not None:
+            start = max(start, entry[1])
+        left = self.left(worker.id, start) + tokens - rate * (now - start)
+        if left > 0:
+            self._backlog[worker.id] = (left, now, rate)
+        else:
+            self._backlog.pop(worker.id, None)
 
     def left(self, worker_id: str, now: float) -> float:
         entry = self._backlog.get(worker_id)

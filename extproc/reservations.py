@@ -149,8 +149,9 @@ class ReservationBook:
         self.peers_moved = False
         """The other replicas' reservations, the turn or this replica's recent placements changed since the
         last ``settle``: the pick must settle again even if the fleet snapshot did not change."""
-        self._peer_placed: dict[str, int] = {}
-        """Worker id → prefill tokens the other replicas placed there since ``take_peer_placements``."""
+        self._peer_placed: list[tuple[str, int, float | None]] = []
+        """(Worker id, prefill tokens the other replicas placed there, when that was read), in the order read,
+        since ``take_peer_placements``."""
         self._decoding: dict[str, dict[Reservation, float]] = {}
         """Worker id → its settled reservations whose decode room is still shrinking → when the stream's
         first token was expected."""
@@ -186,8 +187,7 @@ class ReservationBook:
         turn began or its claim window closed, or when a recent placement here has surely been seen.
         ``placed``: the prefill tokens they placed on each worker since the last read
         (``prefill_ledger.placed_since``), kept for the ledger until ``take_peer_placements``."""
-        for worker_id, tokens in (placed or {}).items():
-            _bump(self._peer_placed, worker_id, tokens)
+        self._peer_placed.extend((worker_id, tokens, at) for worker_id, tokens in (placed or {}).items())
         replicas = max(1, replicas)
         rank = min(max(0, rank), replicas - 1)
         if (kv, prefill, replicas, rank) != (self._peer_kv, self._peer_prefill, self._replicas, self._rank):
@@ -199,10 +199,11 @@ class ReservationBook:
                                  or (self._recent and self._recent[0][0] + self.exchange_s <= self._now)):
                 self.peers_moved = True
 
-    def take_peer_placements(self) -> dict[str, int]:
-        """Worker id → the prefill the other replicas placed there since the last call (for the prefill
-        ledger, which drains it as this replica's own)."""
-        placed, self._peer_placed = self._peer_placed, {}
+    def take_peer_placements(self) -> list[tuple[str, int, float | None]]:
+        """(Worker id, prefill tokens, when read) of what the other replicas placed since the last call, in
+        the order read (for the prefill ledger, which drains it as this replica's own from when it was read:
+        a replica that picks nothing for a while must not find it all still queued at its next pick)."""
+        placed, self._peer_placed = self._peer_placed, []
         return placed
 
     def reserve(self, worker_id: str, prompt_tokens: int, output_tokens: int, placed_at: float,

@@ -39,6 +39,7 @@ from simworker.worker import SimWorker, WorkerSpec
 from tests.integration.test_extproc_grpc import PREFIX, Extproc, body, headers, pin_of, running_extproc
 
 MODEL = "sim-llama-3-8b"
+LEDGER_DRAINED_S = 3.0
 DOC_A = " ".join(f"alpha{i % 211} section" for i in range(900))
 DOC_B = " ".join(f"beta{i % 199} clause" for i in range(900))
 
@@ -201,6 +202,11 @@ async def test_two_extproc_processes_pick_alike_from_the_same_event_streams(
             await warm(fleet["c"], DOC_A)
             for replica in (first, second):
                 await picked_within(replica, chat(DOC_A), fleet["c"].address, timeout_s=20.0)
+            # The polls above placed the document (whole, where its blocks were not known yet) while the
+            # processes joined the streams; each process's ledger drains those prefills at the default rate
+            # (8,000 tokens a second) from when it read them, and one that still counted them would send the
+            # next question elsewhere. (It entered them at its next pick, as if placed then: 1 run in 10 failed.)
+            await asyncio.sleep(LEDGER_DRAINED_S)
             prompts = [chat(doc, f"Question {i}?") for i in range(4) for doc in (DOC_A, DOC_B)]
             picks_first, picks_second = [], []
             for prompt in prompts:  # interleaved, so both meet the same load and only the cache decides

@@ -226,19 +226,19 @@ async def test_each_prefill_another_replica_placed_is_handed_to_the_ledger_once(
     first = books["a"].reserve("w", 3_000, 100, placed_at=now[0])
     await exchange(redis_client, peers["a"], ["w"])
     await exchange(redis_client, peers["b"], ["w"])
-    assert books["b"].take_peer_placements() == {"w": 3_000}
+    assert books["b"].take_peer_placements() == [("w", 3_000, now[0])]  # with when it was read
     await exchange(redis_client, peers["b"], ["w"])
-    assert books["b"].take_peer_placements() == {}  # read again: nothing new
+    assert books["b"].take_peer_placements() == []  # read again: nothing new
     books["a"].release(first)  # gone from the exchange (settled or ended): nothing new either
     now[0] += 0.05
     await exchange(redis_client, peers["a"], ["w"])
     await exchange(redis_client, peers["b"], ["w"])
-    assert books["b"].take_peer_placements() == {}
+    assert books["b"].take_peer_placements() == []
     books["a"].reserve("w", 1_000, 100, placed_at=now[0], prefill_tokens=400)  # 600 of it cached there
     now[0] += 0.05
     await exchange(redis_client, peers["a"], ["w"])
     await exchange(redis_client, peers["b"], ["w"])
-    assert books["b"].take_peer_placements() == {"w": 400}
+    assert books["b"].take_peer_placements() == [("w", 400, now[0])]
 
 
 async def test_a_clean_stop_removes_the_replica_at_once(redis_client: aioredis.Redis) -> None:

@@ -98,3 +98,14 @@ def test_a_placed_prompt_counts_in_full_on_a_worker_that_does_not_hold_it() -> N
     assert place.ledger.left("cold", NOW) == len(PROMPT)
     # The next request with the same prompt finds it pending there: little prefill of its own, behind this one.
     assert place.context().pending_prefill_tokens.get("cold", 0) == len(PROMPT)
+
+
+def test_what_another_replica_placed_drains_from_when_it_was_read() -> None:
+    """A replica that picks nothing for a while enters the others' placements at its next pick: they were
+    queued behind its own backlog when read, and the engine has worked on both since."""
+    ledger = PrefillLedger(default_rate=1000.0)
+    ledger.placed(worker("a"), 3000, now=10.0)
+    ledger.placed(worker("a"), 2000, now=13.0, since=11.0)  # read at 11 s, when 2,000 of the first were left
+    assert ledger.left("a", 13.0) == 2000  # 2,000 + 2,000 at 11 s, 2 s of work done since
+    ledger.placed(worker("b"), 2000, now=20.0, since=15.0)  # long done by now
+    assert ledger.left("b", 20.0) == 0
