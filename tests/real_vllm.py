@@ -79,7 +79,12 @@ class VllmServer:
     process: subprocess.Popen[bytes]
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        """The log's last ``lines``, after its first traceback when that is earlier: vLLM reports a failed
+        engine start-up at the end and its cause ("see root cause above") well before."""
+        text = self.log_path.read_text(errors="replace").splitlines()
+        first = next((i for i, line in enumerate(text) if "Traceback" in line), len(text))
+        cause = text[first:first + lines] if first < len(text) - lines else []
+        return "\n".join([*cause, *(["[...]"] if cause else []), *text[-lines:]])
 
 
 def kv_events_config(pub_port: int, replay_port: int, topic: str = "kv-events") -> str:
