@@ -99,6 +99,9 @@ EXCHANGE_S = 0.14
 period (``extproc.snapshot_refresh_s``, 100 ms by default) and the round trips, with a margin."""
 TURNS_PER_EXCHANGE = 4
 """A turn lasts this many ``exchange_s``; its first half is the claim window, its second the guard."""
+PEER_PLACED_KEPT_S = 60.0
+"""How long the other replicas' placements wait for this replica's next pick: any prefill read this long ago
+is done at any rate, and a replica that picks nothing keeps no growing list."""
 
 
 class Reservation:
@@ -187,7 +190,10 @@ class ReservationBook:
         turn began or its claim window closed, or when a recent placement here has surely been seen.
         ``placed``: the prefill tokens they placed on each worker since the last read
         (``prefill_ledger.placed_since``), kept for the ledger until ``take_peer_placements``."""
-        self._peer_placed.extend((worker_id, tokens, at) for worker_id, tokens in (placed or {}).items())
+        kept = self._peer_placed
+        kept.extend((worker_id, tokens, at) for worker_id, tokens in (placed or {}).items())
+        if at is not None and kept and (first := kept[0][2]) is not None and first < at - PEER_PLACED_KEPT_S:
+            self._peer_placed = [read for read in kept if read[2] is None or read[2] >= at - PEER_PLACED_KEPT_S]
         replicas = max(1, replicas)
         rank = min(max(0, rank), replicas - 1)
         if (kv, prefill, replicas, rank) != (self._peer_kv, self._peer_prefill, self._replicas, self._rank):

@@ -287,3 +287,11 @@ def test_an_unchanged_affinity_key_is_not_published_again() -> None:
     affinity.record(["k1", "k2"], "w1")
     affinity.record(["k2"], "w2")
     assert affinity.take_unpublished() == [("k2", "w2")]
+
+
+def test_an_idle_replica_keeps_only_the_last_minute_of_the_others_placements() -> None:
+    book = ReservationBook(settle_s=0.5)
+    for second in range(0, 600, 10):  # ten minutes of exchanges and no pick here
+        book.apply_peers({}, {}, replicas=2, rank=0, at=float(second), placed={"w": 100})
+    kept = book.take_peer_placements()
+    assert [at for _, _, at in kept] == [float(s) for s in range(530, 600, 10)]
