@@ -48,17 +48,17 @@ def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float
     ttft_seconds = _delta(state.ttft_sum_s, metrics.ttft_sum_s)
     first_tokens = _delta(state.ttft_count, metrics.ttft_count)
     if ttft_seconds is not None and first_tokens:  # else no request got its first token: keep the last value
-        ttft = _ewma(ttft, ttft_seconds / first_tokens, alpha, unknown=-1.0)
+        ttft = ewma(ttft, ttft_seconds / first_tokens, alpha, unknown=-1.0)
     hit_rate = state.prefix_cache_hit_rate
     hits = _delta(state.prefix_cache_hits, metrics.prefix_cache_hits_total)
     queries = _delta(state.prefix_cache_queries, metrics.prefix_cache_queries_total)
     if hits is not None and queries:  # no prompt looked up this interval: keep the last value
-        hit_rate = _ewma(hit_rate, min(1.0, hits / queries), alpha, unknown=-1.0)
+        hit_rate = ewma(hit_rate, min(1.0, hits / queries), alpha, unknown=-1.0)
     inter_token = state.inter_token_ewma_s
     gap_seconds = _delta(state.inter_token_sum_s, metrics.inter_token_sum_s)
     gaps = _delta(state.inter_token_count, metrics.inter_token_count)
     if gap_seconds is not None and gaps:  # no stream wrote a token this interval: keep the last value
-        inter_token = _ewma(inter_token, gap_seconds / gaps, alpha, unknown=-1.0)
+        inter_token = ewma(inter_token, gap_seconds / gaps, alpha, unknown=-1.0)
     prefill = state.prefill_tokens_per_s
     prompt_delta = _delta(state.prompt_tokens, metrics.prompt_tokens_total)
     prefill_seconds = _delta(state.prefill_time_sum_s, metrics.prefill_time_sum_s)
@@ -70,7 +70,7 @@ def advance(state: RateState, metrics: EngineMetrics, now_s: float, alpha: float
     if prompt_delta and prefill_seconds:
         computed = prompt_delta - (hits or 0.0)
         if computed > 0:
-            prefill = _ewma(prefill, computed / prefill_seconds, alpha, unknown=0.0)
+            prefill = ewma(prefill, computed / prefill_seconds, alpha, unknown=0.0)
     return replace(state, at_s=now_s, ttft_sum_s=metrics.ttft_sum_s, ttft_count=metrics.ttft_count,
                    prompt_tokens=metrics.prompt_tokens_total, prefill_time_sum_s=metrics.prefill_time_sum_s,
                    busy=busy, ttft_ewma_s=ttft,
@@ -87,5 +87,6 @@ def _delta(before: float | None, after: float | None) -> float | None:
     return after - before
 
 
-def _ewma(previous: float, sample: float, alpha: float, unknown: float) -> float:
+def ewma(previous: float, sample: float, alpha: float, unknown: float) -> float:
+    """The moving average of the interval samples; ``previous`` at ``unknown`` takes the sample as it is."""
     return sample if previous == unknown else alpha * sample + (1 - alpha) * previous

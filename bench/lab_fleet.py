@@ -23,6 +23,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agent.rates import DEFAULT_ALPHA, ewma
 from extproc.kvcache.wire import EventBatch, decode_batch
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 from simworker.engine import Engine, EngineConfig, EngineRequest, StepOutcome
@@ -35,8 +36,6 @@ EVENT_DELAY_S = 0.002
 """From the end of a step to the router's index: the ZMQ hop and the subscriber's decode."""
 IDLE_RETRY_S = 0.001
 """A worker with work but nothing it can schedule (KV full behind the queue's head) tries again this soon."""
-RATE_ALPHA = 0.3
-"""``agent.rates.DEFAULT_ALPHA``: the weight of the newest prefill-rate sample."""
 START_TIME = 1_000_000.0
 """Virtual wall-clock start: records stamped 0 mean "never" to the router, so the lab starts far from it."""
 BLOCK_SIZE = 16
@@ -129,17 +128,16 @@ class LabWorker:
         rates = self._rates
         computed = rates.prompt_tokens - rates.cache_hits
         if rates.prefill_seconds > 0 and computed > 0:
-            sample = computed / rates.prefill_seconds
-            rates.prefill_tokens_per_s = (sample if rates.prefill_tokens_per_s <= 0 else
-                                          RATE_ALPHA * sample + (1 - RATE_ALPHA) * rates.prefill_tokens_per_s)
+            rates.prefill_tokens_per_s = ewma(rates.prefill_tokens_per_s, computed / rates.prefill_seconds,
+                                              DEFAULT_ALPHA, unknown=0.0)
         if rates.queries > 0:
-            sample = min(1.0, rates.cache_hits / rates.queries)
-            rates.prefix_cache_hit_rate = (sample if rates.prefix_cache_hit_rate < 0 else
-                                           RATE_ALPHA * sample + (1 - RATE_ALPHA) * rates.prefix_cache_hit_rate)
+            rates.prefix_cache_hit_rate = ewma(rates.prefix_cache_hit_rate, min(1.0, rates.cache_hits / rates.queries),
+                                               DEFAULT_ALPHA, unknown=-1.0)
         if rates.first_tokens:
-            rates.ttft_ewma_s = _ewma(rates.ttft_ewma_s, rates.ttft_seconds / rates.first_tokens)
+            rates.ttft_ewma_s = ewma(rates.ttft_ewma_s, rates.ttft_seconds / rates.first_tokens, DEFAULT_ALPHA,
+                                     unknown=-1.0)
         if rates.gaps:
-            rates.inter_token_s = _ewma(rates.inter_token_s, rates.gap_seconds / rates.gaps)
+            rates.inter_token_s = ewma(rates.inter_token_s, rates.gap_seconds / rates.gaps, DEFAULT_ALPHA, unknown=-1.0)
         rates.prompt_tokens = rates.prefill_seconds = rates.queries = rates.cache_hits = 0.0
         rates.ttft_seconds = rates.gap_seconds = 0.0
         rates.first_tokens = rates.gaps = 0
@@ -229,7 +227,3 @@ class LabFleet:
             self.loop.at(self.loop.now + EVENT_DELAY_S, lambda: self.on_events(worker.id, batch))
         self._step(worker)
 
-
-def _ewma(previous: float, sample: float) -> float:
-    """The agent's moving average (``agent.rates``); a negative ``previous`` is unknown."""
-    return sample if previous < 0 else RATE_ALPHA * sample + (1 - RATE_ALPHA) * previous
