@@ -320,6 +320,7 @@ class ReservationBook:
             return
         by_id = snapshot.by_id
         settle_s = self.settle_s
+        decoding_more: set[str] = set()
         for reservation in list(self._unsettled):
             worker = by_id.get(reservation.worker_id)
             if worker is None or (worker.metrics_at or snapshot.seen_at(worker)) < reservation.placed_at + settle_s:
@@ -332,7 +333,9 @@ class ReservationBook:
             if reservation.decode_tokens:
                 writes_from = reservation.placed_at + max(settle_s, worker.ttft_ewma_s)
                 self._decoding.setdefault(reservation.worker_id, {})[reservation] = writes_from
-                self._reprice(reservation.worker_id)
+                decoding_more.add(reservation.worker_id)
+        for worker_id in decoding_more:  # once per worker, however many of its streams settled together
+            self._reprice(worker_id)
 
     def _shrink_decode_rooms(self, snapshot: FleetSnapshot, now: float, changed: set[str] | None) -> None:
         """Shrink the decode room of the streams on the workers whose record changed (``None``: every worker)
