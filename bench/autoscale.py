@@ -75,7 +75,7 @@ def run(scenario: Scenario, out: Path, quiet: host_quiet.Sampler | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import autoscale_real
+    from bench import autoscale_real, autoscale_wake
 
     parser = argparse.ArgumentParser(prog="poolgate bench autoscale", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for the reports")
@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="run a compressed trace through the real stack (``bench.autoscale_real``): "
                            "autoscale_real.json, .md and .png")
     autoscale_real.add_arguments(real)
+    autoscale_wake.add_arguments(real)
     args = parser.parse_args(argv)
+    if args.wake_ups:
+        return autoscale_wake.run_wake_ups(args)
     if args.sweep:
         from bench import autoscale_sweep
         return autoscale_sweep.main(Path(args.out), quick=args.quick)

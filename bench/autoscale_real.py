@@ -192,8 +192,8 @@ def worker_processes(controller_pid: int) -> dict[str, int]:
     return found
 
 
-async def asleep(session: aiohttp.ClientSession, ports: dict[str, int]) -> set[str]:
-    """The autoscaled workers whose engine sleeps now (one that does not answer is counted awake)."""
+async def asleep(session: aiohttp.ClientSession, ports: dict[str, int], pool: str = AUTO) -> set[str]:
+    """The pool's workers whose engine sleeps now (one that does not answer is counted awake)."""
     async def sleeping(port: int) -> bool:
         try:
             async with asyncio.timeout(1.0), session.get(f"http://127.0.0.1:{port}/is_sleeping") as response:
@@ -201,7 +201,7 @@ async def asleep(session: aiohttp.ClientSession, ports: dict[str, int]) -> set[s
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return False
 
-    auto = {w: p for w, p in ports.items() if w.startswith(AUTO)}
+    auto = {w: p for w, p in ports.items() if w.startswith(pool)}
     answers = await asyncio.gather(*(sleeping(p) for p in auto.values()))
     return {w for w, a in zip(auto, answers, strict=True) if a}
 

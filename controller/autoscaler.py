@@ -6,6 +6,10 @@ pool is just long enough for the longest window. The loop also learns each pool'
 launches (``StartupTimes``: from the moment a worker is first seen starting to the moment it serves), and
 hands the decision the figure, so a pool of real vLLM engines plans minutes ahead and one of quick workers
 seconds.
+
+A pool with no awake worker is also looked at every ``EMPTY_POOL_POLL_S`` between rounds (one read of extproc's
+queue count for it): the first request to a pool at zero waits for a start-up or a wake-up, not for the next
+round as well.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ HOLD_LOG_S = 10.0
 """A pool held above its minimum says why at most this often."""
 LAUNCHES_KEPT = 5
 """The learned start-up time is the mean of this many of the pool's latest launches."""
+EMPTY_POOL_POLL_S = 0.1
+"""How often a pool with no awake worker is checked for a request waiting on it, between rounds."""
 
 
 class StartupTimes:
@@ -80,6 +86,10 @@ class Autoscaler:
                                   ["pool", "action"], registry=registry)
         self.last: dict[str, Decision] = {}
         self._hold_logged_at: dict[str, float] = {}
+        self._empty: set[str] = set()
+        """Pools whose latest sample had no awake worker and that are left as they are (``wake_empty``)."""
+        self._acting = asyncio.Lock()
+        """One pool step at a time: a round and a wake-up check must not both launch for the same request."""
 
     def _keep_s(self, pool: str) -> float:
         """History long enough for the longest window, the learned start-up time's among them."""
@@ -138,8 +148,21 @@ class Autoscaler:
             for history in self._history.values():
                 history.clear()
             return
-        now = self._clock()
-        for pool, bounds in self._settings.pools.items():
+        for pool in self._settings.pools:
+            await self._step_pool(pool)
+
+    async def wake_empty(self) -> None:
+        """Step at once each pool with no awake worker that a request now waits for (extproc's queue count)."""
+        if not self._is_leader():
+            return
+        for pool in list(self._empty):
+            if await self._store.read_queued(pool) > 0:
+                await self._step_pool(pool)
+
+    async def _step_pool(self, pool: str) -> None:
+        async with self._acting:
+            bounds = self._settings.pools[pool]
+            now = self._clock()
             history = self._history[pool]
             history.append(await self.sample(pool, now))
             keep_s = self._keep_s(pool)
@@ -149,9 +172,13 @@ class Autoscaler:
                               startup_s=self._startup_s(pool), wake_s=self._wake_s(pool))
             self._decisions.labels(pool=pool, action=decision.action.value).inc()
             self.last[pool] = decision
+            if history[-1].workers == 0 and decision.action is Action.HOLD:
+                self._empty.add(pool)
+            else:
+                self._empty.discard(pool)
             if decision.action is Action.HOLD:
                 self._log_hold(pool, bounds.min_workers, decision, now)
-                continue
+                return
             log.info("pool %s: scale %s to %d (%s)", pool, decision.action.value, decision.target, decision.reason)
             try:
                 result = await self._instances.scale(pool, decision.target, sleep_level=bounds.sleep_level)
@@ -165,4 +192,8 @@ class Autoscaler:
 
 
 async def run_autoscaler(autoscaler: Autoscaler, interval_s: float, stop: asyncio.Event) -> None:
-    await every(interval_s, stop, autoscaler.step, lambda exc: log.warning("autoscaler skipped a round: %s", exc))
+    def skipped(exc: Exception) -> None:
+        log.warning("autoscaler skipped a round: %s", exc)
+
+    await asyncio.gather(every(interval_s, stop, autoscaler.step, skipped),
+                         every(min(interval_s, EMPTY_POOL_POLL_S), stop, autoscaler.wake_empty, skipped))

@@ -56,6 +56,10 @@ from poolgate.kernel.store import FleetStore
 
 log = logging.getLogger("poolgate.controller.local")
 
+LOADING_PROBE_S = 0.1
+"""A worker not yet registered is probed this often (at most: the heartbeat interval when shorter): its port
+opens once the model is loaded, and the first request to a pool at zero waits for that moment, not for the next
+heartbeat as well. A refused connection costs nothing."""
 WORKER_KEY_ENV = "VLLM_API_KEY"
 """Where vLLM (and the simulated worker) read the key that ``--api-key`` would give."""
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -418,7 +422,9 @@ class LocalProcessBackend:
             try:
                 while not exit_wait.done():
                     await self._tick(worker)
-                    await asyncio.wait({exit_wait}, timeout=settings.heartbeat_interval_s)
+                    period = settings.heartbeat_interval_s if worker.registered else min(
+                        settings.heartbeat_interval_s, LOADING_PROBE_S)
+                    await asyncio.wait({exit_wait}, timeout=period)
             finally:
                 if not exit_wait.done():
                     exit_wait.cancel()

@@ -1,5 +1,6 @@
-"""The autoscaler's sample of a pool from the real registry: extproc's queue for an empty pool wakes it, and
-extproc's in-flight counts keep a busy pool from looking idle when the agent's scrape of an engine is stale."""
+"""The autoscaler's sample of a pool from the real registry: extproc's queue for an empty pool wakes it (between
+rounds too), and extproc's in-flight counts keep a busy pool from looking idle when the agent's scrape of an engine
+is stale."""
 
 from __future__ import annotations
 
@@ -42,6 +43,22 @@ async def test_a_request_queued_for_an_empty_pool_wakes_it(redis_client: aioredi
     scaler = autoscaler(store, pool)
     assert (await scaler.sample("chat", 100.0)).waiting == 1
     await scaler.step()
+    assert pool.scaled == [("chat", 1)]
+
+
+async def test_an_empty_pool_is_woken_between_rounds_once_a_request_waits_for_it(
+        redis_client: aioredis.Redis) -> None:
+    store, pool = FleetStore(redis_client, "as"), Pool()
+    scaler = autoscaler(store, pool)
+    await scaler.step()  # a round finds the pool empty and idle
+    assert pool.scaled == []
+    await scaler.wake_empty()  # nothing waits yet: left as it is
+    assert pool.scaled == []
+    await store.add_counts({}, {"chat": 1}, replica_id="extproc-a")
+    await scaler.wake_empty()  # the first request arrives before the next round
+    assert pool.scaled == [("chat", 1)]
+    pool.workers = ["chat-1"]  # starting
+    await scaler.wake_empty()  # no longer empty: the rounds take it from here
     assert pool.scaled == [("chat", 1)]
 
 
