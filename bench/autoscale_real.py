@@ -149,9 +149,11 @@ class Sent:
     error: str = ""
 
 
-async def one(session: aiohttp.ClientSession, url: str, pool: str, at_s: float, tokens: int) -> Sent:
+async def one(session: aiohttp.ClientSession, url: str, pool: str, at_s: float, tokens: int,
+              model: str | None = None) -> Sent:
+    """One streamed chat request to ``model`` (default: the pool's in this benchmark), timed to its first token."""
     sent = Sent(pool, at_s)
-    body = orjson.dumps({"model": MODELS[pool], "messages": [{"role": "user", "content": "how are the pools"}],
+    body = orjson.dumps({"model": model or MODELS[pool], "messages": [{"role": "user", "content": "how are the pools"}],
                          "max_tokens": tokens, "ignore_eos": True, "stream": True})
     started = time.monotonic()
     try:
@@ -247,13 +249,18 @@ DECISION = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*pool auto: sca
 DRAINING = re.compile(r"pool auto: \d+ -> \d+ workers, draining (.+)$")
 
 
+def log_time(stamp: str) -> float:
+    """Epoch seconds of a controller log line's timestamp."""
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 def decisions(controller_log: str, wall_start: float) -> tuple[list[dict[str, Any]], set[str]]:
     """The autoscaler's scale decisions for ``auto`` (time from the trace's start) and the workers drained."""
     found: list[dict[str, Any]] = []
     drained: set[str] = set()
     for line in controller_log.splitlines():
         if (match := DECISION.match(line)) is not None:
-            at = datetime.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall_start
+            at = log_time(match[1]) - wall_start
             found.append({"at_s": round(at, 2), "action": match[2], "target": int(match[3]), "reason": match[4]})
         elif (drain := DRAINING.search(line)) is not None:
             drained.update(w.strip() for w in drain[1].split(","))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
 import re
 import tempfile
@@ -30,17 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import yaml
 
 from bench import host_quiet
-from bench.autoscale_real import asleep, worker_processes
+from bench.autoscale_real import asleep, log_time, one, worker_processes
 from bench.report import write_report
 from poolgate.kernel.config import load_config
 from poolgate.up import Stack, StackPorts
 
 COLD, SLEEPY = "cold", "sleepy"
 MODELS = {COLD: "cold-model", SLEEPY: "sleepy-model"}
+REPLY_TOKENS = 4
 IDLE_WAIT_S = 120.0
 """Longest a round waits for a pool to have no awake worker again."""
 
@@ -96,20 +95,6 @@ def stack_config(scenario: WakeScenario) -> dict[str, Any]:
     }
 
 
-async def first_token(session: aiohttp.ClientSession, url: str, pool: str) -> tuple[float | None, int, str]:
-    """One streamed request: (seconds to its first content token, status, worker)."""
-    body = orjson.dumps({"model": MODELS[pool], "messages": [{"role": "user", "content": "wake up"}],
-                         "max_tokens": 4, "stream": True})
-    started = time.monotonic()
-    ttft = None
-    async with session.post(url, data=body, headers={"content-type": "application/json"}) as response:
-        worker = response.headers.get("x-poolgate-worker", "")
-        async for chunk in response.content.iter_any():
-            if ttft is None and b'"content":"' in chunk and b'"content":""' not in chunk:
-                ttft = time.monotonic() - started
-        return ttft, response.status, worker
-
-
 async def awake_workers(session: aiohttp.ClientSession, controller_pid: int, pool: str) -> set[str]:
     alive = {w: p for w, p in (await asyncio.to_thread(worker_processes, controller_pid)).items()
              if w.startswith(pool)}
@@ -130,10 +115,6 @@ LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?"
                   r"|worker (\S+) is ready at)")
 
 
-def _at(stamp: str) -> float:
-    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
 def lifecycle(controller_log: str, pool: str, sent_at: float) -> tuple[float | None, float | None]:
     """For the request sent at ``sent_at`` (epoch s): how long the controller took to act on it (launch or wake
     call), and what the engine then took: a launch from the process started to its first good ``/health``, a
@@ -141,15 +122,15 @@ def lifecycle(controller_log: str, pool: str, sent_at: float) -> tuple[float | N
     acted: tuple[float, str, float | None] | None = None
     for line in controller_log.splitlines():
         match = LINE.match(line)
-        if match is None or _at(match[1]) < sent_at - 1.0:
+        if match is None or log_time(match[1]) < sent_at - 1.0:
             continue
         if acted is None and match[3] == pool:
             woke = match[4] != "none"
-            acted = (_at(match[1]), "" if woke else match[6], float(match[5]) if woke and match[5] else None)
+            acted = (log_time(match[1]), "" if woke else match[6], float(match[5]) if woke and match[5] else None)
             if woke:  # logged once the call returned
                 return acted[0] - (acted[2] or 0.0) - sent_at, acted[2]
         elif acted is not None and match[7] == acted[1]:
-            return acted[0] - sent_at, _at(match[1]) - acted[0]
+            return acted[0] - sent_at, log_time(match[1]) - acted[0]
     return (acted[0] - sent_at if acted else None), None
 
 
@@ -172,7 +153,8 @@ async def run(scenario: WakeScenario, run_dir: Path) -> dict[str, Any]:
                              if w.startswith(pool)}
                     kind = "wake-up" if alive else "launch"
                     sent_at = time.time()
-                    ttft, status, worker = await first_token(session, url, pool)
+                    sent = await one(session, url, pool, 0.0, REPLY_TOKENS, model=MODELS[pool])
+                    ttft, status, worker = sent.ttft_s, sent.status, sent.worker
                     await wait_idle(session, controller_pid, pool)
                     acted_s, engine_s = lifecycle((run_dir / "controller.log").read_text(), pool, sent_at)
                     rounds.append(Round(pool, index + 1, kind, ttft, status, acted_s, engine_s, worker))
