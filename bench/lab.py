@@ -182,11 +182,11 @@ RouterFactory = Callable[[LabFleet, Sequence[PoolSpec], Callable[[], float]], La
 
 
 def router_factory(name: str, seed: int, settings: SchedulingSettings, processes: int = 1,
-                   exchange_s: float = 0.05) -> RouterFactory:
+                   exchange_s: float = 0.05, siblings: bool = False) -> RouterFactory:
     def build(fleet: LabFleet, pools: Sequence[PoolSpec], clock: Callable[[], float]) -> LabRouter:
         workers = {model: [w.id for w in members] for model, members in fleet.by_model.items()}
         if name == "poolgate":
-            return Poolgate(settings, pools, clock, seed, processes, exchange_s)
+            return Poolgate(settings, pools, clock, seed, processes, exchange_s, siblings)
         if name == "least_request":
             return LeastRequest(workers, seed)
         if name == "power_of_two":
@@ -418,6 +418,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", default="1", help="poolgate's extproc processes, e.g. 1,2,4")
     parser.add_argument("--exchange-s", type=float, default=0.05,
                         help="how often poolgate's processes see each other's placements (model s)")
+    parser.add_argument("--siblings", action="store_true",
+                        help="with --processes above 1, also the processes as one host runs them: telling each "
+                             "other every placement before the next pick (extproc.siblings)")
     parser.add_argument("--requests", type=int, default=2000,
                         help="about this many requests per cell (the arrival window follows from the rate)")
     parser.add_argument("--calibrate", action="store_true",
@@ -460,6 +463,9 @@ def routers_of(args: argparse.Namespace) -> list[tuple[str, RouterFactory]]:
                 for processes in (int(p) for p in args.processes.split(",")):
                     routers.append((label if processes == 1 else f"{label}×{processes}",
                                     router_factory(name, args.seed, variant_settings, processes, args.exchange_s)))
+                    if processes > 1 and args.siblings:
+                        routers.append((f"{label}×{processes} siblings", router_factory(
+                            name, args.seed, variant_settings, processes, args.exchange_s, siblings=True)))
         else:
             routers.append((name, router_factory(name, args.seed, settings)))
     return routers

@@ -10,7 +10,8 @@ oracle looks inside the engines.
   ``Place`` (the scheduler over the snapshot, in-flight counts, reservations, affinity, the KV-event index),
   holding a request that fits nowhere until ``scheduling.max_wait_s``. With ``processes`` > 1, requests are
   dealt to N replicas that exchange reservations, in-flight counts and affinity every ``exchange_s``, as
-  through Redis.
+  through Redis; with ``siblings``, as the processes of one host do (``extproc.siblings``): before every pick,
+  with each placement's pending prompt blocks, and the book's unseen window ``SIBLING_EXCHANGE_S``.
 - ``least_request``: the fewest requests in flight (the router's own count), ties at random; Envoy's
   ``least_request`` with all hosts as choices.
 - ``power_of_two``: two workers at random, the one with fewer in flight.
@@ -48,6 +49,7 @@ from extproc.pipeline.context import Placement
 from extproc.pipeline.place import Place
 from extproc.prefill_ledger import placed_since
 from extproc.scheduling import Decision, NoCapacity, PickRequest, RequestProfiler, build_scheduler
+from extproc.siblings import SIBLING_EXCHANGE_S
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
@@ -261,12 +263,13 @@ class Poolgate(_Quiet):
     name = "poolgate"
 
     def __init__(self, settings: SchedulingSettings, pools: Sequence[PoolSpec], clock: Callable[[], float],
-                 seed: int, processes: int = 1, exchange_s: float = 0.05) -> None:
+                 seed: int, processes: int = 1, exchange_s: float = 0.05, siblings: bool = False) -> None:
         self.settings = settings
+        self.siblings = siblings
         self.pools = tuple(pools)
         self.clock = clock
         self.processes = processes
-        self.exchange_s = exchange_s
+        self.exchange_s = SIBLING_EXCHANGE_S if siblings else exchange_s
         self._snapshot = build_snapshot([], self.pools, taken_at=clock(), stale_after_s=3.0)
         self.profiler = RequestProfiler(settings)
         learned = settings.learned_output
@@ -310,6 +313,8 @@ class Poolgate(_Quiet):
         outcome = replica.place.pick(pick_request, None)
         if isinstance(outcome, Decision):
             replica.placements[request.index] = replica.place.commit(pick_request, outcome)
+            if self.siblings:
+                self._tell_siblings(replica, pick_request, outcome.worker_id)
             return outcome.worker_id
         if isinstance(outcome, NoCapacity) and held_s < self.settings.max_wait_s:
             return HOLD
@@ -339,10 +344,19 @@ class Poolgate(_Quiet):
             replica.lookup.index.mark_known(worker_id)
             replica.lookup.index.apply(worker_id, batch)
 
+    def _tell_siblings(self, placer: _Replica, request: PickRequest, worker_id: str) -> None:
+        """A placement's prompt blocks pending on its worker in every other replica's index at once."""
+        worker = self._snapshot.by_id.get(worker_id)
+        if worker is None:
+            return
+        for replica in self.replicas:
+            if replica is not placer:
+                replica.lookup.placed(worker, request)
+
     def _maybe_exchange(self, now: float) -> None:
-        """What the replicas tell each other through Redis, every ``exchange_s``: reservations, in-flight
-        deltas, affinity records."""
-        if self.processes == 1 or now < self._next_exchange:
+        """What the replicas tell each other through Redis, every ``exchange_s`` (siblings: before every
+        pick): reservations, in-flight deltas, affinity records."""
+        if self.processes == 1 or (now < self._next_exchange and not self.siblings):
             return
         self._next_exchange = now + self.exchange_s
         totals = self._inflight_totals

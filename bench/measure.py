@@ -81,7 +81,21 @@ def client_figures(outcomes: Sequence[Outcome], time_scale: float, class_names: 
         "output_tokens": sum(o.tokens for o in outcomes),
         "error_samples": sorted({o.error for o in outcomes if o.error})[:3],
         "ttft_samples_s": sorted(round(t, 4) for t in ttfts if math.isfinite(t)),
+        "slowest": slowest(outcomes, ttfts, time_scale),
     }
+
+
+SLOWEST_KEPT = 10
+
+
+def slowest(outcomes: Sequence[Outcome], ttfts: Sequence[float], time_scale: float) -> list[dict[str, Any]]:
+    """The requests behind the tail, slowest first: when each was sent (model seconds from the run's start),
+    its class and size, and its TTFT. A p99 alone cannot tell a start-up stall (all early) from a policy's
+    queue (spread over the run) or one worker's backlog."""
+    ranked = sorted(zip(ttfts, outcomes, strict=True), key=lambda pair: -pair[0])[:SLOWEST_KEPT]
+    return [{"index": o.spec.index, "sent_s": round(o.sent_s * time_scale, 3), "workload": o.spec.workload,
+             "prompt_tokens": o.spec.prompt_tokens, "ttft_s": round(t, 4) if math.isfinite(t) else "inf",
+             "status": o.status} for t, o in ranked]
 
 
 def worker_figures(before: Scrapes, after: Scrapes) -> dict[str, Any]:

@@ -202,19 +202,25 @@ class BenchFleet:
         await self.check_baseline(session)
 
     async def restart_extproc(self) -> None:
-        """A fresh extproc (no affinity map, no latency history), as every peer router starts fresh."""
-        child = next(c for c in self.stack.children if c.name == "extproc")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.process.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(child.process.wait(), 10)
-        except TimeoutError:
+        """Fresh extproc processes (no affinity map, no learned output lengths, no pending prefixes), as every
+        peer router starts fresh: all of them, since one kept from the previous run would carry what it
+        learned on another scenario into this one."""
+        children = [c for c in self.stack.children if c.name == "extproc" or c.name.startswith("extproc-")]
+        for child in children:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.process.pid, signal.SIGKILL)
-            await child.process.wait()
-        await self.stack.restart(child)
-        if not await wait_port("127.0.0.1", self.stack.ports.extproc[0], 30):
-            raise RuntimeError(f"extproc did not come back (log: {child.log_path})")
+                os.killpg(child.process.pid, signal.SIGTERM)
+        for child in children:
+            try:
+                await asyncio.wait_for(child.process.wait(), 10)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                await child.process.wait()
+        for child in children:
+            await self.stack.restart(child)
+        for child, port in zip(children, self.stack.ports.extproc, strict=True):
+            if not await wait_port("127.0.0.1", port, 30):
+                raise RuntimeError(f"{child.name} did not come back (log: {child.log_path})")
         await self.stack.wait_until_serving()
 
     async def reset_prefix_caches(self, session: aiohttp.ClientSession) -> None:

@@ -34,6 +34,7 @@ from extproc.quota import QuotaStore
 from extproc.replica import ReplicaState, queue_deadlines
 from extproc.scheduling import RequestProfiler, Scheduler
 from extproc.service import ExtProcService
+from extproc.siblings import Siblings
 from extproc.tenancy import TenantDirectory
 from poolgate.kernel.config import PoolSpec, PoolTask, SchedulingSettings, TenancySettings
 
@@ -63,6 +64,7 @@ def build_service(
     pools: Sequence[PoolSpec] = (),
     replica: ReplicaState | None = None,
     queue_changed: Callable[[], None] | None = None,
+    siblings: Siblings | None = None,
 ) -> ExtProcService:
     """``clock`` is the wall clock worker records are stamped with; ``timer`` the monotonic one for durations
     and queue deadlines; ``rng`` draws catalogue traffic splits; ``model_tasks`` says what each served model
@@ -72,7 +74,7 @@ def build_service(
     director keeps class order with other replicas (``queue_order``, fed by the peer exchange). ``replica`` is the
     state kept across requests (reservations, affinity, queue, queue order) that the caller also hands to the
     peer exchange; left out, it is built here. ``queue_changed`` is called when a request joins or leaves the
-    queue."""
+    queue. ``siblings``: the other extproc processes of this host (``extproc.siblings``)."""
     scheduling = scheduling or SchedulingSettings()
     tenants = tenants or TenantDirectory(TenancySettings(), ())
     tenancy = tenants.settings
@@ -87,7 +89,7 @@ def build_service(
         admit=Admit(quotas, tenancy, metrics),
         hold=hold,
         place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache, disagg,
-                    reservations=replica.reservations, affinity=replica.affinity),
+                    reservations=replica.reservations, affinity=replica.affinity, siblings=siblings),
         respond=Respond(metrics, genai_metrics),
         metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling), cold_starts=cold_starts,
         queue_order=replica.queue_order)

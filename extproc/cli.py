@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (default: observability.extproc_metrics_port "
                              "from the configuration, else off)")
+    parser.add_argument("--siblings", default=None,
+                        help="comma-separated gRPC ports of the extproc processes started with this one on this "
+                             "host, its own among them: they tell each other every placement at once "
+                             "(poolgate up sets it)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     add_log_format_argument(parser)
 
@@ -50,10 +54,11 @@ def main(args: argparse.Namespace) -> int:
     import uvloop
 
     from extproc.server import serve
+    from extproc.siblings import sibling_ports
 
     async def run() -> None:
         task = asyncio.create_task(serve(config, redis_url, args.host, port, metrics_port, listening,
-                                         config_path=args.config))
+                                         config_path=args.config, sibling_ports=sibling_ports(args.siblings)))
         on_stop_signal(asyncio.get_running_loop(), task.cancel, STOP_DEADLINE_S)
         with contextlib.suppress(asyncio.CancelledError):
             await task

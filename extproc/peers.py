@@ -20,6 +20,10 @@ Keys (named in ``poolgate.kernel.keys.PeerKeys``; the store runs the pipelines):
   ``REPORT_REFRESH_S`` while non-empty, removed when empty; readers ignore one older than ``REPORT_TTL_S``.
 
 Nothing here runs on the pick: the watcher's flush loop writes, its refresh reads (one pipeline each).
+
+Sibling processes (``siblings``) tell each other their reservations at once; what Redis holds of a sibling
+is left out, and what it told is added instead (``merge``, at each read and whenever a sibling tells news).
+While every live replica is a sibling, the book's unseen window is ``siblings.SIBLING_EXCHANGE_S``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from extproc.affinity import AffinityMap
 from extproc.prefill_ledger import placed_since
 from extproc.queue_order import REPORT_REFRESH_S, REPORT_TTL_S, QueueOrder
 from extproc.reservations import ReservationBook
+from extproc.siblings import SIBLING_EXCHANGE_S, Siblings
 from poolgate.kernel.keys import PeerKeys
 
 PRESENCE_REFRESH_S = 1.0
@@ -48,7 +53,7 @@ class PeerExchange:
 
     def __init__(self, keys: PeerKeys, replica_id: str, book: ReservationBook,
                  clock: Callable[[], float] = time.time, affinity: AffinityMap | None = None,
-                 queue_order: QueueOrder | None = None) -> None:
+                 queue_order: QueueOrder | None = None, siblings: Siblings | None = None) -> None:
         self._keys = keys
         self.replica_id = replica_id
         self._book = book
@@ -68,6 +73,12 @@ class PeerExchange:
         self._peer_prefill: dict[tuple[str, str], int] = {}
         """(Worker id, replica) → the other replicas' prefill reservations at the last read (what they placed
         since is the increase: ``prefill_ledger.placed_since``)."""
+        self._siblings = siblings
+        self._redis_exchange_s = book.exchange_s
+        self._live: set[str] = {replica_id}
+        """The replicas Redis last showed alive, this one included."""
+        self._remote: dict[tuple[str, str], tuple[int, int]] = {}
+        """(Worker id, replica) → the (KV, prefill) reservations Redis last showed of replicas not siblings."""
 
     def _pending(self) -> tuple[float, dict[str, tuple[int, int]], dict[str, tuple[int, int]], list[str], bool]:
         """Now, the current reservations, those changed since the last write, those gone, presence beat due."""
@@ -163,28 +174,46 @@ class PeerExchange:
             oldest = self._clock() - PRESENCE_TTL_S
             replicas = {_text(r) for r, at in results[0].items() if _stamp(at) >= oldest}
             replicas.add(self.replica_id)
-            kv: dict[str, int] = {}
-            prefill: dict[str, int] = {}
-            by_replica: dict[tuple[str, str], int] = {}
+            siblings = self._siblings.ids if self._siblings is not None else frozenset()
+            remote: dict[tuple[str, str], tuple[int, int]] = {}
             dead: list[str] = []
             for field, value in results[1].items():
                 worker_id, _, replica = _text(field).partition(" ")
-                if replica == self.replica_id:
+                if replica == self.replica_id or replica in siblings:
                     continue
                 parsed = _reservation(value, oldest)
                 if parsed is None:
                     dead.append(_text(field))
                 elif worker_id in known:
-                    kv[worker_id] = kv.get(worker_id, 0) + parsed[0]
-                    prefill[worker_id] = prefill.get(worker_id, 0) + parsed[1]
-                    by_replica[worker_id, replica] = parsed[1]
-            placed = placed_since(self._peer_prefill, by_replica)
-            self._peer_prefill = by_replica
+                    remote[worker_id, replica] = parsed
             self._dead_fields = dead
-            self.replicas = len(replicas)
-            self._book.apply_peers(kv, prefill, self.replicas, rank=sorted(replicas).index(self.replica_id),
-                                   at=self._clock(), placed=placed)
+            self._live, self._remote = replicas, remote
+            self.merge()
         return apply
+
+    def merge(self) -> None:
+        """Hand the book the other replicas' reservations: Redis's of the replicas on other hosts, and what
+        the siblings told; with the replica count, this replica's rank among them, and the prefill each
+        placed since the last merge (for the prefill ledger)."""
+        kv: dict[str, int] = {}
+        prefill: dict[str, int] = {}
+        by_replica: dict[tuple[str, str], int] = {}
+        replicas = set(self._live)
+        parts: list[tuple[str, str, int, int]] = [(w, r, k, p) for (w, r), (k, p) in self._remote.items()]
+        if self._siblings is not None:
+            parts.extend((w, r, k, p) for r, w, k, p in self._siblings.view.reservations())
+            replicas |= self._siblings.ids
+            alone_here = replicas <= self._siblings.ids | {self.replica_id}
+            self._book.exchange_s = SIBLING_EXCHANGE_S if alone_here else self._redis_exchange_s
+        for worker_id, replica, kv_tokens, prefill_tokens in parts:
+            kv[worker_id] = kv.get(worker_id, 0) + kv_tokens
+            prefill[worker_id] = prefill.get(worker_id, 0) + prefill_tokens
+            by_replica[worker_id, replica] = prefill_tokens
+        placed = placed_since(self._peer_prefill, by_replica)
+        self._peer_prefill = by_replica
+        self.replicas = len(replicas)
+        self._book.apply_peers(kv, prefill, self.replicas, rank=sorted(replicas).index(self.replica_id),
+                               at=self._clock(), placed=placed)
 
     def _best_elsewhere(self, reports: Any) -> dict[str, int]:
         """Pool → the best class the other replicas' fresh reports hold waiting (malformed ones are skipped)."""

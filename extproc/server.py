@@ -36,6 +36,7 @@ from extproc.quota import QuotaStore
 from extproc.replica import ReplicaState
 from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
 from extproc.service import ExtProcService
+from extproc.siblings import Placed, Siblings, SiblingSocket
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
 from poolgate.kernel.cancel import cancel_and_wait
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 GRPC_MESSAGE_MARGIN = 64 * 1024
 """Room for the ext_proc envelope and headers on top of the largest accepted body."""
 SHUTDOWN_GRACE_S = 5.0
+SIBLING_SEND_S = 0.05
+"""How often changes made without a placement or a release (settled reservations, written in-flight counts)
+go to the siblings."""
 HEALTH_SERVICES = ("", ext_proc_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name)
 """grpc.health.v1 answers for the whole server ("") and for the ext_proc service by name."""
 
@@ -78,10 +82,13 @@ async def serve(
     metrics_port: int | None = None,
     on_listening: Callable[[int], None] | None = None,
     config_path: str | None = None,
+    sibling_ports: tuple[int, ...] = (),
 ) -> None:
     """Run extproc until cancelled. ``on_listening`` gets the bound port (useful with port 0). Raises
     ``ConfigError`` before listening when a configured tokenizer cannot be loaded. With ``config_path`` the
-    file is watched and a changed model catalogue is used at once (no restart, no dropped request)."""
+    file is watched and a changed model catalogue is used at once (no restart, no dropped request).
+    ``sibling_ports``: the gRPC ports of the extproc processes started with this one on this host (its own
+    among them), which tell each other every placement at once (``siblings``)."""
     profiler = build_profiler(config.scheduling)
     metrics = Metrics()
     metrics_server = None
@@ -89,10 +96,13 @@ async def serve(
         metrics_server, _ = start_http_server(metrics_port, addr=host, registry=metrics.registry)
         log.info("extproc metrics on http://%s:%d/metrics", host, metrics_server.server_port)
     client = redis_client(redis_url)
-    service, watcher, catalogue, kv_cache = _assemble(config, client, metrics, profiler)
+    links = sibling_ports if port in sibling_ports and len(sibling_ports) > 1 else ()
+    service, watcher, catalogue, kv_cache, siblings = _assemble(config, client, metrics, profiler, port, links)
     server, health, bound = await _grpc_server(service, host, port, config.extproc.max_request_bytes,
                                                config.tls.extproc)
     watch_tasks = watcher.start()
+    if siblings is not None:
+        watch_tasks.append(asyncio.create_task(_hear_siblings(siblings), name="siblings"))
     kv_task = (asyncio.create_task(kv_cache[1].follow(watcher, metrics=metrics), name="kv-events")
                if kv_cache is not None else None)
     ready_task = asyncio.create_task(_serving_after_first_snapshot(watcher, health), name="health-ready")
@@ -128,8 +138,9 @@ async def serve(
 KvCache = tuple[CacheLookup, KVEventSubscriptions]
 
 
-def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: RequestProfiler) -> (
-        tuple[ExtProcService, FleetWatcher, CatalogueSource, KvCache | None]):
+def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: RequestProfiler, port: int = 0,
+              sibling_ports: tuple[int, ...] = ()) -> (
+        tuple[ExtProcService, FleetWatcher, CatalogueSource, KvCache | None, Siblings | None]):
     """The servicer over the fleet watcher, each part given the configuration's section it reads; the KV-event
     parts raise ConfigError (before anything listens) when a pool's tokenizer cannot load."""
     inflight = InflightTracker()
@@ -142,6 +153,8 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
     kv_cache = build_kv_cache(config.extproc.kv_events, config.pools, lambda: watcher.snapshot)
     replica = ReplicaState.build(config.scheduling, config.tenancy, config.pools)
     replica.reservations.exchange_s = watcher.exchange_s
+    siblings = _siblings(port, sibling_ports, watcher.replica_id, replica, inflight,
+                         kv_cache[0] if kv_cache is not None else None)
     service = build_service(build_scheduler(config.scheduling), watcher, inflight, metrics,
                             max_request_bytes=config.extproc.max_request_bytes, scheduling=config.scheduling,
                             profiler=profiler, tenants=TenantDirectory(config.tenancy, config.tenants),
@@ -152,12 +165,55 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
                             prefix_cache=kv_cache[0] if kv_cache is not None else None,
                             disagg=DisaggPlan.from_config(config),
                             cold_starts=ColdStarts.from_config(config.pools, config.autoscale),
-                            pools=config.pools, replica=replica, queue_changed=watcher.flush_soon)
+                            pools=config.pools, replica=replica, queue_changed=watcher.flush_soon,
+                            siblings=siblings)
     watcher.publish_queue(replica.queue.held_by_domain)
-    watcher.share_reservations(PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id,
-                                            replica.reservations, affinity=replica.affinity,
-                                            queue_order=replica.queue_order))
-    return service, watcher, catalogue, kv_cache
+    peers = PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id, replica.reservations,
+                         affinity=replica.affinity, queue_order=replica.queue_order, siblings=siblings)
+    watcher.share_reservations(peers)
+    if siblings is not None:
+        def siblings_changed() -> None:
+            peers.merge()
+            inflight.apply_siblings(*siblings.view.inflight())
+        siblings.on_change = siblings_changed
+    return service, watcher, catalogue, kv_cache, siblings
+
+
+def _siblings(port: int, sibling_ports: tuple[int, ...], replica_id: str, replica: ReplicaState,
+              inflight: InflightTracker, lookup: CacheLookup | None) -> Siblings | None:
+    """The link to the other processes of this host (None when started alone)."""
+    if not sibling_ports:
+        return None
+    book = replica.reservations
+
+    def own_state() -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+        kv, prefill = book.own_kv_tokens, book.own_prefill_tokens
+        return {w: (kv.get(w, 0), prefill.get(w, 0)) for w in {*kv, *prefill}}, inflight.own()
+
+    siblings = Siblings(replica_id, SiblingSocket(port, sibling_ports), own_state)
+
+    def placed(news: Placed) -> None:
+        if lookup is not None:
+            lookup.placed_by_sibling(news.worker_id, news.pending_keys)
+        replica.affinity.apply(news.affinity)
+    siblings.on_placed = placed
+    return siblings
+
+
+async def _hear_siblings(siblings: Siblings) -> None:
+    """Take the siblings' datagrams as they arrive (the pick also takes them first), and send what changed
+    here without a placement (reservations settling, in-flight writes) and the beat."""
+    loop = asyncio.get_running_loop()
+    fileno = siblings.fileno()
+    assert fileno is not None
+    loop.add_reader(fileno, siblings.receive)
+    try:
+        while True:
+            siblings.send()
+            await asyncio.sleep(SIBLING_SEND_S)
+    finally:
+        loop.remove_reader(fileno)
+        siblings.close()
 
 
 async def _grpc_server(service: ExtProcService, host: str, port: int, max_request_bytes: int,

@@ -198,7 +198,8 @@ class Stack:
         listed = {name: {"port": port, "metrics_port": metrics_port}
                   for name, port, metrics_port in zip(names, self.ports.extproc, metrics, strict=True)}
         (self.run_dir / "extproc.json").write_bytes(orjson.dumps(listed))
-        return [await self._spawn(name, [*command, "--port", str(port),
+        siblings = ["--siblings", ",".join(map(str, self.ports.extproc))] if len(self.ports.extproc) > 1 else []
+        return [await self._spawn(name, [*command, "--port", str(port), *siblings,
                                          *(["--metrics-port", str(m)] if m else [])])
                 for name, port, m in zip(names, self.ports.extproc, metrics, strict=True)]
 

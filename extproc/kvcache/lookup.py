@@ -60,13 +60,20 @@ class CacheLookup:
             blocks = _prompt_blocks(body, tokenizer, block_sizes, request.adapter)
         return request if blocks is None else replace(request, prompt_blocks=blocks)
 
-    def placed(self, worker: WorkerRecord, request: PickRequest) -> None:
+    def placed(self, worker: WorkerRecord, request: PickRequest) -> Sequence[int]:
+        """Mark the prompt's blocks pending on the worker; returns their keys (for the sibling processes)."""
         blocks = request.prompt_blocks
         if blocks is None:
-            return
+            return ()
         keys = blocks.keys.get(self._block_size(worker))
         if keys:
             self.index.add_pending(worker.id, keys, self._clock())
+        return keys or ()
+
+    def placed_by_sibling(self, worker_id: str, keys: Sequence[int]) -> None:
+        """A sibling process placed a prompt with these block keys on the worker (``siblings``)."""
+        if keys:
+            self.index.add_pending(worker_id, keys, self._clock())
 
     def cached_tokens(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord],
                       pending: bool = True) -> Mapping[str, int]:

@@ -8,7 +8,7 @@ arrives) and the affinity map. A placement acquires all three at once and ``rele
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -25,6 +25,7 @@ from extproc.prefill_ledger import PrefillLedger
 from extproc.reservations import Reservation, ReservationBook
 from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, Scheduler
 from extproc.scheduling.estimate import exact_prompt
+from extproc.siblings import Siblings
 from extproc.snapshot import FleetSnapshot
 from extproc.tenancy import Tenant
 from poolgate.kernel.config import SchedulingSettings
@@ -45,9 +46,10 @@ class Place:
                  settings: SchedulingSettings, clock: Callable[[], float] = time.time,
                  timer: Callable[[], float] = time.perf_counter, prefix_cache: CacheLookup | None = None,
                  disagg: DisaggPlan | None = None, *, reservations: ReservationBook | None = None,
-                 affinity: AffinityMap | None = None) -> None:
+                 affinity: AffinityMap | None = None, siblings: Siblings | None = None) -> None:
         """``reservations`` and ``affinity`` are the replica's (``extproc.replica.ReplicaState``), shared with
-        the peer exchange; left out, this stage gets its own from ``settings``."""
+        the peer exchange; left out, this stage gets its own from ``settings``. ``siblings``: the other
+        processes of this host, told of every placement and release at once and heard before every pick."""
         self.scheduler = scheduler
         self.fleet = fleet
         self.inflight = inflight
@@ -70,6 +72,7 @@ class Place:
         self.ledger = PrefillLedger(settings.default_prefill_tokens_per_s)
         """The prefill placed on each worker, by this replica and the others, that its engine has not done yet."""
         self._task_classes = settings.task_classes
+        self.siblings = siblings
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -78,7 +81,9 @@ class Place:
     def context(self) -> PickContext:
         """The current snapshot with this replica's accounting; settles reservations on a new snapshot, or
         when the other replicas' reservations changed, and enters the prefill the other replicas placed
-        (as the exchange brought it) into the ledger."""
+        (as the exchange brought it) into the ledger. What the sibling processes sent is taken first."""
+        if self.siblings is not None:
+            self.siblings.receive()
         snapshot = self.fleet.snapshot
         reservations = self.reservations
         if snapshot is not self._settled_for or reservations.peers_moved:
@@ -180,18 +185,26 @@ class Place:
             reservation = self.reservations.reserve(worker_id, new_kv, request.output_tokens, now,
                                                     prefill_tokens=to_compute)
             self.ledger.placed(worker, to_compute, now)
-        self._acquire(request, decision, prefill_only=False)
+        keys = self._acquire(request, decision, prefill_only=False)
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
+        if self.siblings is not None:
+            self.siblings.placed(worker_id, keys, [(key, worker_id) for key in request.affinity_keys])
+            self.siblings.send()
         return Placement(decision, reservation, prefill)
 
-    def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> None:
+    def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> Sequence[int]:
+        """Count the request on the worker and mark its prompt's blocks pending there; returns their keys."""
         worker_id = decision.worker_id
         self.inflight.acquire(worker_id)
         worker = self.fleet.snapshot.by_id.get(worker_id)
+        keys: Sequence[int] = ()
         if self.prefix_cache is not None and worker is not None:
-            self.prefix_cache.placed(worker, request)
+            keys = self.prefix_cache.placed(worker, request)
+            if prefill_only and self.siblings is not None:
+                self.siblings.placed(worker_id, keys, ())
         self._metrics.picks.labels(decision.pool, worker_id).inc()
+        return keys
 
     def headers(self, decision: Decision | PairDecision, request: PickRequest,
                 tenant: Tenant | None) -> tuple[tuple[str, str], ...]:
@@ -213,6 +226,8 @@ class Place:
         if placement.prefill is not None:
             self.inflight.release(placement.prefill.worker_id)
             self.reservations.release(placement.prefill)
+        if self.siblings is not None:
+            self.siblings.send()
 
 
 def describe(decision: Decision, request: PickRequest) -> str:
