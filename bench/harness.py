@@ -19,6 +19,8 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from poolgate.kernel.child_process import own_group_dying_with_parent
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -112,7 +114,8 @@ def lag_quantile(before: Mapping[str, float], after: Mapping[str, float], share:
 
 
 class ProcessGroup:
-    """Children started for one benchmark; each in its own session, all stopped (then killed) at the end."""
+    """Children started for one benchmark; each in its own session, all stopped (then killed) at the end, and
+    each ended with the benchmark if it is killed first (a stopped benchmark leaves nothing running)."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -121,7 +124,8 @@ class ProcessGroup:
     def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with (self.log_dir / f"{name}.log").open("ab") as log:
             process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env={**os.environ, **(env or {})}, start_new_session=True)
+                                       env={**os.environ, **(env or {})},
+                                       preexec_fn=own_group_dying_with_parent)
         self.children[name] = process
         return process
 

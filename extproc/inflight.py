@@ -11,7 +11,7 @@ written: their part of the Redis total is replaced by what they told.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 
 class InflightTracker:
@@ -64,10 +64,12 @@ class InflightTracker:
         for worker_id, delta in deltas.items():
             self._flushed[worker_id] = self._flushed.get(worker_id, 0) + delta
 
-    def own(self) -> dict[str, tuple[int, int]]:
-        """Worker id → (this replica's requests there, how many of them it wrote to Redis): what siblings read."""
-        return {w: (self._local.get(w, 0), self._flushed.get(w, 0))
-                for w in {*self._local, *self._flushed} if self._local.get(w, 0) or self._flushed.get(w, 0)}
+    def own(self, workers: Collection[str] | None = None) -> dict[str, tuple[int, int]]:
+        """Worker id → (this replica's requests there, how many of them it wrote to Redis), on ``workers`` or
+        wherever it has any: what its siblings read."""
+        local, flushed = self._local, self._flushed
+        return {w: (local.get(w, 0), flushed.get(w, 0)) for w in (workers or {*local, *flushed})
+                if local.get(w, 0) or flushed.get(w, 0)}
 
     def apply_remote(self, totals: Mapping[str, int]) -> None:
         """Take the Redis totals read after all flushed deltas landed; workers absent from ``totals`` are

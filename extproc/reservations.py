@@ -43,8 +43,10 @@ Several replicas (extproc processes, nodes) place on the same workers. Each publ
 reads the others' through Redis (``extproc/peers.py``, folded in with ``apply_peers``): a placement reaches
 another replica's pick at most one flush batch (20 ms) plus one refresh (``snapshot_refresh_s``, 100 ms)
 plus the round trips later, ~120 ms; ``exchange_s`` (140 ms by default, set from the configuration) is that
-bound with a margin. Within it, replicas placing at once could each promise the same free room, so each
-holds back the others' share of it, except in its turn on the worker:
+bound with a margin. Processes of one host also tell each other at once (``siblings``): while every live
+replica is one of them, ``exchange_s`` is ``siblings.SIBLING_EXCHANGE_S`` (5 ms). Within it, replicas
+placing at once could each promise the same free room, so each holds back the others' share of it, except
+in its turn on the worker:
 
     free(w)     = capacity × (1 − kv_reserve_fraction − usage) − own(w) − others(w)
     recent(w)   = what this replica placed on w in the last ``exchange_s`` (the others may not see it yet)

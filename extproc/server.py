@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
@@ -186,11 +186,17 @@ def _siblings(port: int, sibling_ports: tuple[int, ...], replica_id: str, replic
         return None
     book = replica.reservations
 
-    def own_state() -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+    def own_state(workers: Collection[str] | None) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
         kv, prefill = book.own_kv_tokens, book.own_prefill_tokens
-        return {w: (kv.get(w, 0), prefill.get(w, 0)) for w in {*kv, *prefill}}, inflight.own()
+        reservations = {w: (kv.get(w, 0), prefill.get(w, 0)) for w in (workers or {*kv, *prefill})}
+        return reservations, inflight.own(workers)
 
-    siblings = Siblings(replica_id, SiblingSocket(port, sibling_ports), own_state)
+    try:
+        link = SiblingSocket(port, sibling_ports)
+    except OSError as exc:  # the name is taken: run alone, through Redis, rather than not at all
+        log.warning("extproc siblings: cannot listen (%s); sharing placements through Redis only", exc)
+        return None
+    siblings = Siblings(replica_id, link, own_state)
 
     def placed(news: Placed) -> None:
         if lookup is not None:

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -201,28 +201,39 @@ class Outbox:
     """What this process has told its siblings, so the next datagram holds only what changed."""
 
     def __init__(self) -> None:
-        self._reservations: dict[str, tuple[int, int]] = {}
-        self._inflight: dict[str, tuple[int, int]] = {}
+        self._told: tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]] = ({}, {})
 
-    def news(self, sender: str, reservations: Mapping[str, tuple[int, int]],
-             inflight: Mapping[str, tuple[int, int]], placed: list[Placed], whole: bool) -> News | None:
-        """The datagram to send now (None: nothing changed and nothing placed, and no beat due)."""
-        changed_res = _changes(self._reservations, reservations, whole)
-        changed_inf = _changes(self._inflight, inflight, whole)
-        self._reservations = dict(reservations)
-        self._inflight = dict(inflight)
-        if not (changed_res or changed_inf or placed or whole):
+    def news(self, sender: str, state: tuple[Mapping[str, tuple[int, int]], Mapping[str, tuple[int, int]]],
+             placed: list[Placed], whole: bool, only: Collection[str] | None = None) -> News | None:
+        """The datagram to send now (None: nothing changed, nothing placed, no beat due). ``state``: this
+        process's (reservations, in-flight) per worker, of the ``only`` workers when given (a placement or a
+        release looks at its own workers, not the fleet)."""
+        changes = [_changes(told, now, whole, only) for told, now in zip(self._told, state, strict=True)]
+        if not (changes[0] or changes[1] or placed or whole):
             return None
-        return News(sender, changed_res, changed_inf, placed, whole)
+        return News(sender, changes[0], changes[1], placed, whole)
 
 
-def _changes(before: Mapping[str, tuple[int, int]], now: Mapping[str, tuple[int, int]],
-             whole: bool) -> dict[str, tuple[int, int]]:
+def _changes(told: dict[str, tuple[int, int]], now: Mapping[str, tuple[int, int]], whole: bool,
+             only: Collection[str] | None) -> dict[str, tuple[int, int]]:
+    """What changed since ``told`` (updated to ``now``); a worker no longer held changes to (0, 0)."""
+    workers = {*told, *now} if only is None else only
+    changed: dict[str, tuple[int, int]] = {}
+    for worker_id in workers:
+        value = now.get(worker_id, (0, 0))
+        if whole or told.get(worker_id, (0, 0)) != value:
+            changed[worker_id] = value
+        if value == (0, 0):
+            told.pop(worker_id, None)
+        else:
+            told[worker_id] = value
     if whole:
-        return {w: v for w, v in now.items() if v != (0, 0)}
-    changed = {w: v for w, v in now.items() if before.get(w) != v}
-    changed.update({w: (0, 0) for w in before if w not in now})
+        return {w: v for w, v in changed.items() if v != (0, 0)}
     return changed
+
+
+OwnState = Callable[[Collection[str] | None], tuple[Mapping[str, tuple[int, int]], Mapping[str, tuple[int, int]]]]
+"""(Workers, or None for all) → this process's (reservations (KV, prefill), in-flight (local, written)) there."""
 
 
 class Siblings:
@@ -230,13 +241,11 @@ class Siblings:
     (``on_placed`` for the KV index and the affinity map, ``on_change`` for the peer exchange and in-flight
     counts)."""
 
-    def __init__(self, own_id: str, link: SiblingSocket | None, own_state: Callable[[], tuple[
-                     Mapping[str, tuple[int, int]], Mapping[str, tuple[int, int]]]],
+    def __init__(self, own_id: str, link: SiblingSocket | None, own_state: OwnState,
                  clock: Callable[[], float] = time.time) -> None:
         self.own_id = own_id
         self._link = link
         self._own_state = own_state
-        """() → this process's (reservations, in-flight (local, flushed)) per worker."""
         self._clock = clock
         self.view = SiblingView()
         self._outbox = Outbox()
@@ -254,12 +263,13 @@ class Siblings:
         """A placement here: goes out with the next ``send`` (right after the commit)."""
         self._placed.append(Placed(worker_id, pending_keys, affinity))
 
-    def send(self) -> None:
-        """Tell the siblings what changed here (and everything when the beat is due)."""
+    def send(self, workers: Collection[str] | None = None) -> None:
+        """Tell the siblings what changed here: on ``workers`` (a placement's, a release's), else anywhere,
+        and everything when the beat is due."""
         now = self._clock()
-        whole = now - self._beat_at >= BEAT_S
-        reservations, inflight = self._own_state()
-        news = self._outbox.news(self.own_id, reservations, inflight, self._placed, whole)
+        whole = workers is None and now - self._beat_at >= BEAT_S
+        news = self._outbox.news(self.own_id, self._own_state(None if whole else workers), self._placed, whole,
+                                 None if whole else workers)
         self._placed = []
         if whole:
             self._beat_at = now

@@ -190,7 +190,7 @@ class Place:
             self.affinity.record(request.affinity_keys, worker_id)
         if self.siblings is not None:
             self.siblings.placed(worker_id, keys, [(key, worker_id) for key in request.affinity_keys])
-            self.siblings.send()
+            self.siblings.send(_workers_of(reservation, prefill))
         return Placement(decision, reservation, prefill)
 
     def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> Sequence[int]:
@@ -227,7 +227,11 @@ class Place:
             self.inflight.release(placement.prefill.worker_id)
             self.reservations.release(placement.prefill)
         if self.siblings is not None:
-            self.siblings.send()
+            self.siblings.send(_workers_of(placement.reservation, placement.prefill))
+
+
+def _workers_of(reservation: Reservation, prefill: Reservation | None) -> tuple[str, ...]:
+    return (reservation.worker_id,) if prefill is None else (reservation.worker_id, prefill.worker_id)
 
 
 def describe(decision: Decision, request: PickRequest) -> str:

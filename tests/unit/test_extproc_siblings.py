@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Collection
 
 from extproc.affinity import AffinityMap
 from extproc.inflight import InflightTracker
@@ -51,9 +52,10 @@ class Process:
         for worker_id in ("w1", "w2"):  # both publish KV events: subscribed, in sync
             self.index.mark_known(worker_id)
 
-        def own() -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+        def own(workers: Collection[str] | None) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
             kv, prefill = self.book.own_kv_tokens, self.book.own_prefill_tokens
-            return {w: (kv.get(w, 0), prefill.get(w, 0)) for w in {*kv, *prefill}}, self.inflight.own()
+            return ({w: (kv.get(w, 0), prefill.get(w, 0)) for w in (workers or {*kv, *prefill})},
+                    self.inflight.own(workers))
 
         self.siblings = Siblings(replica_id, SiblingSocket(port, ports), own, clock=lambda: clock[0])
         self.peers = PeerExchange(PeerKeys("t"), replica_id, self.book, clock=lambda: clock[0],
@@ -77,7 +79,7 @@ class Process:
         self.index.add_pending(worker_id, keys, at)
         self.affinity.record(["session-1"], worker_id)
         self.siblings.placed(worker_id, keys, [("session-1", worker_id)])
-        self.siblings.send()
+        self.siblings.send([worker_id])
 
     def close(self) -> None:
         self.siblings.close()
@@ -119,7 +121,7 @@ def test_a_release_reaches_the_sibling_and_frees_the_room() -> None:
         reservation = next(iter(a.book._unsettled))
         a.book.release(reservation)
         a.inflight.release("w1")
-        a.siblings.send()
+        a.siblings.send(["w1"])
         b.siblings.receive()
         b.book.settle(snapshot())
         assert not b.book.prefill_tokens.get("w1")
@@ -189,14 +191,16 @@ def test_datagrams_round_trip_and_malformed_ones_are_skipped() -> None:
 
 def test_only_changes_travel_and_a_removed_reservation_travels_as_zero() -> None:
     outbox = Outbox()
-    first = outbox.news("a", {"w1": (10, 5)}, {}, [], whole=False)
+    first = outbox.news("a", ({"w1": (10, 5)}, {}), [], whole=False)
     assert first is not None and first.reservations == {"w1": (10, 5)}
-    assert outbox.news("a", {"w1": (10, 5)}, {}, [], whole=False) is None
-    gone = outbox.news("a", {}, {}, [], whole=False)
-    assert gone is not None and gone.reservations == {"w1": (0, 0)}
+    assert outbox.news("a", ({"w1": (10, 5)}, {}), [], whole=False) is None
+    other = outbox.news("a", ({"w2": (3, 3)}, {}), [], whole=False, only=["w2"])
+    assert other is not None and other.reservations == {"w2": (3, 3)}  # w1 not looked at: not gone
+    gone = outbox.news("a", ({}, {}), [], whole=False)
+    assert gone is not None and gone.reservations == {"w1": (0, 0), "w2": (0, 0)}
     view = SiblingView()
-    view.take(first, 1.0)
-    view.take(gone, 2.0)
+    for news in (first, other, gone):
+        view.take(news, 1.0)
     assert list(view.reservations()) == []
 
 
