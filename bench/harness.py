@@ -80,6 +80,18 @@ async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, flo
     return samples
 
 
+async def scrape_labelled(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    """A process's metric samples keyed ``name{label="value",…}`` (labels sorted), for a gauge by state."""
+    async with session.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as response:
+        text = await response.text()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
 async def answers_chat(session: aiohttp.ClientSession, base_url: str, model: str,
                        headers: Mapping[str, str] | None = None) -> int | None:
     """The status of a one-token chat completion (``ping``) at ``base_url``; None when nothing answered."""

@@ -62,7 +62,7 @@ class PoolgateRouter:
     name: str = "poolgate"
 
     async def start(self, session: aiohttp.ClientSession) -> Target:
-        await self.fleet.restart_extproc()
+        await self.fleet.restart_extproc(session)
         return self.fleet.target("poolgate")
 
     async def stop(self) -> None:

@@ -34,7 +34,7 @@ import aiohttp
 import yaml
 
 from bench.baseline_envoy import BENCH_CLUSTER_HEADER, baseline_bootstrap, baseline_cluster
-from bench.harness import ProcessGroup, answers_chat, scrape
+from bench.harness import ProcessGroup, answers_chat, scrape, scrape_labelled
 from bench.loadgen import Target
 from bench.workload import ModelRole, RequestSpec
 from poolgate.kernel.config import load_config
@@ -166,7 +166,8 @@ class BenchFleet:
         config_path.write_text(yaml.safe_dump(fleet_config(self.workers, time_scale, layout, extproc_processes),
                                               sort_keys=False))
         self.config = load_config(config_path)
-        ports = StackPorts.all_free(self.config.extproc.process_count())
+        processes = self.config.extproc.process_count()
+        ports = replace(StackPorts.all_free(processes), extproc_metrics=tuple(free_port() for _ in range(processes)))
         if layout.prefill_pool is not None:
             ports = replace(ports, pd_sidecar=free_port())
         self.stack = Stack(self.config, config_path, run_dir, ports, None, "127.0.0.1")
@@ -201,7 +202,7 @@ class BenchFleet:
             raise RuntimeError(f"the baseline Envoy did not restart (log in {self.run_dir})")
         await self.check_baseline(session)
 
-    async def restart_extproc(self) -> None:
+    async def restart_extproc(self, session: aiohttp.ClientSession) -> None:
         """Fresh extproc processes (no affinity map, no learned output lengths, no pending prefixes), as every
         peer router starts fresh: all of them, since one kept from the previous run would carry what it
         learned on another scenario into this one."""
@@ -222,6 +223,27 @@ class BenchFleet:
             if not await wait_port("127.0.0.1", port, 30):
                 raise RuntimeError(f"{child.name} did not come back (log: {child.log_path})")
         await self.stack.wait_until_serving()
+        await self.wait_kv_events_in_sync(session)
+
+    async def wait_kv_events_in_sync(self, session: aiohttp.ClientSession, timeout_s: float = 30.0) -> None:
+        """Until every extproc process follows every worker's KV events (its metrics say so): a process that
+        just started places blind for its first second otherwise, and a router's run must not begin with
+        what no deployment running for longer than that sees."""
+        expected = len(self.workers)
+        deadline = time.monotonic() + timeout_s
+        for port in self.stack.ports.extproc_metrics:
+            while True:
+                try:
+                    samples = await scrape_labelled(session, f"http://127.0.0.1:{port}")
+                except (aiohttp.ClientError, OSError):
+                    samples = {}
+                if samples.get('poolgate_extproc_kv_event_streams{state="known"}', 0.0) >= expected:
+                    break
+                if time.monotonic() > deadline:
+                    print(f"warning: extproc (metrics port {port}) not in sync with every worker's KV events after "
+                          f"{timeout_s:.0f} s; the run goes on (logs in {self.run_dir})", file=sys.stderr, flush=True)
+                    return
+                await asyncio.sleep(0.1)
 
     async def reset_prefix_caches(self, session: aiohttp.ClientSession) -> None:
         """vLLM's ``POST /reset_prefix_cache`` on every worker (call it on an idle fleet)."""

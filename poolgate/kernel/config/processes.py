@@ -67,8 +67,8 @@ class ExtprocSettings(Section):
     """extproc processes ``poolgate up`` starts, each on its own port (``ports.extproc`` + i when that port is
     set; the first one's metrics on ``observability.extproc_metrics_port``, the others' on free ports that
     ``extproc.json`` in the run directory lists) as one endpoint of Envoy's ext_proc cluster; 0 means one
-    per CPU core. They share in-flight counts and KV reservations through Redis (``docs/architecture.md``,
-    several processes)."""
+    per CPU core. They share in-flight counts and KV reservations through Redis, and tell each other every
+    placement at once over local datagrams (``docs/architecture.md``, several processes)."""
 
     def process_count(self) -> int:
         return self.processes or os.cpu_count() or 1
