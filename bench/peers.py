@@ -9,7 +9,8 @@
 3. Per scenario (``scenarios``): sweep the capacity (``capacity``: closed loop until throughput stops
    growing), weight the weighted least_request baseline by each worker's measured capacity.
 4. Per arrival pattern and load level: one seeded trace, replayed through every router (``routers``) in an
-   order shuffled by the seed and printed; before each router the fleet is idle and its prefix caches reset.
+   order shuffled by the seed and printed; before each router the fleet is idle and its prefix caches reset,
+   and poolgate's extproc processes start afresh and follow every worker's KV events before its run.
 5. Write DIR/report.json, DIR/report.md, DIR/ttft_cdf.png and DIR/goodput_vs_load.png; print the targets
    (met / missed with the figures) and the wall time.
 
