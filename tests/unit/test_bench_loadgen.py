@@ -123,6 +123,10 @@ async def test_known_timings_give_known_figures(fake_worker: str) -> None:
     assert figures["goodput_ratio"] == pytest.approx(6 / 8)  # every streamed request is inside the SLO
     assert figures["goodput_by_class"] == {"chat": pytest.approx(6 / 8)}
     assert len(figures["ttft_samples_s"]) == 6 and figures["output_tokens"] == 6 * TOKENS
+    slowest = figures["slowest"]  # the tail's requests, slowest first: the two misses, then the longest TTFT
+    assert [s["ttft_s"] for s in slowest[:2]] == ["inf", "inf"] and {s["status"] for s in slowest[:2]} >= {429}
+    assert slowest[2]["ttft_s"] == pytest.approx(2 * ttfts[-1], abs=1e-3) and len(slowest) == 8
+    assert all(s["sent_s"] >= 0 and s["workload"] == "chat" for s in slowest)
     assert counters.sent == 8 and counters.first_tokens == 6
 
     slow = SLO_S / FIRST_TOKEN_S * 1.01  # every TTFT of at least the fake's delay is past the SLO in model time
