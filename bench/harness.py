@@ -13,11 +13,12 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from poolgate.kernel.child_process import own_group_dying_with_parent
 
@@ -73,10 +74,9 @@ async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, flo
     async with session.get(base_url + "/metrics") as response:
         text = await response.text()
     samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = f"{sample.name}|{sample.labels['le']}" if "le" in sample.labels else sample.name
-            samples[key] = samples.get(key, 0.0) + sample.value
+    for sample in _samples(text):
+        key = f"{sample.name}|{sample.labels['le']}" if "le" in sample.labels else sample.name
+        samples[key] = samples.get(key, 0.0) + sample.value
     return samples
 
 
@@ -85,11 +85,15 @@ async def scrape_labelled(session: aiohttp.ClientSession, base_url: str) -> dict
     async with session.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as response:
         text = await response.text()
     samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    for sample in _samples(text):
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+        samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
+
+
+def _samples(text: str) -> Iterator[Sample]:
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
 
 
 async def answers_chat(session: aiohttp.ClientSession, base_url: str, model: str,

@@ -21,9 +21,6 @@ refreshes and holds requests exactly as often and as long as with the defaults o
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -207,16 +204,7 @@ class BenchFleet:
         peer router starts fresh: all of them, since one kept from the previous run would carry what it
         learned on another scenario into this one."""
         children = [c for c in self.stack.children if c.name == "extproc" or c.name.startswith("extproc-")]
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.process.pid, signal.SIGTERM)
-        for child in children:
-            try:
-                await asyncio.wait_for(child.process.wait(), 10)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.process.pid, signal.SIGKILL)
-                await child.process.wait()
+        await asyncio.gather(*(self.stack.stop_child(child, grace_s=10.0) for child in children))
         for child in children:
             await self.stack.restart(child)
         for child, port in zip(children, self.stack.ports.extproc, strict=True):

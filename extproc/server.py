@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
@@ -36,7 +36,7 @@ from extproc.quota import QuotaStore
 from extproc.replica import ReplicaState
 from extproc.scheduling import RequestProfiler, build_profiler, build_scheduler
 from extproc.service import ExtProcService
-from extproc.siblings import Placed, Siblings, SiblingSocket
+from extproc.siblings import Placed, Siblings, SiblingSocket, own_state
 from extproc.tenancy import TenantDirectory
 from extproc.watcher import FleetWatcher
 from poolgate.kernel.cancel import cancel_and_wait
@@ -153,8 +153,8 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
     kv_cache = build_kv_cache(config.extproc.kv_events, config.pools, lambda: watcher.snapshot)
     replica = ReplicaState.build(config.scheduling, config.tenancy, config.pools)
     replica.reservations.exchange_s = watcher.exchange_s
-    siblings = _siblings(port, sibling_ports, watcher.replica_id, replica, inflight,
-                         kv_cache[0] if kv_cache is not None else None)
+    lookup = kv_cache[0] if kv_cache is not None else None
+    siblings = _siblings(port, sibling_ports, watcher.replica_id, replica, inflight, lookup)
     service = build_service(build_scheduler(config.scheduling), watcher, inflight, metrics,
                             max_request_bytes=config.extproc.max_request_bytes, scheduling=config.scheduling,
                             profiler=profiler, tenants=TenantDirectory(config.tenancy, config.tenants),
@@ -162,7 +162,7 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
                             genai_metrics=config.observability.genai_metrics,
                             header_pin=config.extproc.endpoint_picker_mode == GIE_MODE,
                             model_tasks={pool.model: pool.task for pool in config.pools},
-                            prefix_cache=kv_cache[0] if kv_cache is not None else None,
+                            prefix_cache=lookup,
                             disagg=DisaggPlan.from_config(config),
                             cold_starts=ColdStarts.from_config(config.pools, config.autoscale),
                             pools=config.pools, replica=replica, queue_changed=watcher.flush_soon,
@@ -184,19 +184,12 @@ def _siblings(port: int, sibling_ports: tuple[int, ...], replica_id: str, replic
     """The link to the other processes of this host (None when started alone)."""
     if not sibling_ports:
         return None
-    book = replica.reservations
-
-    def own_state(workers: Collection[str] | None) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
-        kv, prefill = book.own_kv_tokens, book.own_prefill_tokens
-        reservations = {w: (kv.get(w, 0), prefill.get(w, 0)) for w in (workers or {*kv, *prefill})}
-        return reservations, inflight.own(workers)
-
     try:
         link = SiblingSocket(port, sibling_ports)
     except OSError as exc:  # the name is taken: run alone, through Redis, rather than not at all
         log.warning("extproc siblings: cannot listen (%s); sharing placements through Redis only", exc)
         return None
-    siblings = Siblings(replica_id, link, own_state)
+    siblings = Siblings(replica_id, link, own_state(replica.reservations, inflight))
 
     def placed(news: Placed) -> None:
         if lookup is not None:
@@ -211,7 +204,6 @@ async def _hear_siblings(siblings: Siblings) -> None:
     here without a placement (reservations settling, in-flight writes) and the beat."""
     loop = asyncio.get_running_loop()
     fileno = siblings.fileno()
-    assert fileno is not None
     loop.add_reader(fileno, siblings.receive)
     try:
         while True:

@@ -40,6 +40,9 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from extproc.inflight import InflightTracker
+from extproc.reservations import ReservationBook
+
 log = logging.getLogger(__name__)
 
 BEAT_S = 1.0
@@ -129,9 +132,7 @@ class SiblingSocket:
         while True:
             try:
                 received.append(self._socket.recv(1 << 20))
-            except (BlockingIOError, InterruptedError):
-                return received
-            except OSError:
+            except OSError:  # nothing more waiting (BlockingIOError), or the socket closed
                 return received
 
     def close(self) -> None:
@@ -161,16 +162,8 @@ class SiblingView:
         if heard is None or news.whole:
             heard = self.heard[news.sender] = Heard(now)
         heard.at = now
-        for worker_id, reservation in news.reservations.items():
-            if reservation == (0, 0):
-                heard.reservations.pop(worker_id, None)
-            else:
-                heard.reservations[worker_id] = reservation
-        for worker_id, counts in news.inflight.items():
-            if counts == (0, 0):
-                heard.inflight.pop(worker_id, None)
-            else:
-                heard.inflight[worker_id] = counts
+        _update(heard.reservations, news.reservations)
+        _update(heard.inflight, news.inflight)
 
     def forget_silent(self, now: float) -> bool:
         """Drop the siblings not heard from for ``SILENT_S``; whether any was dropped."""
@@ -195,6 +188,15 @@ class SiblingView:
                 local[worker_id] = local.get(worker_id, 0) + count
                 flushed[worker_id] = flushed.get(worker_id, 0) + written
         return local, flushed
+
+
+def _update(held: dict[str, tuple[int, int]], changes: Mapping[str, tuple[int, int]]) -> None:
+    """A sibling's per-worker state with its changes in (a worker changed to (0, 0) holds nothing)."""
+    for worker_id, value in changes.items():
+        if value == (0, 0):
+            held.pop(worker_id, None)
+        else:
+            held[worker_id] = value
 
 
 class Outbox:
@@ -236,12 +238,23 @@ OwnState = Callable[[Collection[str] | None], tuple[Mapping[str, tuple[int, int]
 """(Workers, or None for all) → this process's (reservations (KV, prefill), in-flight (local, written)) there."""
 
 
+def own_state(book: ReservationBook, inflight: InflightTracker) -> OwnState:
+    """What this process tells its siblings, read from its reservation book and in-flight counts."""
+
+    def state(workers: Collection[str] | None) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+        kv, prefill = book.own_kv_tokens, book.own_prefill_tokens
+        reservations = {w: (kv.get(w, 0), prefill.get(w, 0)) for w in (workers or {*kv, *prefill})}
+        return reservations, inflight.own(workers)
+
+    return state
+
+
 class Siblings:
     """This process's side: sends its changes, takes the siblings' and hands them to whoever applies them
     (``on_placed`` for the KV index and the affinity map, ``on_change`` for the peer exchange and in-flight
     counts)."""
 
-    def __init__(self, own_id: str, link: SiblingSocket | None, own_state: OwnState,
+    def __init__(self, own_id: str, link: SiblingSocket, own_state: OwnState,
                  clock: Callable[[], float] = time.time) -> None:
         self.own_id = own_id
         self._link = link
@@ -273,13 +286,11 @@ class Siblings:
         self._placed = []
         if whole:
             self._beat_at = now
-        if news is not None and self._link is not None:
+        if news is not None:
             self._link.send(encode(news))
 
     def receive(self) -> None:
         """Take what the siblings sent (before a pick, and whenever the socket is readable)."""
-        if self._link is None:
-            return
         datagrams = self._link.receive()
         self.take([news for data in datagrams if (news := decode(data)) is not None])
 
@@ -296,12 +307,11 @@ class Siblings:
         if changed:
             self.on_change()
 
-    def fileno(self) -> int | None:
-        return self._link.fileno() if self._link is not None else None
+    def fileno(self) -> int:
+        return self._link.fileno()
 
     def close(self) -> None:
-        if self._link is not None:
-            self._link.close()
+        self._link.close()
 
 
 def sibling_ports(spec: str | None) -> tuple[int, ...]:

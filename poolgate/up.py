@@ -246,14 +246,19 @@ class Stack:
         Killing the whole process group also takes the controller's workers when the controller crashed.
         """
         for child in reversed(self.children):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.process.pid, signal.SIGTERM)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(child.process.wait(), grace_s)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.process.pid, signal.SIGKILL)
-            if child.process.returncode is None:
-                await child.process.wait()
+            await self.stop_child(child, grace_s)
+
+    @staticmethod
+    async def stop_child(child: Child, grace_s: float = 8.0) -> None:
+        """One child and its process group: SIGTERM, wait up to ``grace_s``, then SIGKILL what is left."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.process.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(child.process.wait(), grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.process.pid, signal.SIGKILL)
+        if child.process.returncode is None:
+            await child.process.wait()
 
     @property
     def base_url(self) -> str:

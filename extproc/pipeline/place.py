@@ -185,26 +185,27 @@ class Place:
             reservation = self.reservations.reserve(worker_id, new_kv, request.output_tokens, now,
                                                     prefill_tokens=to_compute)
             self.ledger.placed(worker, to_compute, now)
-        keys = self._acquire(request, decision, prefill_only=False)
+        self._acquire(request, decision, prefill_only=False)
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
         if self.siblings is not None:
-            self.siblings.placed(worker_id, keys, [(key, worker_id) for key in request.affinity_keys])
             self.siblings.send(_workers_of(reservation, prefill))
         return Placement(decision, reservation, prefill)
 
-    def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> Sequence[int]:
-        """Count the request on the worker and mark its prompt's blocks pending there; returns their keys."""
+    def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> None:
+        """Count the request on the worker and mark its prompt's blocks pending there (for the siblings too,
+        with the affinity records of the worker that serves it)."""
         worker_id = decision.worker_id
         self.inflight.acquire(worker_id)
         worker = self.fleet.snapshot.by_id.get(worker_id)
         keys: Sequence[int] = ()
         if self.prefix_cache is not None and worker is not None:
             keys = self.prefix_cache.placed(worker, request)
-            if prefill_only and self.siblings is not None:
-                self.siblings.placed(worker_id, keys, ())
+        if self.siblings is not None:
+            affinity = () if prefill_only else tuple((key, worker_id) for key in request.affinity_keys)
+            if keys or affinity:
+                self.siblings.placed(worker_id, keys, affinity)
         self._metrics.picks.labels(decision.pool, worker_id).inc()
-        return keys
 
     def headers(self, decision: Decision | PairDecision, request: PickRequest,
                 tenant: Tenant | None) -> tuple[tuple[str, str], ...]:

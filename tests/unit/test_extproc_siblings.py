@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Collection
 
 from extproc.affinity import AffinityMap
 from extproc.inflight import InflightTracker
@@ -25,6 +24,7 @@ from extproc.siblings import (
     SiblingView,
     decode,
     encode,
+    own_state,
     sibling_ports,
 )
 from extproc.snapshot import FleetSnapshot, build_snapshot
@@ -51,13 +51,8 @@ class Process:
         self.index = PrefixIndex(pending_s=2.0)
         for worker_id in ("w1", "w2"):  # both publish KV events: subscribed, in sync
             self.index.mark_known(worker_id)
-
-        def own(workers: Collection[str] | None) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
-            kv, prefill = self.book.own_kv_tokens, self.book.own_prefill_tokens
-            return ({w: (kv.get(w, 0), prefill.get(w, 0)) for w in (workers or {*kv, *prefill})},
-                    self.inflight.own(workers))
-
-        self.siblings = Siblings(replica_id, SiblingSocket(port, ports), own, clock=lambda: clock[0])
+        self.siblings = Siblings(replica_id, SiblingSocket(port, ports), own_state(self.book, self.inflight),
+                                 clock=lambda: clock[0])
         self.peers = PeerExchange(PeerKeys("t"), replica_id, self.book, clock=lambda: clock[0],
                                   affinity=self.affinity, siblings=self.siblings)
 
@@ -227,6 +222,6 @@ class _Pipe:
 
 
 def _last(process: Process) -> bytes:
-    received = process.siblings._link.receive() if process.siblings._link is not None else []
+    received = process.siblings._link.receive()
     assert received
     return received[-1]
