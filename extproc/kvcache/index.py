@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice, repeat, takewhile
+from itertools import repeat, takewhile
 
 from extproc.kvcache.keys import chain_keys, root_key
 from extproc.kvcache.wire import Cleared, EngineHash, EventBatch, Removed, Stored
@@ -44,8 +44,6 @@ def _no_pending(key: int) -> dict[str, float] | None:
 class _Worker:
     blocks: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
     """Engine hash → router key, oldest store first."""
-    known: bool = False
-    block_size: int = 0
     orphans: int = 0
     """Stores whose parent block the index did not know (missed or dropped): skipped."""
 
@@ -65,6 +63,10 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self.pending_s = pending_s
         self._workers: dict[str, _Worker] = {}
+        self._known: set[str] = set()
+        """Workers whose stream is in sync (a set, so a lookup keeps the known among its workers in C)."""
+        self._block_sizes: dict[str, int] = {}
+        """Worker → the engine block size its stores name."""
         self._holders: dict[int, set[str]] = {}
         self._pending: dict[int, dict[str, float]] = {}
         self._pending_log: deque[tuple[float, str, Sequence[int]]] = deque()
@@ -87,13 +89,12 @@ class PrefixIndex:
         self._bound()
 
     def mark_known(self, worker_id: str) -> None:
-        self._worker(worker_id).known = True
+        self._worker(worker_id)
+        self._known.add(worker_id)
 
     def mark_unknown(self, worker_id: str) -> None:
         """The stream is gone or behind: keep what we had (a replay may repair it) but do not trust it."""
-        worker = self._workers.get(worker_id)
-        if worker is not None:
-            worker.known = False
+        self._known.discard(worker_id)
 
     def reset(self, worker_id: str) -> None:
         """The worker's stream started over (a restarted engine begins empty): forget all it held."""
@@ -102,6 +103,8 @@ class PrefixIndex:
     def forget(self, worker_id: str) -> None:
         """The worker left the fleet."""
         worker = self._workers.pop(worker_id, None)
+        self._known.discard(worker_id)
+        self._block_sizes.pop(worker_id, None)
         if worker is not None:
             self._clear(worker_id, worker)
 
@@ -132,17 +135,19 @@ class PrefixIndex:
     # -- lookups ----------------------------------------------------------------------------------------
 
     def is_known(self, worker_id: str) -> bool:
-        worker = self._workers.get(worker_id)
-        return worker is not None and worker.known
+        return worker_id in self._known
 
-    def held_blocks(self, worker_id: str) -> int | None:
-        """Blocks the worker's cache holds as its events tell; None while its stream is not in sync."""
-        worker = self._workers.get(worker_id)
-        return len(worker.blocks) if worker is not None and worker.known else None
+    def held_tokens(self, worker_id: str) -> int | None:
+        """Tokens of the blocks the worker's cache holds as its events tell; None while its stream is not in
+        sync."""
+        if worker_id not in self._known:
+            return None
+        return len(self._workers[worker_id].blocks) * self._block_sizes.get(worker_id, 0)
 
-    def block_size(self, worker_id: str) -> int:
-        worker = self._workers.get(worker_id)
-        return worker.block_size if worker is not None else 0
+    @property
+    def block_sizes(self) -> Mapping[str, int]:
+        """Worker → the engine block size its stores name (absent before its first store)."""
+        return self._block_sizes
 
     def cached_blocks(self, keys: Sequence[int], workers: Iterable[str], now: float,
                       pending: bool = True) -> dict[str, int]:
@@ -157,9 +162,10 @@ class PrefixIndex:
 
         The walk goes key by key only where the set of workers still matching changes or a pending block is
         needed to keep one matching; in between, the run of keys every one of them holds as their events
-        confirmed is measured in C (``takewhile`` over the holder sets): a document's few hundred blocks
-        against 40 workers cost ~0.1 ms instead of ~0.2 ms, and a pick needs both answers."""
-        matching = {w for w in workers if self.is_known(w)}
+        confirmed is measured in C (``takewhile`` over one pass of the holder sets, each run resuming where the
+        last stopped): a document's ~380 blocks against 40 workers, 13 of them warm, cost ~0.05 ms (a
+        Python step per key: ~0.2 ms), and a pick needs both answers."""
+        matching = self._known.intersection(workers)
         confirmed_matching = set(matching)  # always within ``matching``: a pending block only adds holders
         confirmed: dict[str, int] = {}
         with_pending: dict[str, int] = {}
@@ -167,10 +173,11 @@ class PrefixIndex:
         count = len(keys)
         holders_of = self._holders.get
         pending_of = self._pending.get if self._pending else _no_pending
-        while matching and position < count:
-            held_by_all = takewhile(matching.issubset, map(holders_of, islice(keys, position, None), repeat(_NONE)))
-            position += len(list(held_by_all))  # counted without a Python step per key
-            if position == count:
+        holder_sets = map(holders_of, keys, repeat(_NONE))  # one pass: each run resumes where the last stopped
+        while matching:
+            # Counted without a Python step per key; the run consumes the first key not every worker holds.
+            position += len(list(takewhile(matching.issubset, holder_sets)))
+            if position >= count:
                 break
             key = keys[position]
             holders: set[str] | frozenset[str] = holders_of(key, _NONE)
@@ -193,8 +200,7 @@ class PrefixIndex:
         return confirmed, with_pending
 
     def stats(self) -> IndexStats:
-        known = sum(1 for w in self._workers.values() if w.known)
-        return IndexStats(len(self._workers), known, self._entries, len(self._pending))
+        return IndexStats(len(self._workers), len(self._known), self._entries, len(self._pending))
 
     def holders(self) -> Mapping[int, set[str]]:
         return self._holders
@@ -218,7 +224,7 @@ class PrefixIndex:
                 worker.orphans += 1
                 return
             parent = known_parent
-        worker.block_size = event.block_size
+        self._block_sizes[worker_id] = event.block_size
         keys = chain_keys(parent, event.token_ids, event.block_size)
         for engine_hash, key in zip(event.engine_hashes, keys, strict=False):
             if engine_hash in worker.blocks:

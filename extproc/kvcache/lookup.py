@@ -90,9 +90,18 @@ class CacheLookup:
         """Both answers (confirmed blocks only, and with pending ones) for the known workers among
         ``candidates``, from one walk of the index per block size."""
         now = self._clock()
+        sizes = self.index.block_sizes.get
         by_size: dict[int, list[str]] = {}
+        asked = []
         for worker in candidates:
-            by_size.setdefault(self._block_size(worker), []).append(worker.id)
+            worker_id = worker.id
+            asked.append(worker_id)
+            size = sizes(worker_id) or worker.kv_block_size
+            group = by_size.get(size)
+            if group is None:
+                by_size[size] = [worker_id]
+            else:
+                group.append(worker_id)
         confirmed: dict[str, int] = {}
         with_pending: dict[str, int] = {}
         most = max(0, blocks.token_count - 1)
@@ -101,18 +110,17 @@ class CacheLookup:
             if keys is None:
                 continue
             held, held_or_pending = self.index.cached_prefixes(keys, worker_ids, now)
-            for worker_id, depth in held.items():
-                confirmed[worker_id] = min(depth * block_size, most)
-            for worker_id, depth in held_or_pending.items():
-                with_pending[worker_id] = min(depth * block_size, most)
-        return CachedPrefixes(blocks, frozenset(w.id for w in candidates), confirmed, with_pending)
+            for answer, depths in ((confirmed, held), (with_pending, held_or_pending)):
+                for worker_id, depth in depths.items():
+                    tokens = depth * block_size
+                    answer[worker_id] = tokens if tokens < most else most
+        return CachedPrefixes(blocks, frozenset(asked), confirmed, with_pending)
 
     def held_tokens(self, worker: WorkerRecord) -> int | None:
-        blocks = self.index.held_blocks(worker.id)
-        return None if blocks is None else blocks * self._block_size(worker)
+        return self.index.held_tokens(worker.id)
 
     def _block_size(self, worker: WorkerRecord) -> int:
-        return self.index.block_size(worker.id) or worker.kv_block_size
+        return self.index.block_sizes.get(worker.id) or worker.kv_block_size
 
     def _plan(self, request: PickRequest) -> tuple[PromptTokenizer, tuple[int, ...]] | None:
         """The tokenizer and the publishing workers' block sizes. A pool with a configured tokenizer is always
@@ -161,10 +169,11 @@ class PickLookup:
     """``CacheLookup`` as one pick reads it: the answer for a prompt is worked out once and then read for any
     of the workers it was asked about (a filter's survivors are among them)."""
 
-    __slots__ = ("_last", "_lookup")
+    __slots__ = ("_index", "_last", "_lookup")
 
     def __init__(self, lookup: CacheLookup) -> None:
         self._lookup = lookup
+        self._index = lookup.index
         self._last: CachedPrefixes | None = None
 
     def cached_tokens(self, blocks: PromptBlocks, candidates: Sequence[WorkerRecord],
@@ -172,8 +181,11 @@ class PickLookup:
         last = self._last
         if last is None or last.blocks is not blocks or not all(w.id in last.asked for w in candidates):
             last = self._last = self._lookup.answer(blocks, candidates)
+        asked = last.asked
         answer = last.with_pending if pending else last.confirmed
+        if len(candidates) == len(asked):  # the same workers (all of them were asked): the answer as it is
+            return answer
         return {w.id: answer[w.id] for w in candidates if w.id in answer}
 
     def held_tokens(self, worker: WorkerRecord) -> int | None:
-        return self._lookup.held_tokens(worker)
+        return self._index.held_tokens(worker.id)
