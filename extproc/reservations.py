@@ -13,9 +13,12 @@ the same free KV and pile onto one worker. So each placement reserves its footpr
   average of vLLM's histogram) from its first token on, expected one time to first token
   (``ttft_ewma_s``, at least ``settle_s``) after its placement:
 
-      decode(t) = max(0, expected output − (t − placed_at − max(settle_s, ttft)) / inter_token_s)
+      decode(t) = max(0, expected output − (t_r − placed_at − max(settle_s, ttft)) / inter_token_s)
 
-  worked out again whenever the worker's record changes (every scrape while it serves); while its worker's
+  with t_r when the record's usage was read (``metrics_at``): the usage holds what the stream wrote until
+  then, not since (counting up to now left the tokens written since the reading nowhere: neither in the
+  usage nor in the room kept, so a late record promised them as free). Worked out again
+  whenever the worker's record changes (every scrape while it serves); while its worker's
   inter-token gap is unknown, the whole expected output stays reserved;
 - and what a worker's streams hold back together is the peak of their growth, not the sum of their decode
   rooms: they write one token each per engine step, so by the time the longest has written its room the
@@ -349,12 +352,15 @@ class ReservationBook:
         workers = [w for w in decoding if changed is None or w in changed]
         for worker_id in workers:
             worker = by_id.get(worker_id)
-            gap = worker.inter_token_s if worker is not None else -1.0
-            if gap <= 0:
+            if worker is None or worker.inter_token_s <= 0:
                 continue
+            gap = worker.inter_token_s
+            # Written by when the record's usage was read (it holds those tokens), not by now: what the streams
+            # wrote since stays reserved until a record shows it.
+            read_at = min(now, worker.metrics_at or snapshot.seen_at(worker))
             streams = decoding[worker_id]
             for reservation, writes_from in list(streams.items()):
-                left = max(0, reservation.decode_tokens - int(max(0.0, now - writes_from) / gap))
+                left = max(0, reservation.decode_tokens - int(max(0.0, read_at - writes_from) / gap))
                 if left != reservation.kv_tokens:
                     self._add(worker_id, left - reservation.kv_tokens, 0)
                     reservation.kv_tokens = left

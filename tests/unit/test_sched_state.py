@@ -54,6 +54,20 @@ def test_decode_room_shrinks_by_what_the_stream_has_written() -> None:
     assert book.kv_tokens == {}
 
 
+def test_decode_room_counts_only_what_the_stream_wrote_before_the_usage_was_read() -> None:
+    """The record's usage holds the tokens written until its metrics were read; those written since are not in
+    it yet, so their room stays reserved however late the record is settled."""
+    book = ReservationBook(settle_s=0.5)
+    book.reserve("w", prompt_tokens=1000, output_tokens=400, placed_at=10.0)
+    record = WorkerRecord(id="w", pool="chat", model="llama", host="h", port=1, updated_at=16.0, metrics_at=16.0,
+                          inter_token_s=0.05, ttft_ewma_s=1.0)
+    book.settle(build_snapshot([record], POOLS, taken_at=16.0, stale_after_s=3.0))
+    assert book.kv_tokens == {"w": 300}  # read 5 s after its first token: 100 written
+    later = record.with_live(updated_at=18.0)  # a heartbeat 2 s on, with the same reading of the metrics
+    book.settle(build_snapshot([later], POOLS, taken_at=18.0, stale_after_s=3.0))
+    assert book.kv_tokens == {"w": 300}  # not 260: the usage does not show the 40 tokens written since
+
+
 def test_decode_room_stays_whole_while_the_workers_token_gap_is_unknown() -> None:
     book = ReservationBook(settle_s=0.5)
     stream = book.reserve("w", prompt_tokens=1000, output_tokens=400, placed_at=10.0)
