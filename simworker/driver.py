@@ -2,7 +2,8 @@
 
 Handlers ``submit`` a request and read its ``TokenStream``; the driver wakes them when tokens or the
 finish arrive. ``time_scale`` > 1 runs the model faster than real time; the engine itself sees model
-time, so vLLM metrics read as they would on the modelled GPU.
+time, and its vLLM metrics are reported in real seconds (``WorkerMetrics``), as an engine running at that
+speed would report them to a router that reads them against its own clock.
 
 Drift: a step's tokens should appear exactly ``duration / time_scale`` after the step began. If the
 process is too busy (many workers, many streams, a slow host) they appear late; that lateness is the
@@ -130,10 +131,10 @@ class EngineDriver:
             self.metrics.step_lag.observe(max(0.0, ended - intended_end))
             self.metrics.modelled_step_seconds.inc(intended_end - started)
             self._note_busy(started, intended_end)
-            self._deliver(outcome)
+            self._deliver(outcome, ended - started)
 
-    def _deliver(self, outcome: StepOutcome) -> None:
-        self.metrics.record_step(outcome)
+    def _deliver(self, outcome: StepOutcome, real_step_s: float | None = None) -> None:
+        self.metrics.record_step(outcome, real_step_s)
         streams = self._streams
         for request_id in outcome.emitted:
             stream = streams.get(request_id)

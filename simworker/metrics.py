@@ -29,8 +29,17 @@ ENGINE_LABELS = ("engine", "model_name")
 
 
 class WorkerMetrics:
+    """vLLM's series as an engine that runs ``time_scale`` × the modelled GPU's speed would report them: its
+    latencies in real seconds. The router reads them against its own clock (a stream's decode room shrinks by
+    the inter-token gap, the prefill ledger drains at the measured rate), so a simulated worker slowed five
+    times must say so in its metrics, as a slower GPU would; the engine's model-time figures are divided by
+    ``time_scale``, and a step's inter-token gap is the real time it took (the host's lag included)."""
+
     def __init__(self, model_name: str, cache_config: dict[str, str], gpu_memory_total_bytes: float,
-                 legacy_kv_metric: bool) -> None:
+                 legacy_kv_metric: bool, time_scale: float = 1.0) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        self.real_s_per_model_s = 1.0 / time_scale
         self.registry = CollectorRegistry()
         labels = {"engine": "0", "model_name": model_name}
         registry = self.registry
@@ -98,7 +107,9 @@ class WorkerMetrics:
         self.kv_leaked_blocks = Gauge("poolgate_sim_kv_leaked_blocks",
                                       "KV blocks lost to the leak fault.", registry=registry)
 
-    def record_step(self, outcome: StepOutcome) -> None:
+    def record_step(self, outcome: StepOutcome, real_step_s: float | None = None) -> None:
+        """One engine step; ``real_step_s``: the real time it took (default: its modelled time, scaled)."""
+        real = self.real_s_per_model_s
         if outcome.preemptions:
             self.preemptions.inc(outcome.preemptions)
         if outcome.prompt_tokens:
@@ -109,12 +120,14 @@ class WorkerMetrics:
             self.prefix_queries.inc(outcome.prefix_cache_queries)
             self.prefix_hits.inc(outcome.prefix_cache_hits)
         for request_id, queue_s in outcome.queue_times:
-            self.queue_time.observe(queue_s)
-            self._queued_for[request_id] = queue_s
+            self.queue_time.observe(queue_s * real)
+            self._queued_for[request_id] = queue_s * real
         later_tokens = len(outcome.emitted) - len(outcome.first_token_times)
+        step_s = real_step_s if real_step_s is not None else outcome.duration_s * real
         for _ in range(later_tokens):
-            self.inter_token.observe(outcome.duration_s)
-        for request_id, ttft_s in outcome.first_token_times:
+            self.inter_token.observe(step_s)
+        for request_id, model_ttft_s in outcome.first_token_times:
+            ttft_s = model_ttft_s * real
             self.ttft.observe(ttft_s)
             if request_id in self._queued_for:
                 self.prefill_time.observe(max(0.0, ttft_s - self._queued_for.pop(request_id)))
@@ -125,7 +138,7 @@ class WorkerMetrics:
         self._queued_for.pop(finished.request_id, 0.0)  # aborted before its first token
         self.success[finished.reason].inc()
         if finished.reason != "abort":
-            self.e2e.observe(finished.e2e_s)
+            self.e2e.observe(finished.e2e_s * self.real_s_per_model_s)
 
     def record_state(self, running: int, waiting: int, kv_usage: float, gpu_memory_used_bytes: float,
                      leaked_blocks: int) -> None:

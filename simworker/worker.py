@@ -166,7 +166,7 @@ class SimWorker:
         self._started_at = loop.time()
         kv_block_bytes = spec.model.kv_bytes_per_token * spec.block_size
         metrics = WorkerMetrics(spec.model_name, self._cache_config_labels(), spec.preset.memory_bytes,
-                                spec.legacy_kv_metric)
+                                spec.legacy_kv_metric, spec.time_scale)
         publisher = (ZmqKVEventPublisher(spec.kv_events, zmq.asyncio.Context.instance())
                      if self.kv_events is not None else None)
         recorder = self.kv_events
