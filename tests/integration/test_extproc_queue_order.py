@@ -27,11 +27,15 @@ from tests.conftest import RedisServer
 from tests.e2e.conftest import RunningStack, poolgate_up
 
 PROCESSES = 4
-KV_BLOCKS, BLOCK = 256, 16  # 4,096 tokens, ~1,500 of them free while the blockers run
+KV_BLOCKS, BLOCK = 256, 16  # 4,096 tokens
 TIME_SCALE = 0.2  # the simulated engine runs five times slower than real time: blockers last seconds
-BLOCKERS, BLOCKER_WORDS = 8, 80  # ~100 prompt tokens (5 characters a word, 4 a token) …
+# The workers publish KV events, so extproc counts prompts exactly with the simulator's tokenizer: one token a
+# word, and 8 of the chat template.
+BLOCKERS, BLOCKER_WORDS = 8, 80  # 88 prompt tokens (6 blocks) …
 BLOCKER_OUTPUTS = [190 + 5 * i for i in range(BLOCKERS)]  # … and 190 to 225 output: ending ~0.2 s apart
-LOW_REQUESTS, LOW_WORDS, VIP_WORDS, HELD_OUTPUT = 8, 1360, 1520, 20  # ~1,720 and ~1,920 tokens: neither fits now
+# 1,780 and 1,980 tokens with their output: neither fits the ~1,550-1,730 free while the blockers run (their
+# prompts and decode rooms); the first blocker's end makes room for the low-class ones, the second's for both.
+LOW_REQUESTS, LOW_WORDS, VIP_WORDS, HELD_OUTPUT = 8, 1752, 1952, 20
 VIP_KEY, BULK_KEY = "pg-vip-key", "pg-bulk-key"
 ORDER_TOLERANCE_MS = 20
 """Two requests placed a moment apart may reach the worker in either order (Envoy, the worker's loop)."""
