@@ -328,7 +328,7 @@ class ReservationBook:
         decoding_more: set[str] = set()
         for reservation in list(self._unsettled):
             worker = by_id.get(reservation.worker_id)
-            if worker is None or (worker.metrics_at or snapshot.seen_at(worker)) < reservation.placed_at + settle_s:
+            if worker is None or _read_at(worker, snapshot) < reservation.placed_at + settle_s:
                 continue
             self._add(reservation.worker_id, reservation.decode_tokens - reservation.kv_tokens,
                       -reservation.prefill_tokens)
@@ -357,7 +357,7 @@ class ReservationBook:
             gap = worker.inter_token_s
             # Written by when the record's usage was read (it holds those tokens), not by now: what the streams
             # wrote since stays reserved until a record shows it.
-            read_at = min(now, worker.metrics_at or snapshot.seen_at(worker))
+            read_at = min(now, _read_at(worker, snapshot))
             streams = decoding[worker_id]
             for reservation, writes_from in list(streams.items()):
                 left = max(0, reservation.decode_tokens - int(max(0.0, read_at - writes_from) / gap))
@@ -406,6 +406,11 @@ class ReservationBook:
             if not self._within_share(worker_id, free):  # its claim crossed its share: no more until seen
                 self._claiming.discard(worker_id)
                 _bump(self._view_kv, worker_id, max(0, int(free)))
+
+
+def _read_at(worker: WorkerRecord, snapshot: FleetSnapshot) -> float:
+    """When the worker's usage in the snapshot was read: its engine's scrape, else when the record arrived."""
+    return worker.metrics_at or snapshot.seen_at(worker)
 
 
 def _decode_room(reservation: Reservation) -> int:

@@ -133,7 +133,7 @@ class EngineDriver:
             self._note_busy(started, intended_end)
             self._deliver(outcome, ended - started)
 
-    def _deliver(self, outcome: StepOutcome, real_step_s: float | None = None) -> None:
+    def _deliver(self, outcome: StepOutcome, real_step_s: float) -> None:
         self.metrics.record_step(outcome, real_step_s)
         streams = self._streams
         for request_id in outcome.emitted:

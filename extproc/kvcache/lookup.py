@@ -96,7 +96,7 @@ class CacheLookup:
         for worker in candidates:
             worker_id = worker.id
             asked.append(worker_id)
-            size = sizes(worker_id) or worker.kv_block_size
+            size = sizes(worker_id) or worker.kv_block_size  # _block_size, inlined: this loop is the pick's
             group = by_size.get(size)
             if group is None:
                 by_size[size] = [worker_id]
