@@ -19,6 +19,8 @@ every scenario × both fleets at 85 % with Poisson arrivals, and with on/off bur
 fleet; every router and the 50 / 85 / 100 % sweep on ``shared-docs`` (heterogeneous fleet, Poisson); the
 oracle (the worker really holding the longest cached prefix, ``routers``) at 85 % on ``shared-docs`` and
 ``sessions``, the reference of poolgate's prefix-cache hit rate.
+``--capacity-from REPORT_JSON`` takes the capacities an earlier run measured instead of sweeping them: with the
+same seed, time scale and windows it replays that run's traces (one extproc process against two, say).
 ``--quick`` (about 7 minutes): ``shared-docs`` on the heterogeneous fleet at 85 %, poolgate, weighted
 least_request, one cache-aware router of each peer project and the oracle, at least 110 requests per router.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 import subprocess
@@ -34,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,10 @@ class Plan:
     """poolgate's extproc processes (None: one per core, the default)."""
     oracle: bool = True
     """Also run the oracle on ``ORACLE_SCENARIOS`` at 85 % (its prefix-cache hit rate is the reference)."""
+    capacity_from: str | None = None
+    """An earlier run's report.json whose measured capacities this run takes instead of sweeping its own."""
+    reused: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Those capacities by ``fleet/scenario``: with the same seed, time scale and windows, the same traces."""
 
 
 @dataclass(frozen=True)
@@ -183,9 +190,13 @@ async def run_fleet(session: aiohttp.ClientSession, layout: str, plan: Plan, ven
         for cell in cells_of(plan, layout):
             name = cell.scenario.name
             if name not in capacities:
-                pool = cell.scenario.trace(5.0, 240.0, plan.seed * 7 + 1, MODELS)
-                capacities[name] = await sweep_capacity(session, fleet, pool, plan.sweep, progress,
-                                                        f"{layout} {name}")
+                reused = plan.reused.get(f"{layout}/{name}")
+                if reused is None:
+                    pool = cell.scenario.trace(5.0, 240.0, plan.seed * 7 + 1, MODELS)
+                    capacities[name] = await sweep_capacity(session, fleet, pool, plan.sweep, progress,
+                                                            f"{layout} {name}")
+                else:
+                    capacities[name] = {**reused, "taken_from": plan.capacity_from}
                 await fleet.restart_baseline(session, capacity_weights(
                     capacities[name]["worker_generation_tokens"], pools_of(fleet)))
                 report["capacity"].append({"fleet": layout, "scenario": name, **capacities[name]})
@@ -222,7 +233,7 @@ async def run(plan: Plan, venv: PeerVenv | None, out: Path, quiet: host_quiet.Sa
         "peers": ", ".join(f"{n} {v}" for n, v in venv.versions.items()) if venv else "not run (--no-peers)",
         "fleets": {name: LAYOUTS[name].describe() for name in plan.fleets},
         "scenarios": {name: SCENARIOS[name].summary for name in plan.scenarios},
-        "plan": {k: v for k, v in plan.__dict__.items() if k not in ("window", "sweep")},
+        "plan": {k: v for k, v in plan.__dict__.items() if k not in ("window", "sweep", "reused")},
         "agent_data": {}, "capacity": [], "cells": [], "rows": [], "logs": [], "started": time.monotonic(),
     }
     progress = Progress(phases(plan))
@@ -240,7 +251,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     quick = args.quick
     peers = () if args.no_peers else PEER_ROUTERS
     main_routers = tuple(r for r in MAIN_ROUTERS if r not in PEER_ROUTERS or r in peers)
-    return Plan(
+    plan = Plan(
         time_scale=args.time_scale,
         window=Window(args.time_scale, args.window_s or (40.0 if quick else 30.0), args.drain_s or 6.0),
         sweep=SweepPlan(clients_per_worker=12, warmup_s=14.0, window_s=14.0, max_steps=3),
@@ -250,13 +261,33 @@ def make_plan(args: argparse.Namespace) -> Plan:
         arrivals=tuple(args.arrivals or (["poisson"] if quick else ["poisson", "bursty"])),
         routers=tuple(args.routers or main_routers),
         sweep_scenario=None if quick else args.sweep_scenario,
-        sweep_routers=tuple(r for r in ALL_ROUTERS if (r not in PEER_ROUTERS or r in peers) and r != ORACLE),
+        sweep_routers=tuple(args.routers or (r for r in ALL_ROUTERS if (r not in PEER_ROUTERS or r in peers)
+                                             and r != ORACLE)),
         levels=tuple(args.levels),
         seed=args.seed,
         agent_wait_s=8.0 if quick else 20.0,
         oracle=not args.no_oracle,
         extproc_processes=args.extproc_processes,
+        capacity_from=str(args.capacity_from) if args.capacity_from else None,
     )
+    return replace(plan, reused=reused_capacities(args.capacity_from, plan)) if args.capacity_from else plan
+
+
+def reused_capacities(path: Path, plan: Plan) -> dict[str, dict[str, Any]]:
+    """The capacities an earlier run measured, by ``fleet/scenario``. Its traces are replayed only if the seed,
+    time scale, windows and request floor are this run's too, so anything else is refused."""
+    earlier = json.loads(path.read_text())
+    mine = {"seed": plan.seed, "time_scale": plan.time_scale, "min_requests": plan.min_requests,
+            "window_model_s": plan.window.window_s * plan.time_scale,
+            "drain_model_s": plan.window.drain_s * plan.time_scale}
+    theirs = {**earlier.get("plan", {}), **{k: earlier.get(k) for k in ("seed", "time_scale", "window_model_s",
+                                                                           "drain_model_s")}}
+    differs = [f"{k} {theirs.get(k)} there, {v} here" for k, v in mine.items()
+               if not (isinstance(theirs.get(k), (int, float)) and math.isclose(theirs[k], v))]
+    if differs:
+        raise SystemExit(f"--capacity-from {path}: not the same traces ({'; '.join(differs)})")
+    return {f"{c['fleet']}/{c['scenario']}": {k: v for k, v in c.items() if k not in ("fleet", "scenario")}
+            for c in earlier.get("capacity", [])}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -285,6 +316,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="lengthen a cell's window towards this many requests per router (default %(default)s)")
     parser.add_argument("--extproc-processes", type=int, help="poolgate's extproc processes (default: one per core)")
     parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--capacity-from", type=Path, metavar="REPORT_JSON",
+                        help="take the capacities an earlier run's report.json measured instead of sweeping them "
+                             "(same seed, time scale and windows: the same traces, e.g. to compare one extproc "
+                             "process with two)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
