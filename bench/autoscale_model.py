@@ -6,8 +6,10 @@ sweeps it): a request-level discrete-event model on a diurnal trace, driven by t
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from controller.autoscale import Action, PoolSample, decide
@@ -67,6 +69,13 @@ class Result:
     decisions: dict[str, int] = field(default_factory=dict)
     timeline: list[tuple[float, int, float]] = field(default_factory=list)
     """(time, workers, offered requests per second) every minute."""
+    moves: list[tuple[float, str]] = field(default_factory=list)
+    """(time, "up" or "down") of every scale decision."""
+
+
+def reversals(actions: Sequence[str]) -> int:
+    """How often consecutive scale decisions changed direction (up then down, or down then up)."""
+    return sum(1 for a, b in itertools.pairwise(actions) if a != b)
 
 
 def _arrivals(scenario: Scenario, rng: random.Random) -> list[float]:
@@ -118,6 +127,7 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
     history: list[PoolSample] = []
     last_change: float | None = None
     decisions: dict[str, int] = {}
+    moves: list[tuple[float, str]] = []
     timeline: list[tuple[float, int, float]] = []
     keep_s = max(settings.up_sustain_s, settings.down_cooldown_s, settings.trend_window_s,
                  scenario.startup_s) + 2 * settings.interval_s
@@ -170,6 +180,8 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
             decision = decide(history, bounds, settings, now, last_change, startup_s=scenario.startup_s,
                               wake_s=wake_s)
             decisions[decision.action.value] = decisions.get(decision.action.value, 0) + 1
+            if decision.action is not Action.HOLD:
+                moves.append((now, decision.action.value))
             if decision.action is Action.UP:
                 for _ in range(decision.target - len(alive)):
                     delay = wake_s if sleeping else scenario.startup_s
@@ -202,7 +214,7 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
         workers_min=min(counts), workers_max=max(counts), worker_seconds=round(worker_seconds, 1),
         requests=len(ordered), slo_attainment=round(met / len(ordered), 5),
         ttft_p50_s=round(ordered[len(ordered) // 2], 4), ttft_p99_s=round(ordered[int(len(ordered) * 0.99)], 4),
-        decisions=decisions, timeline=timeline,
+        decisions=decisions, timeline=timeline, moves=moves,
     )
 
 

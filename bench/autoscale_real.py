@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import itertools
 import math
 import os
 import random
@@ -46,6 +45,7 @@ import orjson
 import yaml
 
 from bench import host_quiet
+from bench.autoscale_model import reversals
 from bench.report import write_report
 from poolgate.kernel.config import load_config
 from poolgate.up import Stack, StackPorts
@@ -281,8 +281,7 @@ def direction_changes(scenario: RealScenario, made: Sequence[dict[str, Any]]) ->
     """Per plateau: how often the direction of consecutive scale decisions inside it reversed."""
     changes = []
     for start, end, _ in scenario.plateaus():
-        inside = [d["action"] for d in made if start <= d["at_s"] < end]
-        changes.append(sum(1 for a, b in itertools.pairwise(inside) if a != b))
+        changes.append(reversals([d["action"] for d in made if start <= d["at_s"] < end]))
     return changes
 
 

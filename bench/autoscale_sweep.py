@@ -5,15 +5,17 @@ production decision) runs each grid point over three traces, every one against t
 meets the SLO on it:
 
 - **plateaus**: the real benchmark's shape (``bench.autoscale_real``: 0.1-1.0 × 4 req/s, 15-s plateaus, two
-  cycles and a last trough; one-sequence workers, ~0.5 s a request, TTFT SLO 2 s);
+  cycles and a last trough; one-sequence workers, ~0.5 s a request, TTFT SLO 2 s), and **plateaus-60s**, its
+  ``--plateau-s 60 --cycles 3`` run, where the pool has time to change its mind inside a plateau;
 - **diurnal**: the model's own half-hour day (``bench.autoscale_model.QUICK``: 30 req/s peak, 16 slots a worker);
 - **bursty**: the day's trough with bursts to its peak, 20-40 s long, at random moments (a queue that no trend
   announces).
 
 The grid: ``worker_capacity`` (as a share of what one worker can run at once), ``demand_window_s``, and whether
 the surplus sleeps (wakes in ``WAKE_S``) or stops (starts again in the trace's start-up time). Reported per
-point and trace: worker-seconds against the static fleet's and SLO attainment, in ``autoscale_sweep.json``
-and ``.md``. Virtual time: seconds to run, and its figures do not depend on the host.
+point and trace: worker-seconds against the static fleet's, SLO attainment and, on plateaus, the most direction
+changes inside one plateau, in ``autoscale_sweep.json`` and ``.md``. Virtual time: seconds to run, and its figures
+do not depend on the host.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ import itertools
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.autoscale_model import QUICK, Scenario, simulate, static_for_peak
+from bench.autoscale_model import QUICK, Scenario, reversals, simulate, static_for_peak
 from poolgate.kernel.config import AutoscaleSettings, PoolScaling, WorkerTemplate
 
 WAKE_S = 1.0
@@ -46,6 +48,13 @@ class Plateaus(Scenario):
         steps = [*self.levels * self.cycles, 1 / self.peak_to_trough]
         return steps[min(int(t // self.plateau_s), len(steps) - 1)] * self.peak_rps
 
+    def most_reversals(self, moves: list[tuple[float, str]]) -> int:
+        """The most direction changes of the scale decisions inside one plateau (the real benchmark's target:
+        at most one)."""
+        spans = range(len(self.levels) * self.cycles + 1)
+        return max((reversals([a for t, a in moves if i * self.plateau_s <= t < (i + 1) * self.plateau_s])
+                    for i in spans), default=0)
+
 
 @dataclass(frozen=True)
 class Bursty(Scenario):
@@ -64,9 +73,11 @@ class Bursty(Scenario):
         return trough
 
 
+PLATEAUS = Plateaus(period_s=195.0, peak_rps=4.0, slots=1, service_mean_s=0.5, service_sigma=0.2, prefill_s=0.02,
+                    startup_s=10.0, slo_ttft_s=2.0, seed=11)
 TRACES: dict[str, Scenario] = {
-    "plateaus": Plateaus(period_s=195.0, peak_rps=4.0, slots=1, service_mean_s=0.5, service_sigma=0.2,
-                         prefill_s=0.02, startup_s=10.0, slo_ttft_s=2.0, seed=11),
+    "plateaus": PLATEAUS,
+    "plateaus-60s": replace(PLATEAUS, period_s=1140.0, plateau_s=60.0, cycles=3),
     "diurnal": QUICK,
     "bursty": Bursty(period_s=1800.0, peak_rps=30.0, startup_s=10.0, seed=7),
 }
@@ -93,9 +104,13 @@ def sweep(shares: tuple[float, ...], windows: tuple[float, ...]) -> list[dict[st
             static = statics[name]
             auto = simulate(trace, None, settings_for(trace, share, window), bounds_for(static.workers_max, sleep),
                             wake_s=WAKE_S)
-            row[name] = {"worker_seconds_ratio": round(auto.worker_seconds / static.worker_seconds, 3),
-                         "slo_attainment": auto.slo_attainment, "static_slo_attainment": static.slo_attainment,
-                         "static_workers": static.workers_max, "decisions": auto.decisions}
+            cell: dict[str, object] = {
+                "worker_seconds_ratio": round(auto.worker_seconds / static.worker_seconds, 3),
+                "slo_attainment": auto.slo_attainment, "static_slo_attainment": static.slo_attainment,
+                "static_workers": static.workers_max, "decisions": auto.decisions}
+            if isinstance(trace, Plateaus):
+                cell["most_reversals_in_a_plateau"] = trace.most_reversals(auto.moves)
+            row[name] = cell
         rows.append(row)
     return rows
 
@@ -106,7 +121,8 @@ def main(out: Path, quick: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "autoscale_sweep.json").write_text(json.dumps({"kind": "model-sweep", "wake_s": WAKE_S, "rows": rows},
                                                          indent=2))
-    lines = ["# Capacity planner constants on virtual time (worker-seconds / static, SLO attainment)", "",
+    lines = ["# Capacity planner constants on virtual time (worker-seconds / static, SLO attainment; on plateaus also "
+             "the most direction changes inside one plateau)", "",
              "| capacity share | demand window | surplus | " + " | ".join(TRACES) + " |",
              "|---|---|---|" + "---|" * len(TRACES)]
     for row in rows:
@@ -114,7 +130,8 @@ def main(out: Path, quick: bool = False) -> int:
         for name in TRACES:
             cell = row[name]
             assert isinstance(cell, dict)
-            cells.append(f"{cell['worker_seconds_ratio']:.2f} / {cell['slo_attainment']:.2%}")
+            reversed_ = f" / {cell['most_reversals_in_a_plateau']}" if "most_reversals_in_a_plateau" in cell else ""
+            cells.append(f"{cell['worker_seconds_ratio']:.2f} / {cell['slo_attainment']:.2%}{reversed_}")
         lines.append(f"| {row['capacity_share']} | {row['demand_window_s']:g} s | "
                      f"{'sleeps' if row['sleep_level'] else 'stops'} | " + " | ".join(cells) + " |")
     (out / "autoscale_sweep.md").write_text("\n".join(lines) + "\n")
