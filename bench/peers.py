@@ -19,8 +19,9 @@ every scenario × both fleets at 85 % with Poisson arrivals, and with on/off bur
 fleet; every router and the 50 / 85 / 100 % sweep on ``shared-docs`` (heterogeneous fleet, Poisson); the
 oracle (the worker really holding the longest cached prefix, ``routers``) at 85 % on ``shared-docs`` and
 ``sessions``, the reference of poolgate's prefix-cache hit rate.
-``--capacity-from REPORT_JSON`` takes the capacities an earlier run measured instead of sweeping them: with the
-same seed, time scale and windows it replays that run's traces (one extproc process against two, say).
+``--capacity-from REPORT_JSON`` takes the capacities an earlier run measured instead of sweeping them: runs that
+take them with the same arguments replay the same traces (one extproc process against two, say), that run's
+too where the windows are its own.
 ``--quick`` (about 7 minutes): ``shared-docs`` on the heterogeneous fleet at 85 %, poolgate, weighted
 least_request, one cache-aware router of each peer project and the oracle, at least 110 requests per router.
 """
@@ -89,7 +90,7 @@ class Plan:
     capacity_from: str | None = None
     """An earlier run's report.json whose measured capacities this run takes instead of sweeping its own."""
     reused: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Those capacities by ``fleet/scenario``: with the same seed, time scale and windows, the same traces."""
+    """Those capacities by ``fleet/scenario``: runs that take them with the same arguments replay the same traces."""
 
 
 @dataclass(frozen=True)
@@ -274,18 +275,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 
 def reused_capacities(path: Path, plan: Plan) -> dict[str, dict[str, Any]]:
-    """The capacities an earlier run measured, by ``fleet/scenario``. Its traces are replayed only if the seed,
-    time scale, windows and request floor are this run's too, so anything else is refused."""
+    """The capacities an earlier run measured, by ``fleet/scenario``. They are the capacities of this run's fleet
+    only at the same time scale, and only with the same seed the same traces follow from them: anything else is
+    refused. (Runs that take them with the same windows replay the same traces; that run's too, with its
+    windows.)"""
     earlier = json.loads(path.read_text())
-    mine = {"seed": plan.seed, "time_scale": plan.time_scale, "min_requests": plan.min_requests,
-            "window_model_s": plan.window.window_s * plan.time_scale,
-            "drain_model_s": plan.window.drain_s * plan.time_scale}
-    theirs = {**earlier.get("plan", {}), **{k: earlier.get(k) for k in ("seed", "time_scale", "window_model_s",
-                                                                           "drain_model_s")}}
-    differs = [f"{k} {theirs.get(k)} there, {v} here" for k, v in mine.items()
-               if not (isinstance(theirs.get(k), (int, float)) and math.isclose(theirs[k], v))]
+    differs = [f"{key} {earlier.get(key)} there, {mine} here"
+               for key, mine in (("seed", plan.seed), ("time_scale", plan.time_scale))
+               if not (isinstance(earlier.get(key), (int, float)) and math.isclose(earlier[key], mine))]
     if differs:
-        raise SystemExit(f"--capacity-from {path}: not the same traces ({'; '.join(differs)})")
+        raise SystemExit(f"--capacity-from {path}: not this run's fleet and traces ({'; '.join(differs)})")
     return {f"{c['fleet']}/{c['scenario']}": {k: v for k, v in c.items() if k not in ("fleet", "scenario")}
             for c in earlier.get("capacity", [])}
 
@@ -318,8 +317,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--capacity-from", type=Path, metavar="REPORT_JSON",
                         help="take the capacities an earlier run's report.json measured instead of sweeping them "
-                             "(same seed, time scale and windows: the same traces, e.g. to compare one extproc "
-                             "process with two)")
+                             "(same seed and time scale): runs with the same arguments replay the same traces, "
+                             "e.g. to compare one extproc process with two")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,6 +45,12 @@ def test_a_run_with_other_traces_is_refused(tmp_path: Path) -> None:
         plan_for(tmp_path, "--time-scale", "0.25", "--capacity-from", str(earlier_report(tmp_path)))
 
 
+def test_longer_windows_take_the_same_capacities(tmp_path: Path) -> None:
+    """More requests per cell than the earlier run: other traces than its, the same in every run that asks so."""
+    plan = plan_for(tmp_path, "--min-requests", "400", "--capacity-from", str(earlier_report(tmp_path)))
+    assert plan.reused["homogeneous/shared-docs"]["rps"] == 15.0
+
+
 def test_routers_named_are_the_sweeps_routers_too(tmp_path: Path) -> None:
     """One router alone (poolgate, to compare its process counts) runs alone on the swept scenario as well."""
     plan = plan_for(tmp_path, "--routers", "poolgate", "--no-oracle")
