@@ -1,7 +1,7 @@
 """``poolgate bench autoscale --sweep --out DIR``: the capacity planner's constants, chosen on virtual time.
 
 The autoscale model (``bench.autoscale_model.simulate``: requests, worker start-up, drains, sleeping workers, the
-production decision) runs each grid point over three traces, every one against the smallest static fleet that
+production decision) runs each grid point over four traces, every one against the smallest static fleet that
 meets the SLO on it:
 
 - **plateaus**: the real benchmark's shape (``bench.autoscale_real``: 0.1-1.0 × 4 req/s, 15-s plateaus, two
