@@ -29,6 +29,12 @@ class KvEventsLaunch:
     endpoint: str
     replay_endpoint: str
 
+    def remove_socket(self) -> None:
+        """Remove the Unix socket this launch chose for the worker, once its process has ended: an engine that is
+        killed (or whose publisher does not close) leaves the file behind in the temporary directory."""
+        if self.args and self.endpoint.startswith("ipc://"):
+            Path(self.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+
 
 def kv_events_launch(extra_args: tuple[str, ...], host: str, socket_path: Path, replay_port: int) -> KvEventsLaunch:
     given = _given_config(extra_args)

@@ -393,6 +393,8 @@ class LocalProcessBackend:
         except TimeoutError:
             _signal_group(process, signal.SIGKILL)
             await process.wait()
+        if worker.kv_events is not None:
+            worker.kv_events.remove_socket()
 
     async def _probe(self, worker: WorkerProcess) -> bool:
         assert self._http is not None

@@ -4,6 +4,7 @@ blocks stored once computed, evictions when an allocation needs their room, a re
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,20 @@ def test_kubernetes_workers_publish_as_their_manifest_says_and_their_records_fol
             "kv_events_endpoint": f"tcp://10.1.0.7:{events.endpoint.rpartition(':')[2]}",
             "kv_events_replay_endpoint": f"tcp://10.1.0.7:{(events.replay_endpoint or '').rpartition(':')[2]}"}
     assert _kv_events_endpoints("10.1.0.7", {"poolgate.io/port": "8000"}) == {}
+
+
+def test_the_socket_a_launch_chose_is_removed_and_a_given_endpoint_left_alone(tmp_path: Path) -> None:
+    """A killed engine leaves its ipc socket file behind: the backend removes the one it chose once the process
+    ended, never a path the operator configured."""
+    from controller.kv_events_launch import kv_events_launch
+
+    chosen = tmp_path / "w1.sock"
+    chosen.touch()
+    kv_events_launch((), "127.0.0.1", chosen, 7001).remove_socket()
+    assert not chosen.exists()
+    theirs = tmp_path / "theirs.sock"
+    theirs.touch()
+    config = '{"enable_kv_cache_events": true, "endpoint": "ipc://' + str(theirs) + '"}'
+    kv_events_launch(("--kv-events-config", config), "127.0.0.1", chosen, 7001).remove_socket()
+    assert theirs.exists()
+    kv_events_launch((), "127.0.0.1", chosen, 7001).remove_socket()  # already gone: nothing to do
