@@ -384,15 +384,15 @@ class LocalProcessBackend:
                  worker.spec.host, worker.port, worker.log_path)
 
     async def _terminate(self, worker: WorkerProcess, grace_s: float) -> None:
+        """End the worker's process for good (it may have ended already) and remove what it left behind."""
         process = worker.process
-        if process is None or process.returncode is not None:
-            return
-        _signal_group(process, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), grace_s)
-        except TimeoutError:
-            _signal_group(process, signal.SIGKILL)
-            await process.wait()
+        if process is not None and process.returncode is None:
+            _signal_group(process, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), grace_s)
+            except TimeoutError:
+                _signal_group(process, signal.SIGKILL)
+                await process.wait()
         if worker.kv_events is not None:
             worker.kv_events.remove_socket()
 
