@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from controller.autoscale import Action, PoolSample, decide
+from controller.autoscale import REVERSAL_DOUBT, Action, PoolSample, decide
 from poolgate.kernel.config import AutoscaleSettings, PoolScaling
 
 
@@ -91,10 +91,11 @@ def _arrivals(scenario: Scenario, rng: random.Random) -> list[float]:
 
 
 def simulate(scenario: Scenario, static_workers: int | None, settings: AutoscaleSettings = SETTINGS,
-             bounds: PoolScaling | None = None, wake_s: float = 1.0) -> Result:
+             bounds: PoolScaling | None = None, wake_s: float = 1.0,
+             reversal_doubt: float = REVERSAL_DOUBT) -> Result:
     """One run: a fixed fleet of ``static_workers``, or the autoscaler within ``bounds`` when None. With
     ``bounds.sleep_level`` a surplus worker sleeps once drained and wakes in ``wake_s``; worker-seconds count
-    the awake periods only."""
+    the awake periods only. ``reversal_doubt`` is the decision's (``controller.autoscale.REVERSAL_DOUBT``)."""
     rng = random.Random(scenario.seed)
     arrivals = _arrivals(scenario, rng)
     mu = math.log(scenario.service_mean_s) - scenario.service_sigma ** 2 / 2
@@ -178,7 +179,8 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
                                       demand=float(running + len(queue) - queue_head), sleeping=sleeping))
             history = [s for s in history if now - s.at <= keep_s]
             decision = decide(history, bounds, settings, now, last_change, startup_s=scenario.startup_s,
-                              wake_s=wake_s)
+                              wake_s=wake_s, last_action=Action(moves[-1][1]) if moves else None,
+                              reversal_doubt=reversal_doubt)
             decisions[decision.action.value] = decisions.get(decision.action.value, 0) + 1
             if decision.action is not Action.HOLD:
                 moves.append((now, decision.action.value))

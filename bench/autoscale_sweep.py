@@ -11,8 +11,9 @@ meets the SLO on it:
 - **bursty**: the day's trough with bursts to its peak, 20-40 s long, at random moments (a queue that no trend
   announces).
 
-The grid: ``worker_capacity`` (as a share of what one worker can run at once), ``demand_window_s``, and whether
-the surplus sleeps (wakes in ``WAKE_S``) or stops (starts again in the trace's start-up time). Reported per
+The grid: ``worker_capacity`` (as a share of what one worker can run at once), ``demand_window_s``, the doubt a
+reversal must clear (``controller.autoscale.REVERSAL_DOUBT`` or none), and whether the surplus sleeps (wakes in
+``WAKE_S``) or stops (starts again in the trace's start-up time). Reported per
 point and trace: worker-seconds against the static fleet's, SLO attainment and, on plateaus, the most direction
 changes inside one plateau, in ``autoscale_sweep.json`` and ``.md``. Virtual time: seconds to run, and its figures
 do not depend on the host.
@@ -28,12 +29,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.autoscale_model import QUICK, Scenario, reversals, simulate, static_for_peak
+from controller.autoscale import REVERSAL_DOUBT
 from poolgate.kernel.config import AutoscaleSettings, PoolScaling, WorkerTemplate
 
 WAKE_S = 1.0
 CAPACITY_SHARES = (0.6, 0.8, 1.0)
 DEMAND_WINDOWS_S = (5.0, 10.0)
 SLEEP_LEVELS = (0, 1)
+REVERSAL_DOUBTS = (0.0, REVERSAL_DOUBT)
 
 
 @dataclass(frozen=True)
@@ -98,12 +101,13 @@ def bounds_for(static_workers: int, sleep_level: int) -> PoolScaling:
 def sweep(shares: tuple[float, ...], windows: tuple[float, ...]) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     statics = {name: static_for_peak(trace) for name, trace in TRACES.items()}
-    for share, window, sleep in itertools.product(shares, windows, SLEEP_LEVELS):
-        row: dict[str, object] = {"capacity_share": share, "demand_window_s": window, "sleep_level": sleep}
+    for share, window, doubt, sleep in itertools.product(shares, windows, REVERSAL_DOUBTS, SLEEP_LEVELS):
+        row: dict[str, object] = {"capacity_share": share, "demand_window_s": window, "reversal_doubt": doubt,
+                                  "sleep_level": sleep}
         for name, trace in TRACES.items():
             static = statics[name]
             auto = simulate(trace, None, settings_for(trace, share, window), bounds_for(static.workers_max, sleep),
-                            wake_s=WAKE_S)
+                            wake_s=WAKE_S, reversal_doubt=doubt)
             cell: dict[str, object] = {
                 "worker_seconds_ratio": round(auto.worker_seconds / static.worker_seconds, 3),
                 "slo_attainment": auto.slo_attainment, "static_slo_attainment": static.slo_attainment,
@@ -123,8 +127,8 @@ def main(out: Path, quick: bool = False) -> int:
                                                          indent=2))
     lines = ["# Capacity planner constants on virtual time (worker-seconds / static, SLO attainment; on plateaus also "
              "the most direction changes inside one plateau)", "",
-             "| capacity share | demand window | surplus | " + " | ".join(TRACES) + " |",
-             "|---|---|---|" + "---|" * len(TRACES)]
+             "| capacity share | demand window | reversal doubt | surplus | " + " | ".join(TRACES) + " |",
+             "|---|---|---|---|" + "---|" * len(TRACES)]
     for row in rows:
         cells = []
         for name in TRACES:
@@ -132,7 +136,7 @@ def main(out: Path, quick: bool = False) -> int:
             assert isinstance(cell, dict)
             reversed_ = f" / {cell['most_reversals_in_a_plateau']}" if "most_reversals_in_a_plateau" in cell else ""
             cells.append(f"{cell['worker_seconds_ratio']:.2f} / {cell['slo_attainment']:.2%}{reversed_}")
-        lines.append(f"| {row['capacity_share']} | {row['demand_window_s']:g} s | "
+        lines.append(f"| {row['capacity_share']} | {row['demand_window_s']:g} s | {row['reversal_doubt']:g} | "
                      f"{'sleeps' if row['sleep_level'] else 'stops'} | " + " | ".join(cells) + " |")
     (out / "autoscale_sweep.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

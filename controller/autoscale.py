@@ -22,7 +22,10 @@ capacity set too high (requests waiting or late first tokens, not KV fill; they 
 starting). On the way down a worker stays while the
 demand of the last start-up time (wake-up time where the pool's engines sleep instead of stopping) needed it.
 A pool that sleeps its surplus (``sleep_level``) counts its sleeping workers apart: scaling up wakes them
-first (seconds) and starts new processes only for the rest.
+first (seconds) and starts new processes only for the rest. A planned move against the direction of the last one
+must clear its threshold by ``REVERSAL_DOUBT`` standard errors of the demand's mean, a doubt that fades over
+``REVERSAL_FADE_WINDOWS`` demand windows: a change of mind needs more than noise. The way up is doubted only while
+a sleeping worker would answer it (a worker that has to start would come a start-up late already).
 """
 
 from __future__ import annotations
@@ -69,6 +72,19 @@ way back (a wake-up), so the level that released it is not the one that just add
 of plateaus (``bench.autoscale``) found two windows cost 5-15 % more worker-seconds for no better SLO."""
 
 
+REVERSAL_DOUBT = 3.0
+"""Capacity planning: a move against the direction of the last one must clear its threshold by this many
+standard errors of the window's mean demand (the way up by its lower bound, the way down by its upper bound).
+A level that sits between two sizes moves its ten-second mean across the boundary and back by noise alone; without
+this the 60-s plateaus of the real benchmark changed direction up to three times a plateau. Three: on the model's
+60-s plateaus (``bench.autoscale --sweep``, capacity 1.0, 10-s window, surplus asleep) it takes the most direction
+changes in a plateau from 3 to 1 for the same worker-seconds; over eight seeds two standard errors left two a
+plateau on half of them, four cost more worker-seconds."""
+REVERSAL_FADE_WINDOWS = 6.0
+"""The doubt falls linearly to nothing over this many demand windows after the last move: a reversal that soon is
+noise more often than news, while one minutes later answers a load that has really changed."""
+
+
 class Action(StrEnum):
     UP = "up"
     DOWN = "down"
@@ -110,9 +126,11 @@ def _live_ttft(sample: PoolSample) -> float:
 
 def decide(history: Sequence[PoolSample], bounds: PoolScaling, settings: AutoscaleSettings, now: float,
            last_change_at: float | None, *, startup_s: float | None = None,
-           wake_s: float | None = None) -> Decision:
+           wake_s: float | None = None, last_action: Action | None = None,
+           reversal_doubt: float = REVERSAL_DOUBT) -> Decision:
     """The pool's target size now (awake workers); ``history`` is oldest first and ends with the current sample.
-    ``startup_s`` and ``wake_s`` are what the pool's own launches and wake-ups measured (None: the settings')."""
+    ``startup_s`` and ``wake_s`` are what the pool's own launches and wake-ups measured (None: the settings');
+    ``last_action`` is the direction of the change made at ``last_change_at``."""
     if not history:
         return Decision(Action.HOLD, bounds.min_workers, "no metrics yet")
     current = history[-1]
@@ -125,7 +143,8 @@ def decide(history: Sequence[PoolSample], bounds: PoolScaling, settings: Autosca
                         f"{current.waiting} request(s) waiting for an empty pool")
     if settings.worker_capacity > 0 and current.demand >= 0:
         return _planned(history, bounds, settings, now, last_change_at,
-                        startup_s or settings.startup_s, wake_s or settings.wake_s)
+                        startup_s or settings.startup_s, wake_s or settings.wake_s,
+                        _doubt(settings, now, last_change_at, last_action, reversal_doubt))
     pressed = _sustained_pressure(history, bounds, settings, now, last_change_at)
     if pressed is not None:
         return pressed
@@ -179,19 +198,37 @@ def _reactive_down(history: Sequence[PoolSample], bounds: PoolScaling, settings:
                     f"{max(s.running for s in quiet)} running at most ({fits:g} fit on {fewer} worker(s))")
 
 
+def _doubt(settings: AutoscaleSettings, now: float, last_change_at: float | None, last_action: Action | None,
+           reversal_doubt: float) -> dict[Action, float]:
+    """Standard errors of the mean demand a move up and a move down must clear: ``reversal_doubt`` against the last
+    move's direction, fading over ``REVERSAL_FADE_WINDOWS`` demand windows; nothing the same way."""
+    doubt = {Action.UP: 0.0, Action.DOWN: 0.0}
+    if last_change_at is not None and last_action in doubt:
+        fade_s = REVERSAL_FADE_WINDOWS * settings.demand_window_s
+        against = Action.DOWN if last_action is Action.UP else Action.UP
+        doubt[against] = reversal_doubt * max(0.0, 1.0 - (now - last_change_at) / fade_s)
+    return doubt
+
+
 def _planned(history: Sequence[PoolSample], bounds: PoolScaling, settings: AutoscaleSettings, now: float,
-             last_change_at: float | None, startup_s: float, wake_s: float) -> Decision:
-    """Capacity planning (``controller.autoscale_plan``), with the pressure rules as a safety net."""
+             last_change_at: float | None, startup_s: float, wake_s: float, doubt: dict[Action, float]) -> Decision:
+    """Capacity planning (``controller.autoscale_plan``), with the pressure rules as a safety net; ``doubt``: the
+    standard errors a move each way must clear."""
     current = history[-1]
     capacity = settings.worker_capacity
     points = [autoscale_plan.DemandPoint(s.at, s.demand) for s in history if s.demand >= 0]
+    # Doubting a move up delays it; only a pool with a sleeping worker to wake can afford that (a start-up more
+    # of waiting would cost the SLO what the doubt saves in flapping).
+    up_doubt = doubt[Action.UP] if current.sleeping else 0.0
+    down_doubt = doubt[Action.DOWN]
     planned = autoscale_plan.plan(points, now, capacity=capacity, startup_s=startup_s,
-                                  demand_window_s=settings.demand_window_s, trend_window_s=settings.trend_window_s)
+                                  demand_window_s=settings.demand_window_s, trend_window_s=settings.trend_window_s,
+                                  doubt=up_doubt)
     if current.sleeping and planned.needed <= current.workers + current.sleeping:
         # Sleeping workers cover what a start would have to: they need looking ahead only by a wake-up.
         planned = autoscale_plan.plan(points, now, capacity=capacity, startup_s=wake_s,
                                       demand_window_s=settings.demand_window_s,
-                                      trend_window_s=settings.trend_window_s)
+                                      trend_window_s=settings.trend_window_s, doubt=up_doubt)
     target = min(bounds.max_workers, max(bounds.min_workers, planned.needed))
     starting = current.workers - current.ready
     if target > current.workers:
@@ -214,7 +251,7 @@ def _planned(history: Sequence[PoolSample], bounds: PoolScaling, settings: Autos
         return Decision(Action.HOLD, current.workers, f"{steady}; within a {way_back} time ({hold_s:.0f} s) of "
                         "the last change or of the first sample")
     kept, peak = autoscale_plan.keep(points, now, capacity=capacity, hold_s=hold_s,
-                                     demand_window_s=settings.demand_window_s)
+                                     demand_window_s=settings.demand_window_s, doubt=down_doubt)
     kept = max(kept, planned.needed, bounds.min_workers)
     why = (f"demand peaked at {peak:.2f} over the last {hold_s:.0f} s ({way_back} time): {kept} worker(s) carry it "
            f"at {autoscale_plan.DOWN_FILL:.0%} of {capacity:g}")

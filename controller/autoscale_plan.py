@@ -28,6 +28,14 @@ time of a worker that would be stopped, or the wake-up time of one that would be
 
 so a dip shorter than the time it takes to bring a worker back costs nothing, and a load that sits between
 two sizes does not flap the count (it must fall by the ``1 - DOWN_FILL`` band to release a worker).
+
+A move against the direction of the pool's last one takes a ``doubt`` (``controller.autoscale``): the level it is
+decided on is the window's mean moved by that many standard errors of the mean, down for a move up and up for a
+move down,
+
+    level ± doubt × stdev(demand in the window) / √(samples in the window)
+
+so the noise of a ten-second mean (a worker's worth at a few requests per second) does not undo the last move.
 """
 
 from __future__ import annotations
@@ -60,10 +68,17 @@ class Plan:
                 f"{self.horizon_s:.0f} s: {self.needed} worker(s) at {capacity:g} each")
 
 
-def level(points: Sequence[DemandPoint], now: float, window_s: float) -> float:
-    """Mean demand over the last ``window_s`` (the latest point alone when the window holds no other)."""
+def level(points: Sequence[DemandPoint], now: float, window_s: float, doubt: float = 0.0) -> float:
+    """Mean demand over the last ``window_s`` (the latest point alone when the window holds no other), moved by
+    ``doubt`` standard errors of that mean (negative: its lower bound)."""
     recent = [p.demand for p in points if now - p.at <= window_s]
-    return sum(recent) / len(recent) if recent else (points[-1].demand if points else 0.0)
+    if not recent:
+        return points[-1].demand if points else 0.0
+    mean = sum(recent) / len(recent)
+    if not doubt or len(recent) < 2:
+        return mean
+    spread = math.sqrt(sum((d - mean) ** 2 for d in recent) / (len(recent) - 1))
+    return max(0.0, mean + doubt * spread / math.sqrt(len(recent)))
 
 
 def trend(points: Sequence[DemandPoint], now: float, window_s: float) -> float:
@@ -87,18 +102,18 @@ def slope(recent: Sequence[DemandPoint]) -> float:
 
 
 def plan(points: Sequence[DemandPoint], now: float, *, capacity: float, startup_s: float,
-         demand_window_s: float, trend_window_s: float) -> Plan:
+         demand_window_s: float, trend_window_s: float, doubt: float = 0.0) -> Plan:
     """Workers needed when a worker started now would serve (module docstring)."""
-    current = level(points, now, demand_window_s)
+    current = level(points, now, demand_window_s, -doubt)
     slope = trend(points, now, trend_window_s)
     forecast = current + max(0.0, slope) * startup_s
     return Plan(current, slope, forecast, startup_s, _workers_for(forecast, capacity))
 
 
 def keep(points: Sequence[DemandPoint], now: float, *, capacity: float, hold_s: float,
-         demand_window_s: float) -> tuple[int, float]:
+         demand_window_s: float, doubt: float = 0.0) -> tuple[int, float]:
     """Workers to keep and the peak level they keep for: the most the last ``hold_s`` needed at ``DOWN_FILL``."""
-    peak = max((level([q for q in points if q.at <= p.at], p.at, demand_window_s)
+    peak = max((level([q for q in points if q.at <= p.at], p.at, demand_window_s, doubt)
                 for p in points if now - p.at <= hold_s), default=0.0)
     return _workers_for(peak, capacity * DOWN_FILL), peak
 

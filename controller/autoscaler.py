@@ -81,7 +81,8 @@ class Autoscaler:
         self._history: dict[str, deque[PoolSample]] = {p: deque() for p in self._settings.pools}
         self.startup = {p: StartupTimes() for p in self._settings.pools}
         self._wakes: dict[str, deque[float]] = {p: deque(maxlen=LAUNCHES_KEPT) for p in self._settings.pools}
-        self._last_change: dict[str, float] = {}
+        self._last_change: dict[str, tuple[float, Action]] = {}
+        """Per pool: when it last changed size, and which way."""
         self._decisions = Counter("poolgate_autoscale_decisions", "Autoscaler decisions by pool and action.",
                                   ["pool", "action"], registry=registry)
         self.last: dict[str, Decision] = {}
@@ -168,8 +169,9 @@ class Autoscaler:
             keep_s = self._keep_s(pool)
             while history and now - history[0].at > keep_s:
                 history.popleft()
-            decision = decide(list(history), bounds, self._settings, now, self._last_change.get(pool),
-                              startup_s=self._startup_s(pool), wake_s=self._wake_s(pool))
+            last_at, last_action = self._last_change.get(pool, (None, None))
+            decision = decide(list(history), bounds, self._settings, now, last_at,
+                              startup_s=self._startup_s(pool), wake_s=self._wake_s(pool), last_action=last_action)
             self._decisions.labels(pool=pool, action=decision.action.value).inc()
             self.last[pool] = decision
             if history[-1].workers == 0 and decision.action is Action.HOLD:
@@ -186,7 +188,7 @@ class Autoscaler:
                     self._wakes[pool].append(result.wake_s)
             except PlacementRefused as exc:
                 log.warning("pool %s: scale-up refused: %s", pool, exc)
-            self._last_change[pool] = now
+            self._last_change[pool] = (now, decision.action)
             if not self._settings.worker_capacity:
                 history.clear()  # the pressure rules look at the pool as it is after this change
 

@@ -125,3 +125,54 @@ def test_the_start_up_time_is_learned_from_the_pools_launches() -> None:
 def test_a_pool_that_sleeps_needs_engines_that_can() -> None:
     with pytest.raises(ValueError, match="--enable-sleep-mode"):
         PoolScaling(sleep_level=1)
+
+
+NOISE = (0.0, 2.0, 1.0, 2.0, 0.0, 2.0)
+"""One worker's worth of demand at a few requests a second, as one-second samples see it: the five-second mean
+reads 1.17 (two workers at 1 each) although the load is one worker's."""
+
+
+def noisy(t: int) -> float:
+    return NOISE[t % len(NOISE)]
+
+
+def test_noise_just_after_a_release_does_not_wake_the_worker_again() -> None:
+    after_release = history(40, noisy, workers=1, sleeping=1)
+    decision = decide(after_release, SLEEPS, PLANNED, now=40.0, last_change_at=35.0, last_action=Action.DOWN)
+    assert decision.action is Action.HOLD, decision.reason
+    # The same samples after a move up, or with no move yet, take no doubt: the mean alone asks for two.
+    for last in (Action.UP, None):
+        again = decide(after_release, SLEEPS, PLANNED, now=40.0, last_change_at=35.0, last_action=last)
+        assert again.action is Action.UP and again.target == 2
+
+
+def test_a_worker_that_must_start_is_not_doubted_on_the_way_up() -> None:
+    # With no sleeping worker a doubted rise would wait a start-up more: the mean decides at once.
+    after_release = history(40, noisy, workers=1)
+    decision = decide(after_release, BOUNDS, PLANNED, now=40.0, last_change_at=35.0, last_action=Action.DOWN)
+    assert decision.action is Action.UP and decision.target == 2
+
+
+def test_a_real_rise_just_after_a_release_is_met() -> None:
+    rise = history(40, lambda t: 2.5 + noisy(t) / 4, workers=1, sleeping=2)
+    decision = decide(rise, SLEEPS, PLANNED, now=40.0, last_change_at=35.0, last_action=Action.DOWN)
+    assert decision.action is Action.UP and decision.target >= 3
+
+
+def test_the_doubt_fades_with_the_age_of_the_last_move() -> None:
+    # Six five-second windows after the release the same noise is taken at its mean again.
+    late = history(80, noisy, workers=1, sleeping=1)
+    decision = decide(late, SLEEPS, PLANNED, now=80.0, last_change_at=49.0, last_action=Action.DOWN)
+    assert decision.action is Action.UP and decision.target == 2
+    early = decide(late, SLEEPS, PLANNED, now=80.0, last_change_at=75.0, last_action=Action.DOWN)
+    assert early.action is Action.HOLD
+
+
+def test_a_release_just_after_a_rise_needs_the_demand_clearly_below() -> None:
+    # Three workers added 20 s ago (past the hold); the demand reads 1.7 on average, two workers' worth at 90 %.
+    wobble = history(60, lambda t: 1.7 + (0.6 if t % 2 else -0.6), workers=3)
+    undoubted = decide(wobble, BOUNDS, PLANNED.model_copy(update={"startup_s": 5.0}), now=60.0, last_change_at=40.0)
+    assert undoubted.action is Action.DOWN and undoubted.target == 2
+    doubted = decide(wobble, BOUNDS, PLANNED.model_copy(update={"startup_s": 5.0}), now=60.0, last_change_at=40.0,
+                     last_action=Action.UP)
+    assert doubted.action is Action.HOLD, doubted.reason
