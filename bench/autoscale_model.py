@@ -123,7 +123,7 @@ def simulate(scenario: Scenario, static_workers: int | None, settings: Autoscale
         push(minute * 60.0, "record", 0)
     queue: list[int] = []
     queue_head = 0
-    sleeping = 0
+    sleeping = bounds.standby_workers if autoscaled else 0  # deployed asleep (a woken spare is not replaced)
     ttfts: list[float] = []
     history: list[PoolSample] = []
     last_change: float | None = None

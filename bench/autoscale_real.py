@@ -9,7 +9,9 @@ every arrival is one streamed chat request to each pool's model, so both see the
 moments on the same machine.
 
 With ``sleep_level`` the autoscaled pool gives back its surplus by putting the engine to sleep (vLLM's sleep
-mode, simulated: ``wake_up_s`` to wake against ``startup_s`` to start) instead of stopping the process.
+mode, simulated: ``wake_up_s`` to wake against ``startup_s`` to start) instead of stopping the process, and with
+``standby_workers`` it is deployed with that many spares asleep beside its awake minimum (the trace starts once
+they sleep, as it starts once the static fleet serves), so a rise wakes a worker instead of starting one.
 
 Reported per pool: GPU-seconds (seconds each worker process was alive and awake, loading included, read from
 /proc and each autoscaled worker's ``/is_sleeping`` every ``SAMPLE_S``; the seconds spent asleep are reported
@@ -81,6 +83,8 @@ class RealScenario:
     sleep_level: int = 0
     """0: a surplus worker is stopped; 1 or 2: its engine sleeps at that level and is woken when needed."""
     wake_up_s: float = 1.0
+    standby_workers: int = 0
+    """With ``sleep_level``: spares the pool keeps asleep (``pools.*.standby_workers``)."""
     """What waking a sleeping worker takes (the weights' copy back; tenths of a second to seconds on GPUs)."""
     worker_capacity: float = 1.0
     """Requests (in flight + queued) one worker carries within the SLO: one sequence at a time, ~0.5 s each.
@@ -128,7 +132,8 @@ def stack_config(scenario: RealScenario) -> dict[str, Any]:
             # The start-up time is not given: the controller learns it from the pool's first launches.
             "worker_capacity": scenario.worker_capacity, "demand_window_s": 10.0, "trend_window_s": 30.0,
             "pools": {AUTO: {"min_workers": 1, "max_workers": scenario.max_workers,
-                             "sleep_level": scenario.sleep_level, "template": {
+                             "sleep_level": scenario.sleep_level,
+                             "standby_workers": scenario.standby_workers, "template": {
                 "extra_args": [*seqs, "--startup-delay-s", f"{scenario.startup_s:g}", *sleeps]}}},
         },
         "pools": [{"name": AUTO, "model": MODELS[AUTO], "max_model_len": 4096},
@@ -245,6 +250,19 @@ async def watch_fleet(controller_pid: int, start: float, stop: asyncio.Event, fl
         await asyncio.sleep(SAMPLE_S)
 
 
+async def deployed(session: aiohttp.ClientSession, controller_pid: int, scenario: RealScenario) -> None:
+    """Wait until the autoscaled pool's standby spares sleep (its deployment, as the static fleet's start is)."""
+    deadline = time.monotonic() + 2 * scenario.startup_s + 60.0
+    while scenario.standby_workers:
+        alive = await asyncio.to_thread(worker_processes, controller_pid)
+        if len(await asleep(session, alive)) >= scenario.standby_workers:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the autoscaled pool's {scenario.standby_workers} standby workers were not asleep "
+                               f"{2 * scenario.startup_s + 60.0:.0f} s after the stack served")
+        await asyncio.sleep(SAMPLE_S)
+
+
 DECISION = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*pool auto: scale (up|down) to (\d+) \((.*)\)$")
 DRAINING = re.compile(r"pool auto: \d+ -> \d+ workers, draining (.+)$")
 
@@ -319,6 +337,7 @@ async def run(scenario: RealScenario, run_dir: Path) -> dict[str, Any]:
         url = stack.base_url + "/chat/completions"
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await asyncio.sleep(2.0)  # the autoscaler's first samples of an idle pool at its minimum
+            await deployed(session, controller_pid, scenario)
             start, wall_start = time.monotonic(), time.time()
             stop = asyncio.Event()
             watcher = asyncio.create_task(watch_fleet(controller_pid, start, stop, fleet, session))
@@ -404,7 +423,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"{scenario['peak_to_trough']:g}), {scenario['plateau_s']:g} s each, {scenario['cycles']} cycles + a last "
         f"trough ({report['plateaus'][-1]['end_s']:.0f} s); worker start-up {scenario['startup_s']:g} s"
         + (f", surplus to sleep at level {scenario['sleep_level']} (wake-up {scenario['wake_up_s']:g} s)"
-           if scenario.get("sleep_level") else ", surplus stopped") + "; TTFT SLO "
+           if scenario.get("sleep_level") else ", surplus stopped")
+        + (f", {scenario['standby_workers']} standby asleep from the start" if scenario.get("standby_workers") else "")
+        + "; TTFT SLO "
         f"{scenario['slo_ttft_s']:g} s; load average {', '.join(f'{x:.1f}' for x in report['load_average'])}.",
         "",
         host_quiet.describe(report.get("host")) + ".",
@@ -459,6 +480,9 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
                              "(default %(default)s)")
     parser.add_argument("--wake-up-s", type=float, default=defaults.wake_up_s,
                         help="what waking a sleeping worker takes (default %(default)s)")
+    parser.add_argument("--standby-workers", type=int, default=None,
+                        help="spares the autoscaled pool keeps asleep (default: with --sleep-level, max-workers - 1, "
+                             "the whole surplus; else 0)")
     parser.add_argument("--worker-capacity", type=float, default=defaults.worker_capacity,
                         help="requests one worker carries within the SLO, for capacity planning (0 = the "
                              "pressure rules alone; default %(default)s)")
@@ -471,7 +495,9 @@ def run_real(args: argparse.Namespace) -> int:
                             peak_rps=args.peak_rps, static_workers=args.static_workers,
                             max_workers=args.max_workers, slo_ttft_s=args.slo_ttft_s,
                             worker_capacity=args.worker_capacity, sleep_level=args.sleep_level,
-                            wake_up_s=args.wake_up_s, seed=args.seed)
+                            wake_up_s=args.wake_up_s, seed=args.seed,
+                            standby_workers=(args.standby_workers if args.standby_workers is not None
+                                             else args.max_workers - 1 if args.sleep_level else 0))
     began = time.monotonic()
     with host_quiet.measure() as quiet:
         report = asyncio.run(run(scenario, Path(tempfile.mkdtemp(prefix="poolgate-bench-autoscale-"))))

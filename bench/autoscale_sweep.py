@@ -13,10 +13,10 @@ meets the SLO on it:
 
 The grid: ``worker_capacity`` (as a share of what one worker can run at once), ``demand_window_s``, the doubt a
 reversal must clear (``controller.autoscale.REVERSAL_DOUBT`` or none), and whether the surplus sleeps (wakes in
-``WAKE_S``) or stops (starts again in the trace's start-up time). Reported per
-point and trace: worker-seconds against the static fleet's, SLO attainment and, on plateaus, the most direction
-changes inside one plateau, in ``autoscale_sweep.json`` and ``.md``. Virtual time: seconds to run, and its figures
-do not depend on the host.
+``WAKE_S``; deployed with all of it asleep, as the real run) or stops (starts again in the trace's start-up time).
+Reported per point and trace: worker-seconds against the static fleet's, SLO attainment and, on plateaus, the
+most direction changes inside one plateau, in ``autoscale_sweep.json`` and ``.md``. Virtual time: seconds to run,
+and its figures do not depend on the host.
 """
 
 from __future__ import annotations
@@ -94,7 +94,10 @@ def settings_for(trace: Scenario, capacity_share: float, demand_window_s: float)
 
 
 def bounds_for(static_workers: int, sleep_level: int) -> PoolScaling:
-    return PoolScaling(min_workers=1, max_workers=max(2, math.ceil(static_workers * 4 / 3)), sleep_level=sleep_level,
+    """A pool that sleeps its surplus is deployed with all of it asleep (``standby_workers``), as the real run."""
+    most = max(2, math.ceil(static_workers * 4 / 3))
+    return PoolScaling(min_workers=1, max_workers=most, sleep_level=sleep_level,
+                       standby_workers=most - 1 if sleep_level else 0,
                        template=WorkerTemplate(extra_args=("--enable-sleep-mode",)))
 
 

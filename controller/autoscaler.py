@@ -7,6 +7,9 @@ launches (``StartupTimes``: from the moment a worker is first seen starting to t
 hands the decision the figure, so a pool of real vLLM engines plans minutes ahead and one of quick workers
 seconds.
 
+A pool with ``standby_workers`` has its spares kept every round, after the decision (``InstanceController.
+keep_standby``): as many as the awake target leaves room for under ``max_workers``.
+
 A pool with no awake worker is also looked at every ``EMPTY_POOL_POLL_S`` between rounds (one read of extproc's
 queue count for it): the first request to a pool at zero waits for a start-up or a wake-up, not for the next
 round as well.
@@ -111,14 +114,19 @@ class Autoscaler:
         serving = [r for r in records if r.state in (WorkerState.READY, WorkerState.BUSY)]
         active = await self._instances.active_workers(pool)
         asleep = {r.id for r in serving if r.sleep_level and r.id in active}
-        serving = [r for r in serving if r.id not in asleep]
+        # Standby spares on their way to sleep are neither the pool's size nor its sleepers; their launches still
+        # teach the pool's start-up time.
+        spares = self._instances.spares(pool) - asleep
+        spares_serving = {r.id for r in serving if r.id in spares}
+        serving = [r for r in serving if r.id not in asleep and r.id not in spares]
         queued = await self._store.read_queued(pool)
         inflight = await self._store.read_inflight([r.id for r in serving])
         kv = sum(r.kv_usage for r in serving) / len(serving) if serving else 0.0
         ready = {r.id for r in serving if r.id in active}
         if pool in self.startup:
             times = self.startup[pool]
-            for worker_id, took in times.observe(set(active) - ready - asleep, ready, now).items():
+            starting = (set(active) | spares) - ready - asleep - spares_serving
+            for worker_id, took in times.observe(starting, ready | spares_serving, now).items():
                 log.info("pool %s: worker %s served %.1f s after it was first seen starting (start-up now %.1f s)",
                          pool, worker_id, took, times.estimate(self._settings.startup_s))
         ttfts = [r.ttft_ewma_s for r in serving if r.ttft_ewma_s >= 0]
@@ -128,7 +136,7 @@ class Autoscaler:
         # Demand: what extproc has sent and not seen end (the engines' own counts where they read more), plus
         # what it holds for the pool.
         carried = sum(max(inflight.get(r.id, 0), r.running + r.waiting) for r in serving)
-        return PoolSample(at=now, workers=len(active) - len(asleep), ready=len(ready),
+        return PoolSample(at=now, workers=len(set(active) - asleep - spares), ready=len(ready),
                           waiting=sum(r.waiting for r in serving) + queued,
                           running=running, kv_usage=kv,
                           ttft_s=sum(ttfts) / len(ttfts) if ttfts else -1.0,
@@ -180,17 +188,27 @@ class Autoscaler:
                 self._empty.discard(pool)
             if decision.action is Action.HOLD:
                 self._log_hold(pool, bounds.min_workers, decision, now)
-                return
-            log.info("pool %s: scale %s to %d (%s)", pool, decision.action.value, decision.target, decision.reason)
-            try:
-                result = await self._instances.scale(pool, decision.target, sleep_level=bounds.sleep_level)
-                if result.wake_s is not None:
-                    self._wakes[pool].append(result.wake_s)
-            except PlacementRefused as exc:
-                log.warning("pool %s: scale-up refused: %s", pool, exc)
-            self._last_change[pool] = (now, decision.action)
-            if not self._settings.worker_capacity:
-                history.clear()  # the pressure rules look at the pool as it is after this change
+            else:
+                await self._act(pool, decision, now)
+            if bounds.standby_workers:
+                try:
+                    await self._instances.keep_standby(
+                        pool, min(bounds.standby_workers, bounds.max_workers - decision.target), bounds.sleep_level)
+                except PlacementRefused as exc:
+                    log.warning("pool %s: standby launch refused: %s", pool, exc)
+
+    async def _act(self, pool: str, decision: Decision, now: float) -> None:
+        log.info("pool %s: scale %s to %d (%s)", pool, decision.action.value, decision.target, decision.reason)
+        try:
+            result = await self._instances.scale(pool, decision.target,
+                                                 sleep_level=self._settings.pools[pool].sleep_level)
+            if result.wake_s is not None:
+                self._wakes[pool].append(result.wake_s)
+        except PlacementRefused as exc:
+            log.warning("pool %s: scale-up refused: %s", pool, exc)
+        self._last_change[pool] = (now, decision.action)
+        if not self._settings.worker_capacity:
+            self._history[pool].clear()  # the pressure rules look at the pool as it is after this change
 
 
 async def run_autoscaler(autoscaler: Autoscaler, interval_s: float, stop: asyncio.Event) -> None:

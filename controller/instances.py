@@ -8,6 +8,12 @@ flight its engine gets ``POST /sleep?level=N``, its record the sleep level (extp
 that write on, before the agent's next scrape) and Ready again. Scaling up wakes sleeping workers first
 (``POST /wake_up``, seconds) and launches processes only for the rest. A sleeping worker counts toward the
 backend's processes but not toward the pool's size.
+
+A pool with ``standby_workers`` keeps that many spares asleep (``keep_standby``): it launches them ahead of need
+and, once a spare's engine serves, drains it to sleep like any surplus. A spare still on its way (starting, or
+draining to its first sleep) counts neither toward the pool's size nor among its sleepers; a scale-up that finds
+nobody asleep claims a starting spare before it launches anything. The spares on their way are this controller's
+own record: a new leader finds them awake and gives them back to the autoscaler's next decision.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -42,8 +48,22 @@ class ScaleResult:
     started: tuple[str, ...] = ()
     draining: tuple[str, ...] = ()
     woken: tuple[str, ...] = ()
+    claimed: tuple[str, ...] = ()
+    """Spares still starting that will serve instead of going to sleep."""
     wake_s: float | None = None
     """How long the slowest of the wake-ups took (None: none)."""
+
+
+@dataclass(frozen=True)
+class PoolWorkers:
+    """A pool's workers as scaling sees them."""
+
+    awake: list[str]
+    """Serving or starting, not draining, not a spare on its way."""
+    asleep: list[WorkerRecord]
+    spares: list[str] = field(default_factory=list)
+    """Standby workers launched to sleep that do not sleep yet (starting, or draining to their first sleep)."""
+    records: dict[str, WorkerRecord] = field(default_factory=dict)
 
 
 SLEEP_CALL_TIMEOUT_S = 120.0
@@ -65,6 +85,8 @@ class InstanceController:
         self.backend = backend
         self.drainer = drainer
         self._is_leader = is_leader
+        self._spares: dict[str, set[str]] = {}
+        """Per pool: standby workers launched to sleep that do not sleep yet."""
 
     def _require_leader(self) -> None:
         if not self._is_leader():
@@ -148,14 +170,27 @@ class InstanceController:
         """The pool's workers that count toward its size: run by the backend and not draining."""
         return [w for w in await self.backend.pool_workers(pool) if not self.drainer.draining(w)]
 
-    async def scale(self, pool: str, target: int, sleep_level: int = 0) -> ScaleResult:
-        """Bring the pool to ``target`` awake workers: wake sleeping ones, launch the rest, drain the surplus
-        (to sleep at ``sleep_level``, or to a stop when 0)."""
-        self._require_leader()
-        active = await self.active_workers(pool)
-        records = {r.id: r for r in await self._store.read_fleet() if r.id in active}
+    def spares(self, pool: str) -> set[str]:
+        """The pool's standby workers on their way to sleep (as of the last look at the pool)."""
+        return set(self._spares.get(pool, ()))
+
+    async def workers(self, pool: str) -> PoolWorkers:
+        run = await self.backend.pool_workers(pool)
+        active = [w for w in run if not self.drainer.draining(w)]
+        records = {r.id: r for r in await self._store.read_fleet() if r.id in run}
         asleep = [records[w] for w in active if w in records and records[w].sleep_level]
-        awake = [w for w in active if w not in {r.id for r in asleep}]
+        sleeping = {r.id for r in asleep}
+        spares = self._spares.setdefault(pool, set())
+        spares &= set(run) - sleeping  # asleep at last, or gone: no longer on their way
+        return PoolWorkers([w for w in active if w not in sleeping and w not in spares], asleep,
+                           sorted(spares), records)
+
+    async def scale(self, pool: str, target: int, sleep_level: int = 0) -> ScaleResult:
+        """Bring the pool to ``target`` awake workers: wake sleeping ones, claim starting spares, launch the rest,
+        drain the surplus (to sleep at ``sleep_level``, or to a stop when 0)."""
+        self._require_leader()
+        pool_workers = await self.workers(pool)
+        awake, asleep = pool_workers.awake, pool_workers.asleep
         if target > len(awake):
             began = time.monotonic()
             calls = asleep[:target - len(awake)]
@@ -163,11 +198,15 @@ class InstanceController:
                                           strict=True) if ok]
             wake_s = time.monotonic() - began if woke else None
             missing = target - len(awake) - len(woke)
+            claimed = [w for w in pool_workers.spares if not self.drainer.draining(w)][:max(0, missing)]
+            self._spares[pool] -= set(claimed)
+            missing -= len(claimed)
             started = await self.backend.launch(pool, missing) if missing > 0 else []
-            log.info("pool %s: %d -> %d workers, woke %s%s, started %s", pool, len(awake), target,
+            log.info("pool %s: %d -> %d workers, woke %s%s, started %s%s", pool, len(awake), target,
                      ", ".join(woke) or "none", f" in {wake_s:.2f} s" if wake_s is not None else "",
-                     ", ".join(started) or "none")
-            return ScaleResult(pool, len(awake), target, started=tuple(started), woken=tuple(woke), wake_s=wake_s)
+                     ", ".join(started) or "none", f"; claimed starting spares {', '.join(claimed)}" if claimed else "")
+            return ScaleResult(pool, len(awake), target, started=tuple(started), woken=tuple(woke),
+                               claimed=tuple(claimed), wake_s=wake_s)
         if target == len(awake):
             return ScaleResult(pool, len(awake), target)
         victims = await self._victims(awake, len(awake) - target)
@@ -179,6 +218,26 @@ class InstanceController:
         log.info("pool %s: %d -> %d workers, draining %s%s", pool, len(awake), target, ", ".join(victims),
                  f" to sleep at level {sleep_level}" if sleep_level else "")
         return ScaleResult(pool, len(awake), target, draining=tuple(victims))
+
+    async def keep_standby(self, pool: str, wanted: int, sleep_level: int) -> list[str]:
+        """Keep ``wanted`` spares asleep or on their way: a spare whose engine now serves is drained to sleep (a
+        request sent to it meanwhile ends first), and the missing ones are launched. Returns the launched ids."""
+        self._require_leader()
+        pool_workers = await self.workers(pool)
+        for worker_id in pool_workers.spares:
+            record = pool_workers.records.get(worker_id)
+            serving = record is not None and record.state in (WorkerState.READY, WorkerState.BUSY)
+            if serving and not self.drainer.draining(worker_id):
+                await self.drainer.start(worker_id, DrainEnd.SLEEP,
+                                         self._ending(worker_id, DrainEnd.SLEEP, sleep_level))
+                log.info("pool %s: spare %s serves; draining it to sleep at level %d", pool, worker_id, sleep_level)
+        missing = wanted - len(pool_workers.asleep) - len(pool_workers.spares)
+        if missing <= 0:
+            return []
+        launched = await self.backend.launch(pool, missing)
+        self._spares.setdefault(pool, set()).update(launched)
+        log.info("pool %s: launched %s as standby (to sleep once serving)", pool, ", ".join(launched))
+        return launched
 
     async def _victims(self, active: list[str], count: int) -> list[str]:
         """Fewest requests in flight first (the quickest drains); unregistered (still starting) before all."""

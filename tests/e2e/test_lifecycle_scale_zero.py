@@ -2,7 +2,9 @@
 the controller starts workers (each takes ``STARTUP_S`` to load, as a vLLM start does) and is served; the
 autoscaler's scale-down drains a worker with a stream running on it (the stream finishes, nothing is lost)
 and the idle pool returns to zero after its cooldown. A cold start that outlasts its pool's wait is a 503 with
-Retry-After; a pool that cannot scale to zero answers 503 at once. One ``poolgate up`` stack for the module.
+Retry-After; a pool that cannot scale to zero answers 503 at once. A pool at zero with a standby spare has it
+started and put to sleep ahead of need, and its first request is served by waking it. One ``poolgate up`` stack for
+the module.
 
 The tests run in order (each starts from the state the one before left). Every "within N s" check polls with a
 generous bound and prints the time it measured.
@@ -28,6 +30,8 @@ STARTUP_S = 2.0
 """Model load of every worker the autoscaler starts for the pool ``zero``."""
 COOLDOWN_S = 15.0
 """Longer than a worker takes to start here even on a loaded machine: the two woken workers must both serve."""
+SPARE_STARTUP_S = 8.0
+"""Model load of the pool ``spare``'s workers: its standby spare pays it before any request, a wake-up 0.2 s."""
 CONFIG = {
     "key_prefix": "lcz",
     "controller": {"token": "lcz-token", "heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0},
@@ -40,12 +44,16 @@ CONFIG = {
         "pools": {
             "zero": {"min_workers": 0, "max_workers": 2, "cold_start_wait_s": 60,
                      "template": {"extra_args": ["--startup-delay-s", str(STARTUP_S)]}},
+            "spare": {"min_workers": 0, "max_workers": 2, "sleep_level": 1, "standby_workers": 1,
+                      "cold_start_wait_s": 60, "template": {"extra_args": [
+                          "--startup-delay-s", str(SPARE_STARTUP_S), "--enable-sleep-mode", "--wake-up-s", "0.2"]}},
             "slow": {"min_workers": 0, "max_workers": 1, "cold_start_wait_s": 3,
                      "template": {"extra_args": ["--startup-delay-s", "120"]}},
         },
     },
     "pools": [
         {"name": "zero", "model": "zero-model", "max_model_len": 4096},
+        {"name": "spare", "model": "spare-model", "max_model_len": 4096},
         {"name": "slow", "model": "slow-model", "max_model_len": 4096},
         {"name": "fixed", "model": "fixed-model", "max_model_len": 4096},
     ],
@@ -164,3 +172,22 @@ def test_a_pool_that_cannot_scale_to_zero_answers_503_at_once(stack: RunningStac
         client(stack).chat.completions.create(model="fixed-model", messages=MESSAGES, max_tokens=4)
     assert refused.value.status_code == 503 and refused.value.code == "no_ready_worker"
     assert workers_of(stack, "fixed") == []
+
+
+def test_a_standby_spare_sleeps_until_the_first_request_wakes_it(stack: RunningStack) -> None:
+    def spare_asleep() -> bool:
+        ids = workers_of(stack, "spare")
+        return len(ids) == 1 and stack.record(ids[0]).get("sleep_level") == "1"
+
+    slept = wait_for(spare_asleep, 120, 0.1)
+    [spare] = workers_of(stack, "spare")
+    started = time.monotonic()
+    response = client(stack).chat.completions.with_raw_response.create(model="spare-model", messages=MESSAGES,
+                                                                       max_tokens=8)
+    took = time.monotonic() - started
+    print(f"\nmeasured: the spare slept {slept:.1f} s into the test; the first request to the pool was served "
+          f"{took:.2f} s after it was sent (a start takes {SPARE_STARTUP_S:g} s, a wake-up 0.2 s)")
+    assert response.parse().choices[0].message.content
+    assert response.headers["x-poolgate-worker"] == spare, "served by the spare it woke, not by a new start"
+    assert stack.record(spare).get("sleep_level") == "0"
+    assert f"woke {spare}" in (stack.run_dir / "controller.log").read_text()

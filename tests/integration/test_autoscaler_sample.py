@@ -24,6 +24,9 @@ class Pool:
     async def active_workers(self, pool: str) -> list[str]:
         return list(self.workers)
 
+    def spares(self, pool: str) -> set[str]:
+        return set()
+
     async def scale(self, pool: str, target: int, sleep_level: int = 0) -> ScaleResult:
         self.scaled.append((pool, target))
         return ScaleResult(pool, len(self.workers), target)

@@ -176,3 +176,12 @@ def test_a_release_just_after_a_rise_needs_the_demand_clearly_below() -> None:
     doubted = decide(wobble, BOUNDS, PLANNED.model_copy(update={"startup_s": 5.0}), now=60.0, last_change_at=40.0,
                      last_action=Action.UP)
     assert doubted.action is Action.HOLD, doubted.reason
+
+
+def test_standby_spares_sleep_and_leave_room_for_an_awake_worker() -> None:
+    template = WorkerTemplate(extra_args=("--enable-sleep-mode",))
+    with pytest.raises(ValueError, match="set sleep_level"):
+        PoolScaling(standby_workers=1, template=template)
+    with pytest.raises(ValueError, match="fewer than max_workers"):
+        PoolScaling(max_workers=3, sleep_level=1, standby_workers=3, template=template)
+    assert PoolScaling(max_workers=4, sleep_level=1, standby_workers=3, template=template).standby_workers == 3

@@ -130,6 +130,11 @@ class PoolScaling(Section):
     to CPU memory, 2 discards them) and wakes it (``POST /wake_up``) before starting a new one. Only for
     engines that support it (vLLM started with ``--enable-sleep-mode``, a CUDA build; the simulated worker).
     Sleeping workers count toward ``max_workers``."""
+    standby_workers: int = Field(0, ge=0)
+    """With ``sleep_level``: sleeping workers the pool keeps beside its awake ones, launched ahead of need and put
+    to sleep once they serve, so that a rise wakes a worker in seconds instead of waiting for a start (a vLLM
+    start with real weights takes minutes). Awake and sleeping together stay within ``max_workers``; a spare that
+    is woken is replaced by a new launch while there is room."""
     cold_start_wait_s: float = Field(120.0, gt=0, le=MAX_COLD_START_WAIT_S)
     """With ``min_workers: 0``: how long a request for the empty pool waits in extproc's queue while the
     controller starts a worker (a vLLM start, model load included, takes from seconds to minutes), before a
@@ -142,6 +147,10 @@ class PoolScaling(Section):
         if self.sleep_level and "--enable-sleep-mode" not in self.template.extra_args:
             raise ValueError("sleep_level needs engines that can sleep: add --enable-sleep-mode to "
                              "template.extra_args (a vLLM worker also needs VLLM_SERVER_DEV_MODE=1 in its environment)")
+        if self.standby_workers and not self.sleep_level:
+            raise ValueError("standby_workers are kept asleep: set sleep_level (1 or 2) as well")
+        if self.standby_workers >= self.max_workers:
+            raise ValueError("standby_workers must leave room for an awake worker: fewer than max_workers")
         return self
 
 
