@@ -114,18 +114,18 @@ class Autoscaler:
         serving = [r for r in records if r.state in (WorkerState.READY, WorkerState.BUSY)]
         active = await self._instances.active_workers(pool)
         asleep = {r.id for r in serving if r.sleep_level and r.id in active}
-        # Standby spares on their way to sleep are neither the pool's size nor its sleepers; their launches still
-        # teach the pool's start-up time.
-        spares = self._instances.spares(pool) - asleep
-        spares_serving = {r.id for r in serving if r.id in spares}
-        serving = [r for r in serving if r.id not in asleep and r.id not in spares]
+        # Workers bound for sleep (standby spares on their way) are neither the pool's size nor its sleepers; a
+        # spare's launch still teaches the pool's start-up time.
+        bound = self._instances.bound_for_sleep(pool) - asleep
+        spares_serving = {r.id for r in serving if r.id in bound}
+        serving = [r for r in serving if r.id not in asleep and r.id not in bound]
         queued = await self._store.read_queued(pool)
         inflight = await self._store.read_inflight([r.id for r in serving])
         kv = sum(r.kv_usage for r in serving) / len(serving) if serving else 0.0
         ready = {r.id for r in serving if r.id in active}
         if pool in self.startup:
             times = self.startup[pool]
-            starting = (set(active) | spares) - ready - asleep - spares_serving
+            starting = set(active) - ready - asleep - spares_serving
             for worker_id, took in times.observe(starting, ready | spares_serving, now).items():
                 log.info("pool %s: worker %s served %.1f s after it was first seen starting (start-up now %.1f s)",
                          pool, worker_id, took, times.estimate(self._settings.startup_s))
@@ -136,7 +136,7 @@ class Autoscaler:
         # Demand: what extproc has sent and not seen end (the engines' own counts where they read more), plus
         # what it holds for the pool.
         carried = sum(max(inflight.get(r.id, 0), r.running + r.waiting) for r in serving)
-        return PoolSample(at=now, workers=len(set(active) - asleep - spares), ready=len(ready),
+        return PoolSample(at=now, workers=len(set(active) - asleep - bound), ready=len(ready),
                           waiting=sum(r.waiting for r in serving) + queued,
                           running=running, kv_usage=kv,
                           ttft_s=sum(ttfts) / len(ttfts) if ttfts else -1.0,

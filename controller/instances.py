@@ -10,10 +10,11 @@ that write on, before the agent's next scrape) and Ready again. Scaling up wakes
 backend's processes but not toward the pool's size.
 
 A pool with ``standby_workers`` keeps that many spares asleep (``keep_standby``): it launches them ahead of need
-and, once a spare's engine serves, drains it to sleep like any surplus. A spare still on its way (starting, or
-draining to its first sleep) counts neither toward the pool's size nor among its sleepers; a scale-up that finds
-nobody asleep claims a starting spare before it launches anything. The spares on their way are this controller's
-own record: a new leader finds them awake and gives them back to the autoscaler's next decision.
+and, once a spare's engine serves, drains it to sleep like any surplus. A worker bound for sleep (a spare starting
+or draining to its first sleep, a surplus worker draining to sleep) counts neither toward the pool's size nor
+among its sleepers, but toward the standby; a scale-up that finds nobody asleep claims a spare still starting
+before it launches anything. Which workers are bound for sleep is this controller's own record: a new leader finds
+a spare awake and gives it back to the autoscaler's next decision.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class PoolWorkers:
     awake: list[str]
     """Serving or starting, not draining, not a spare on its way."""
     asleep: list[WorkerRecord]
-    spares: list[str] = field(default_factory=list)
-    """Standby workers launched to sleep that do not sleep yet (starting, or draining to their first sleep)."""
+    bound_for_sleep: list[str] = field(default_factory=list)
+    """Workers sent to sleep that do not sleep yet: standby spares (starting, or draining to their first sleep)
+    and surplus draining to sleep."""
     records: dict[str, WorkerRecord] = field(default_factory=dict)
 
 
@@ -85,8 +87,8 @@ class InstanceController:
         self.backend = backend
         self.drainer = drainer
         self._is_leader = is_leader
-        self._spares: dict[str, set[str]] = {}
-        """Per pool: standby workers launched to sleep that do not sleep yet."""
+        self._to_sleep: dict[str, set[str]] = {}
+        """Per pool: the workers bound for sleep (``PoolWorkers.bound_for_sleep``)."""
 
     def _require_leader(self) -> None:
         if not self._is_leader():
@@ -170,9 +172,9 @@ class InstanceController:
         """The pool's workers that count toward its size: run by the backend and not draining."""
         return [w for w in await self.backend.pool_workers(pool) if not self.drainer.draining(w)]
 
-    def spares(self, pool: str) -> set[str]:
-        """The pool's standby workers on their way to sleep (as of the last look at the pool)."""
-        return set(self._spares.get(pool, ()))
+    def bound_for_sleep(self, pool: str) -> set[str]:
+        """The pool's workers bound for sleep (as of the last look at the pool)."""
+        return set(self._to_sleep.get(pool, ()))
 
     async def workers(self, pool: str) -> PoolWorkers:
         run = await self.backend.pool_workers(pool)
@@ -180,10 +182,10 @@ class InstanceController:
         records = {r.id: r for r in await self._store.read_fleet() if r.id in run}
         asleep = [records[w] for w in active if w in records and records[w].sleep_level]
         sleeping = {r.id for r in asleep}
-        spares = self._spares.setdefault(pool, set())
-        spares &= set(run) - sleeping  # asleep at last, or gone: no longer on their way
-        return PoolWorkers([w for w in active if w not in sleeping and w not in spares], asleep,
-                           sorted(spares), records)
+        bound = self._to_sleep.setdefault(pool, set())
+        bound &= set(run) - sleeping  # asleep at last, or gone (a sleep refused stops it): no longer on their way
+        return PoolWorkers([w for w in active if w not in sleeping and w not in bound], asleep, sorted(bound),
+                           records)
 
     async def scale(self, pool: str, target: int, sleep_level: int = 0) -> ScaleResult:
         """Bring the pool to ``target`` awake workers: wake sleeping ones, claim starting spares, launch the rest,
@@ -198,8 +200,8 @@ class InstanceController:
                                           strict=True) if ok]
             wake_s = time.monotonic() - began if woke else None
             missing = target - len(awake) - len(woke)
-            claimed = [w for w in pool_workers.spares if not self.drainer.draining(w)][:max(0, missing)]
-            self._spares[pool] -= set(claimed)
+            claimed = [w for w in pool_workers.bound_for_sleep if not self.drainer.draining(w)][:max(0, missing)]
+            self._to_sleep[pool] -= set(claimed)
             missing -= len(claimed)
             started = await self.backend.launch(pool, missing) if missing > 0 else []
             log.info("pool %s: %d -> %d workers, woke %s%s, started %s%s", pool, len(awake), target,
@@ -215,27 +217,29 @@ class InstanceController:
             drained = await self.drainer.start(worker_id, end, self._ending(worker_id, end, sleep_level or 1))
             if not drained:  # not registered yet: nothing can be in flight on it
                 await self.backend.stop(worker_id)
+            elif end is DrainEnd.SLEEP:
+                self._to_sleep.setdefault(pool, set()).add(worker_id)
         log.info("pool %s: %d -> %d workers, draining %s%s", pool, len(awake), target, ", ".join(victims),
                  f" to sleep at level {sleep_level}" if sleep_level else "")
         return ScaleResult(pool, len(awake), target, draining=tuple(victims))
 
     async def keep_standby(self, pool: str, wanted: int, sleep_level: int) -> list[str]:
-        """Keep ``wanted`` spares asleep or on their way: a spare whose engine now serves is drained to sleep (a
+        """Keep ``wanted`` workers asleep or bound for sleep: a spare whose engine now serves is drained to sleep (a
         request sent to it meanwhile ends first), and the missing ones are launched. Returns the launched ids."""
         self._require_leader()
         pool_workers = await self.workers(pool)
-        for worker_id in pool_workers.spares:
+        for worker_id in pool_workers.bound_for_sleep:
             record = pool_workers.records.get(worker_id)
             serving = record is not None and record.state in (WorkerState.READY, WorkerState.BUSY)
             if serving and not self.drainer.draining(worker_id):
                 await self.drainer.start(worker_id, DrainEnd.SLEEP,
                                          self._ending(worker_id, DrainEnd.SLEEP, sleep_level))
                 log.info("pool %s: spare %s serves; draining it to sleep at level %d", pool, worker_id, sleep_level)
-        missing = wanted - len(pool_workers.asleep) - len(pool_workers.spares)
+        missing = wanted - len(pool_workers.asleep) - len(pool_workers.bound_for_sleep)
         if missing <= 0:
             return []
         launched = await self.backend.launch(pool, missing)
-        self._spares.setdefault(pool, set()).update(launched)
+        self._to_sleep.setdefault(pool, set()).update(launched)
         log.info("pool %s: launched %s as standby (to sleep once serving)", pool, ", ".join(launched))
         return launched
 

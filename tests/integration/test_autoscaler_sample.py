@@ -24,7 +24,7 @@ class Pool:
     async def active_workers(self, pool: str) -> list[str]:
         return list(self.workers)
 
-    def spares(self, pool: str) -> set[str]:
+    def bound_for_sleep(self, pool: str) -> set[str]:
         return set()
 
     async def scale(self, pool: str, target: int, sleep_level: int = 0) -> ScaleResult:

@@ -112,7 +112,7 @@ async def test_standby_spares_are_launched_put_to_sleep_and_claimed(redis_client
 
     launched = await instances.keep_standby("chat", 2, sleep_level=1)
     assert launched == [spares[0].spec.worker_id, spares[1].spec.worker_id]
-    assert instances.spares("chat") == set(launched)
+    assert instances.bound_for_sleep("chat") == set(launched)
     # On their way, the spares are neither the pool's size nor its sleepers, and are not launched twice.
     pool = await instances.workers("chat")
     assert pool.awake == [first.spec.worker_id] and pool.asleep == []
@@ -127,7 +127,7 @@ async def test_standby_spares_are_launched_put_to_sleep_and_claimed(redis_client
         assert record is not None and record.sleep_level == 1 and record.state is WorkerState.READY
         pool = await instances.workers("chat")
         assert [r.id for r in pool.asleep] == [spares[0].spec.worker_id]
-        assert pool.spares == [spares[1].spec.worker_id]
+        assert pool.bound_for_sleep == [spares[1].spec.worker_id]
 
         # A rise of two: the sleeper is woken, the spare still starting is claimed, nothing is launched.
         up = await instances.scale("chat", 3, sleep_level=1)
@@ -136,5 +136,11 @@ async def test_standby_spares_are_launched_put_to_sleep_and_claimed(redis_client
         await backend.serve(spares[1])
         await instances.keep_standby("chat", 1, sleep_level=1)  # room for one spare again: a new launch
         assert not drainer.draining(spares[1].spec.worker_id)  # claimed: it serves, it is not put to sleep
-        assert backend.launched == 3 and instances.spares("chat") == {spares[2].spec.worker_id}
+        assert backend.launched == 3 and instances.bound_for_sleep("chat") == {spares[2].spec.worker_id}
+
+        # A worker draining to sleep is already part of the standby: a fall to two awake launches nothing.
+        down = await instances.scale("chat", 2, sleep_level=1)
+        assert await instances.keep_standby("chat", 2, sleep_level=1) == [] and backend.launched == 3
+        await drainer.wait(down.draining[0])
+        assert [r.id for r in (await instances.workers("chat")).asleep] == list(down.draining)
     await drainer.close()
