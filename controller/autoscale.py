@@ -78,8 +78,8 @@ standard errors of the window's mean demand (the way up by its lower bound, the 
 A level that sits between two sizes moves its ten-second mean across the boundary and back by noise alone; without
 this the 60-s plateaus of the real benchmark changed direction up to three times a plateau. Three: on the model's
 60-s plateaus (``bench.autoscale --sweep``, capacity 1.0, 10-s window, surplus asleep) it takes the most direction
-changes in a plateau from 3 to 1 for the same worker-seconds; over eight seeds two standard errors left two a
-plateau on half of them, four cost more worker-seconds."""
+changes in a plateau from 2-3 to 1 for the same worker-seconds; over sixteen seeds two standard errors left two a
+plateau on most of them, four cost more worker-seconds."""
 REVERSAL_FADE_WINDOWS = 6.0
 """The doubt falls linearly to nothing over this many demand windows after the last move: a reversal that soon is
 noise more often than news, while one minutes later answers a load that has really changed."""

@@ -60,7 +60,7 @@ class PoolWorkers:
     """A pool's workers as scaling sees them."""
 
     awake: list[str]
-    """Serving or starting, not draining, not a spare on its way."""
+    """Serving or starting, not draining, not bound for sleep: the pool's size."""
     asleep: list[WorkerRecord]
     bound_for_sleep: list[str] = field(default_factory=list)
     """Workers sent to sleep that do not sleep yet: standby spares (starting, or draining to their first sleep)
@@ -169,7 +169,8 @@ class InstanceController:
         return True
 
     async def active_workers(self, pool: str) -> list[str]:
-        """The pool's workers that count toward its size: run by the backend and not draining."""
+        """The pool's workers run by the backend and not draining: its size, its sleepers and the standby spares
+        still starting (``workers`` tells them apart)."""
         return [w for w in await self.backend.pool_workers(pool) if not self.drainer.draining(w)]
 
     def bound_for_sleep(self, pool: str) -> set[str]:
@@ -177,6 +178,8 @@ class InstanceController:
         return set(self._to_sleep.get(pool, ()))
 
     async def workers(self, pool: str) -> PoolWorkers:
+        """The pool's workers told apart (awake, asleep, bound for sleep); forgets those bound for sleep that now
+        sleep or are gone."""
         run = await self.backend.pool_workers(pool)
         active = [w for w in run if not self.drainer.draining(w)]
         records = {r.id: r for r in await self._store.read_fleet() if r.id in run}
