@@ -1,6 +1,6 @@
 """The autoscaler's sample of a pool from the real registry: extproc's queue for an empty pool wakes it (between
-rounds too), and extproc's in-flight counts keep a busy pool from looking idle when the agent's scrape of an engine
-is stale."""
+rounds too), extproc's in-flight counts keep a busy pool from looking idle when the agent's scrape of an engine
+is stale, and a standby spare on its way to sleep is not the pool's size although its start-up is learned."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ class Pool:
     def __init__(self, *workers: str) -> None:
         self.workers = list(workers)
         self.scaled: list[tuple[str, int]] = []
+        self.spares: list[str] = []
+        """Of ``workers``, standby spares on their way to sleep."""
 
     async def active_workers(self, pool: str) -> list[str]:
         return list(self.workers)
 
     def bound_for_sleep(self, pool: str) -> set[str]:
-        return set()
+        return set(self.spares)
 
     async def scale(self, pool: str, target: int, sleep_level: int = 0) -> ScaleResult:
         self.scaled.append((pool, target))
@@ -77,3 +79,18 @@ async def test_in_flight_requests_count_as_running_when_the_engine_facts_read_ze
     assert (sample.workers, sample.ready, sample.running) == (2, 2, 5)
     await scaler.step()
     assert pool.scaled == []  # 5 running would not fit on one worker fewer: no scale-down
+
+
+async def test_a_spare_on_its_way_to_sleep_is_not_the_pools_size_but_teaches_its_start_up(
+        redis_client: aioredis.Redis) -> None:
+    store, pool = FleetStore(redis_client, "as"), Pool("chat-1", "chat-2")
+    pool.spares = ["chat-2"]
+    await store.register(WorkerRecord(id="chat-1", pool="chat", model="m", host="127.0.0.1", port=1), ttl_s=30)
+    await store.add_counts({"chat-1": 1}, {}, replica_id="extproc-a")
+    scaler = autoscaler(store, pool)
+    starting = await scaler.sample("chat", 100.0)  # the spare starts: not a worker the pool has
+    assert (starting.workers, starting.ready, starting.sleeping) == (1, 1, 0)
+    await store.register(WorkerRecord(id="chat-2", pool="chat", model="m", host="127.0.0.1", port=2), ttl_s=30)
+    serving = await scaler.sample("chat", 109.0)  # it serves, before it is drained to sleep
+    assert (serving.workers, serving.ready, serving.demand) == (1, 1, 1.0)
+    assert scaler.startup["chat"].estimate(60.0) == 9.0
