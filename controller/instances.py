@@ -14,7 +14,8 @@ and, once a spare's engine serves, drains it to sleep like any surplus. A worker
 or draining to its first sleep, a surplus worker draining to sleep) counts neither toward the pool's size nor
 among its sleepers, but toward the standby; a scale-up that finds nobody asleep claims a spare still starting
 before it launches anything. Which workers are bound for sleep is this controller's own record: a new leader finds
-a spare awake and gives it back to the autoscaler's next decision.
+a spare awake and gives it back to the autoscaler's next decision. Once an engine of the pool refuses to sleep (a
+build without sleep mode), the pool keeps no standby: every spare would be started only to be stopped.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class InstanceController:
         self._is_leader = is_leader
         self._to_sleep: dict[str, set[str]] = {}
         """Per pool: the workers bound for sleep (``PoolWorkers.bound_for_sleep``)."""
+        self._sleep_refused: set[str] = set()
+        """Pools one of whose engines refused to sleep: no standby is launched for them (each spare would be
+        started, refused and stopped again, a launch every round)."""
 
     def _require_leader(self) -> None:
         if not self._is_leader():
@@ -153,6 +157,7 @@ class InstanceController:
             await _engine_call(record, f"/sleep?level={level}")
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("worker %s: sleep refused (%s); stopping it instead", worker_id, exc)
+            self._sleep_refused.add(record.pool)
             await self.backend.stop(worker_id)
             return
         await self._store.update_live(worker_id, announce=True, sleep_level=level)
@@ -230,6 +235,8 @@ class InstanceController:
         """Keep ``wanted`` workers asleep or bound for sleep: a spare whose engine now serves is drained to sleep (a
         request sent to it meanwhile ends first), and the missing ones are launched. Returns the launched ids."""
         self._require_leader()
+        if pool in self._sleep_refused:
+            return []
         pool_workers = await self.workers(pool)
         for worker_id in pool_workers.bound_for_sleep:
             record = pool_workers.records.get(worker_id)

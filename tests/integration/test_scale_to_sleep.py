@@ -144,3 +144,21 @@ async def test_standby_spares_are_launched_put_to_sleep_and_claimed(redis_client
         await drainer.wait(down.draining[0])
         assert [r.id for r in (await instances.workers("chat")).asleep] == list(down.draining)
     await drainer.close()
+
+
+async def test_no_standby_is_kept_for_engines_that_refuse_to_sleep(redis_client: aioredis.Redis,
+                                                                   start_simworker: StartSimWorker) -> None:
+    store = FleetStore(redis_client, "nosleeptest")
+    first, spare, another = [await start_simworker() for _ in range(3)]  # no sleep mode: /sleep is refused
+    backend = LaunchingWorkers(store, [spare, another], first.spec.worker_id)
+    await backend.serve(first)
+    drainer = Drainer(store, DrainSettings(grace_s=10, settle_s=0.05, poll_s=0.02))
+    instances = InstanceController(store, backend, drainer)  # type: ignore[arg-type]
+
+    assert await instances.keep_standby("chat", 1, sleep_level=1) == [spare.spec.worker_id]
+    await backend.serve(spare)
+    await instances.keep_standby("chat", 1, sleep_level=1)  # it serves: drained to sleep, which it refuses
+    await drainer.wait(spare.spec.worker_id)
+    assert backend.stopped == [spare.spec.worker_id]
+    assert await instances.keep_standby("chat", 1, sleep_level=1) == [] and backend.launched == 1
+    await drainer.close()
