@@ -15,7 +15,9 @@ or draining to its first sleep, a surplus worker draining to sleep) counts neith
 among its sleepers, but toward the standby; a scale-up that finds nobody asleep claims a spare still starting
 before it launches anything. Which workers are bound for sleep is this controller's own record: a new leader finds
 a spare awake and gives it back to the autoscaler's next decision. Once an engine of the pool refuses to sleep (a
-build without sleep mode), the pool keeps no standby: every spare would be started only to be stopped.
+build without sleep mode), the pool keeps no standby: every spare would be started only to be stopped; nor does a
+pool whose backend launches workers it cannot name yet (Kubernetes: pods get their names from the Deployment), after
+one launch whose workers serve until the autoscaler puts the surplus to sleep.
 """
 
 from __future__ import annotations
@@ -90,9 +92,10 @@ class InstanceController:
         self._is_leader = is_leader
         self._to_sleep: dict[str, set[str]] = {}
         """Per pool: the workers bound for sleep (``PoolWorkers.bound_for_sleep``)."""
-        self._sleep_refused: set[str] = set()
-        """Pools one of whose engines refused to sleep: no standby is launched for them (each spare would be
-        started, refused and stopped again, a launch every round)."""
+        self._no_standby: dict[str, str] = {}
+        """Pools that keep no standby, and why: one of their engines refused to sleep (each spare would be started,
+        refused and stopped again, a launch every round), or the backend does not name what it launches (the spares
+        could not be told from the pool's other workers, and would be launched again every round)."""
 
     def _require_leader(self) -> None:
         if not self._is_leader():
@@ -157,7 +160,7 @@ class InstanceController:
             await _engine_call(record, f"/sleep?level={level}")
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("worker %s: sleep refused (%s); stopping it instead", worker_id, exc)
-            self._sleep_refused.add(record.pool)
+            self._no_standby.setdefault(record.pool, f"worker {worker_id} refused to sleep")
             await self.backend.stop(worker_id)
             return
         await self._store.update_live(worker_id, announce=True, sleep_level=level)
@@ -235,7 +238,7 @@ class InstanceController:
         """Keep ``wanted`` workers asleep or bound for sleep: a spare whose engine now serves is drained to sleep (a
         request sent to it meanwhile ends first), and the missing ones are launched. Returns the launched ids."""
         self._require_leader()
-        if pool in self._sleep_refused:
+        if pool in self._no_standby:
             return []
         pool_workers = await self.workers(pool)
         for worker_id in pool_workers.bound_for_sleep:
@@ -250,7 +253,12 @@ class InstanceController:
             return []
         launched = await self.backend.launch(pool, missing)
         self._to_sleep.setdefault(pool, set()).update(launched)
-        log.info("pool %s: launched %s as standby (to sleep once serving)", pool, ", ".join(launched))
+        if len(launched) < missing:
+            self._no_standby[pool] = "the backend does not name the workers it launches"
+            log.warning("pool %s: %d standby worker(s) launched unnamed; they serve until the autoscaler puts the "
+                        "surplus to sleep, and no more are launched (%s)", pool, missing - len(launched),
+                        self._no_standby[pool])
+        log.info("pool %s: launched %s as standby (to sleep once serving)", pool, ", ".join(launched) or "unnamed")
         return launched
 
     async def _victims(self, active: list[str], count: int) -> list[str]:

@@ -162,3 +162,16 @@ async def test_no_standby_is_kept_for_engines_that_refuse_to_sleep(redis_client:
     assert backend.stopped == [spare.spec.worker_id]
     assert await instances.keep_standby("chat", 1, sleep_level=1) == [] and backend.launched == 1
     await drainer.close()
+
+
+async def test_a_backend_that_does_not_name_its_launches_gets_one_standby_launch(
+        redis_client: aioredis.Redis) -> None:
+    # As a Kubernetes Deployment: a launch raises the replica count, and the pods' names come later.
+    store = FleetStore(redis_client, "unnamedtest")
+    backend = RunningWorkers("chat-1")
+    drainer = Drainer(store, DrainSettings(grace_s=10, settle_s=0.05, poll_s=0.02))
+    instances = InstanceController(store, backend, drainer)  # type: ignore[arg-type]
+    assert await instances.keep_standby("chat", 2, sleep_level=1) == [] and backend.launched == 2
+    await instances.keep_standby("chat", 2, sleep_level=1)  # its spares cannot be told apart: not launched again
+    assert backend.launched == 2
+    await drainer.close()
