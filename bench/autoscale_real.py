@@ -83,9 +83,9 @@ class RealScenario:
     sleep_level: int = 0
     """0: a surplus worker is stopped; 1 or 2: its engine sleeps at that level and is woken when needed."""
     wake_up_s: float = 1.0
+    """What waking a sleeping worker takes (the weights' copy back; tenths of a second to seconds on GPUs)."""
     standby_workers: int = 0
     """With ``sleep_level``: spares the pool keeps asleep (``pools.*.standby_workers``)."""
-    """What waking a sleeping worker takes (the weights' copy back; tenths of a second to seconds on GPUs)."""
     worker_capacity: float = 1.0
     """Requests (in flight + queued) one worker carries within the SLO: one sequence at a time, ~0.5 s each.
     Chosen by sweeping the same plateaus through the model (``bench.autoscale``: 0.7, 0.8 and 1.0 with 5- and
