@@ -135,7 +135,8 @@ class PoolScaling(Section):
     to sleep once they serve, so that a rise wakes a worker in seconds instead of waiting for a start (a vLLM
     start with real weights takes minutes). Awake and sleeping together stay within ``max_workers``; a spare that
     is woken is replaced by a new launch while there is room. On Kubernetes (pods named by their Deployment) the
-    spares are launched once and sleep as the autoscaler's surplus; no engine that refuses to sleep gets any."""
+    spares are launched once and sleep as the autoscaler's surplus; a pool one of whose engines refused to sleep
+    keeps none."""
     cold_start_wait_s: float = Field(120.0, gt=0, le=MAX_COLD_START_WAIT_S)
     """With ``min_workers: 0``: how long a request for the empty pool waits in extproc's queue while the
     controller starts a worker (a vLLM start, model load included, takes from seconds to minutes), before a
