@@ -54,9 +54,15 @@ class FleetCount:
 
     async def workers(self) -> int:
         """The fleet's size: read from Redis on the first call; later calls answer at once and start a read in
-        the background when the last one is older than the refresh period."""
+        the background when the last one is older than the refresh period.
+
+        Callers that come while the first read is out wait for that same read: a read each started for itself
+        would come back after the others' registrations were written and count them twice (once in Redis's
+        count, once as joined since its own start), a fleet registering at once paced as one of twice its size."""
         if self._read_at is None:
-            await self._refresh()
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.create_task(self._refresh())
+            await asyncio.shield(self._reading)
         elif self._clock() - self._read_at >= self._refresh_s and (self._reading is None or self._reading.done()):
             self._reading = asyncio.create_task(self._refresh_quietly())
         return self.last_known

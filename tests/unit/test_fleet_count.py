@@ -45,3 +45,28 @@ async def test_registrations_count_until_the_next_read_sees_them() -> None:
     await fleet.workers()
     await asyncio.sleep(0)
     assert fleet.last_known == 150  # not 200: the read replaced what it saw
+
+
+class SlowStore(CountingStore):
+    """A first read that takes a few turns of the loop, as a new connection to Redis does."""
+
+    async def count_workers(self) -> int:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return await super().count_workers()
+
+
+async def test_a_fleet_registering_at_once_with_a_fresh_registry_is_counted_once() -> None:
+    """Workers registering together before the first read has come back wait for that one read: a read that
+    each started for itself would see the others' registrations, already counted, a second time."""
+    store = SlowStore(0)
+    fleet = FleetCount(store, refresh_s=1.0, clock=ManualClock())
+
+    async def register() -> None:
+        await fleet.workers()
+        fleet.joined(1)
+        store.count += 1  # the registration's write
+
+    await asyncio.gather(*(register() for _ in range(4)))
+    assert fleet.last_known == 4
+    assert store.reads == 1
