@@ -106,6 +106,33 @@ def test_a_kind_keeps_the_fastest_rate_it_has_shown_when_its_engines_later_read_
     assert seconds(2 * RATE) == pytest.approx(6400 / (2 * RATE))
 
 
+def test_a_warm_slow_card_loses_to_a_cold_fast_one_once_its_step_costs_more_than_the_fast_cards_prefill() -> None:
+    """A session's next turn: the L4 that holds 6,000 of its 6,400 tokens computes 400 of them, the idle H100
+    all 6,400 at 10× the rate; by throughput alone they are even, but every first token waits for an engine step
+    and the L4's is 70 ms to the H100's 8 (the shortest gap each kind has shown, under load or not)."""
+    l4 = {"prefill_tokens_per_s": 4_000.0, "kv_capacity_tokens": 35_000}
+    h100 = {"prefill_tokens_per_s": 64_000.0, "kv_capacity_tokens": 450_000}
+    workers = [worker("l4-warm", inter_token_s=0.070, **l4), worker("l4-busy", inter_token_s=0.180, **l4),
+               worker("h100", inter_token_s=0.008, **h100)]
+    lookup = lookup_over(workers, {"l4-warm": 375})
+    warm, _, cold = predicted(workers, lookup)
+    assert warm == pytest.approx(400 / 4_000.0 + 0.070 - 0.008)  # the L4 kind's shortest step, not the busy one's
+    assert cold == pytest.approx(6400 / 64_000.0)
+    assert cold < warm
+    # Without step times known the two read even (the throughput alone), and the warm L4 keeps the session.
+    unknown = [replace(w, inter_token_s=-1.0) for w in workers]
+    warm_blind, _, cold_blind = predicted(unknown, lookup_over(unknown, {"l4-warm": 375}))
+    assert warm_blind == pytest.approx(cold_blind)
+
+
+def test_workers_of_one_kind_pay_no_step_term() -> None:
+    """Among twins the step is the same for all and cancels: the prediction is the queue and the prefill."""
+    workers = [worker("warm", inter_token_s=0.070), worker("cold", inter_token_s=0.090)]
+    warm, cold = predicted(workers, lookup_over(workers, {"warm": 375}))
+    assert warm == pytest.approx(400 / RATE)
+    assert cold == pytest.approx(6400 / RATE)
+
+
 def test_a_new_prefix_goes_where_it_evicts_least() -> None:
     """Two cold workers, one with its cache full of other prefixes: the prompt would push them out there."""
     workers = [worker("full", kv_capacity_tokens=8_000), worker("empty", kv_capacity_tokens=8_000)]

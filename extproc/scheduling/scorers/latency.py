@@ -27,7 +27,10 @@ For each candidate w, with P the prompt's tokens and c_w the tokens of its leadi
     E_w = max(0, U_w + O − free_w)     the cached tokens this request would evict there: its KV (prompt
           part not cached there, expected output O) beyond the room no block holds, free_w = capacity ×
           (1 − usage) less what the index says the cache keeps for reuse (an unknown stream: usage only)
-    t(w) = (Q_w + U_w + λ_w × E_w + K × n_w) / R_w
+    S_w = the shortest engine step w's kind has shown (``scheduling.rates``: the least inter-token gap of its
+          records; 0 while none is known): a first token comes at the end of a step, and each step reads the
+          model's weights once, so a slow card answers no sooner than its step however little it computes
+    t(w) = (Q_w + U_w + λ_w × E_w + K × n_w) / R_w + S_w − min over the candidates of S
 
 where n_w is the requests in flight on w (all replicas) and K = ``INFLIGHT_TOKENS`` (the setting
 ``scheduling.scorer_settings.latency.inflight_tokens``): each request there takes its share of every engine
@@ -41,6 +44,13 @@ likely that is, the share of prompt tokens w's cache has been serving says. With
 goes to any idle worker and pushes out the prefixes that worker is warm for; with it, a new prefix goes where
 it displaces least, as the cache-aware routers' "smallest tree" rule does, but weighed against the queue (the
 lab, six L4s, shared documents at 85 %: p99 2.09 s and hit rate 0.954 without it, 1.93 s and 0.967 with it).
+
+The step term is what tells a warm slow card from a cold fast one: a session's next turn on the L4 that holds
+its history computes a hundred tokens, on an idle H100 a thousand, and by throughput alone the two are even,
+but the L4 answers after its ~70-ms step and the H100 after ~8 ms plus the prefill (the lab's mixed fleet,
+sessions at 50 %: sessions that began on an L4 stayed there for all their turns, and the p99 was 0.063 s or
+0.096 s as the first pick's tie fell; see ``scheduling.rates``). Among workers of one kind it is the same for all
+and cancels, so a homogeneous fleet's picks do not change.
 
 The engine is FCFS: everything queued before the request is computed before it, so the prefill ahead is the
 ledger's sum, in tokens, not the number of requests times this request's size. A warm worker's queue is then
@@ -99,7 +109,7 @@ class PredictedLatency:
             strengths = self._affinity.score(request, candidates, context)
         uniform = strengths.value if isinstance(strengths, SameScore) else None
         self._observe_rates(context, request.model, candidates)
-        rate_of = self._rates.of
+        rate_and_step = self._rates.rate_and_step
         queued = context.pending_prefill_tokens.get
         inflight = context.inflight.get
         hit_of = cached.get
@@ -108,6 +118,7 @@ class PredictedLatency:
         weight = self.eviction_weight
         output = request.output_tokens
         seconds: list[float] = []
+        steps: list[float] = []
         for index, worker in enumerate(candidates):
             worker_id = worker.id
             hit = hit_of(worker_id)
@@ -132,7 +143,12 @@ class PredictedLatency:
                 evicted = own + output - (capacity - occupied)
                 if evicted > 0:
                     work += reuse * evicted
-            seconds.append(work / rate_of(worker))
+            rate, step = rate_and_step(worker)
+            seconds.append(work / rate)
+            steps.append(step)
+        fastest = min(steps, default=0.0)
+        if max(steps, default=0.0) > fastest:  # kinds differ (else the term cancels)
+            seconds = [t + step - fastest for t, step in zip(seconds, steps, strict=True)]
         return seconds
 
     def _observe_rates(self, context: PickContext, model: str, candidates: Sequence[WorkerRecord]) -> None:
