@@ -1,7 +1,7 @@
 """The picking step alone: ``Scheduler.pick`` over frozen snapshots of 1,000 to 10,000 workers.
 
 Each scenario builds one snapshot with randomised live state (KV usage and capacity, queue, prefill rate,
-a few stale, draining or low-on-GPU-memory workers) and a list of pre-profiled requests of mixed sizes,
+step time, a few stale, draining or low-on-GPU-memory workers) and a list of pre-profiled requests of mixed sizes,
 then times every pick with ``perf_counter_ns`` and reports p50/p90/p99 per pick in µs against the
 scenario's target: p99 ≤ 100 µs for the common shape, a model served by a few pools (``per-model``), ≤ 200 µs
 for one pool of 1,000 workers (``one-pool``) and ≤ 500 µs with 10,000 workers in 200 pools (``10k-workers``).
@@ -93,6 +93,7 @@ def fleet(scenario: Scenario, rng: random.Random) -> tuple[tuple[PoolSpec, ...],
             kv_capacity_tokens=rng.choice((0, 200_000, 400_000, 800_000)) if roll > 0.03 else 0,
             kv_usage=rng.random() * 0.95, running=rng.randrange(0, 64), waiting=rng.randrange(0, 8),
             prefill_tokens_per_s=rng.choice((0.0, 6000.0, 12000.0)),
+            inter_token_s=rng.choice((-1.0, 0.008, 0.03, 0.07)),
             gpu_memory_free_mib=rng.uniform(100, 400) if rng.random() < 0.02 else rng.uniform(2000, 8000),
             updated_at=NOW - (5.0 if 0.02 <= roll < 0.04 else rng.random()),
         ))

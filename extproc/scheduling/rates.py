@@ -37,12 +37,15 @@ Kind = tuple[str, int, float]
 class KindRates:
     """The peak prefill rate and the shortest step per worker kind, folded in from every record it is shown."""
 
-    __slots__ = ("_peak", "_step", "default_rate")
+    __slots__ = ("_best", "_peak", "_step", "_unknown", "default_rate")
 
     def __init__(self, default_rate: float) -> None:
         self.default_rate = default_rate
         self._peak: dict[Kind, float] = {}
         self._step: dict[Kind, float] = {}
+        self._best: dict[Kind, tuple[float, float]] = {}
+        """(R, S) per kind, as the pick reads them: one look-up per candidate."""
+        self._unknown = (default_rate, 0.0)
 
     def observe(self, workers: Iterable[WorkerRecord]) -> None:
         """Fold records in; one shown again changes nothing, so callers pass what changed when they know it
@@ -50,18 +53,21 @@ class KindRates:
         peak, step = self._peak, self._step
         for worker in workers:
             rate, gap = worker.prefill_tokens_per_s, worker.inter_token_s
-            if rate > 0 or gap > 0:
-                kind = (worker.model, worker.kv_capacity_tokens, worker.gpu_memory_total_mib)
-                if rate > peak.get(kind, 0.0):
-                    peak[kind] = rate
-                if gap > 0 and gap < step.get(kind, math.inf):
-                    step[kind] = gap
+            if rate <= 0 and gap <= 0:
+                continue
+            kind = (worker.model, worker.kv_capacity_tokens, worker.gpu_memory_total_mib)
+            faster, shorter = rate > peak.get(kind, 0.0), 0 < gap < step.get(kind, math.inf)
+            if faster:
+                peak[kind] = rate
+            if shorter:
+                step[kind] = gap
+            if faster or shorter:
+                self._best[kind] = (peak.get(kind, self.default_rate), step.get(kind, 0.0))
 
     def of(self, worker: WorkerRecord) -> float:
-        return self._peak.get((worker.model, worker.kv_capacity_tokens, worker.gpu_memory_total_mib),
-                              self.default_rate)
+        """R(w)."""
+        return self.rate_and_step(worker)[0]
 
     def rate_and_step(self, worker: WorkerRecord) -> tuple[float, float]:
         """R(w) and S(w) (0 while no step is known), with one look-up of w's kind (the pick's hot loop)."""
-        kind = (worker.model, worker.kv_capacity_tokens, worker.gpu_memory_total_mib)
-        return self._peak.get(kind, self.default_rate), self._step.get(kind, 0.0)
+        return self._best.get((worker.model, worker.kv_capacity_tokens, worker.gpu_memory_total_mib), self._unknown)
