@@ -119,7 +119,7 @@ def test_a_warm_slow_card_loses_to_a_cold_fast_one_once_its_step_costs_more_than
     assert warm == pytest.approx(400 / 4_000.0 + 0.070 - 0.008)  # the L4 kind's shortest step, not the busy one's
     assert cold == pytest.approx(6400 / 64_000.0)
     assert cold < warm
-    # Without step times known the two read even (the throughput alone), and the warm L4 keeps the session.
+    # Without step times known the two read even (the throughput alone): a tie, which the picker draws.
     unknown = [replace(w, inter_token_s=-1.0) for w in workers]
     warm_blind, _, cold_blind = predicted(unknown, lookup_over(unknown, {"l4-warm": 375}))
     assert warm_blind == pytest.approx(cold_blind)
