@@ -60,10 +60,10 @@ def test_the_labs_tokeniser_is_the_simulated_workers(scenario: str) -> None:
 def test_a_cell_replays_exactly_by_seed() -> None:
     settings = SchedulingSettings()
     profiler = RequestProfiler(settings)
-    cell = lab.CellSpec("h100", "sessions", bursty=False, level=1.0, requests=160)
+    cell = lab.CellSpec("h100", "sessions", bursty=False, level=1.0, requests=160, seed=3)
     routers = [(name, lab.router_factory(name, 3, settings)) for name in ("poolgate", "cache_aware")]
-    first = lab.run_cell(cell, routers, rate=4.0, seed=3, profiler=profiler)
-    second = lab.run_cell(cell, routers, rate=4.0, seed=3, profiler=profiler)
+    first = lab.run_cell(cell, routers, rate=4.0, profiler=profiler)
+    second = lab.run_cell(cell, routers, rate=4.0, profiler=profiler)
     strip = [{k: v for k, v in row.items() if k != "wall_s"} for row in first]
     assert strip == [{k: v for k, v in row.items() if k != "wall_s"} for row in second]
     assert all(row["requests"] > 100 and row["refused"] == 0 for row in first)
@@ -133,3 +133,24 @@ def test_the_oracle_asks_the_engines_what_they_hold() -> None:
     fleet.submit("chat-l4-1", warm.engine)
     loop.run_until(lambda: not workers["chat-l4-1"].engine.has_work, START_TIME + 60)
     assert Oracle(fleet, 1).route(request(1, DOC + [5] * 20), loop.now, 0.0) == "chat-l4-1"
+
+
+def _row(seed: int, router: str, p99: float, goodput: float = 1.0) -> dict[str, object]:
+    return {"cell": "h100/mix/poisson/85%", "seed": seed, "router": router, "ttft_p99_s": p99, "goodput": goodput}
+
+
+def test_over_seeds_judges_poolgate_against_the_best_peer_of_each_trace() -> None:
+    rows = [_row(7, "poolgate", 1.0), _row(7, "cache_aware", 2.0), _row(7, "least_request", 4.0),
+            _row(7, "oracle", 0.5),
+            _row(8, "poolgate", 3.0, 0.9), _row(8, "cache_aware", 2.0), _row(8, "least_request", 1.5),
+            _row(8, "oracle", 0.5),
+            _row(9, "poolgate", 1.2, 0.8), _row(9, "cache_aware", 1.0), _row(9, "least_request", 3.0),
+            _row(9, "oracle", 0.5)]
+    summary = {row["router"]: row for row in lab.over_seeds(rows)}
+    mine = summary["poolgate"]
+    assert (mine["ttft_p99_s_median"], mine["ttft_p99_s_min"], mine["ttft_p99_s_max"]) == (1.2, 1.0, 3.0)
+    assert mine["goodput_median"] == 0.9
+    # 0.5x, 2x and 1.2x the best peer of the same trace (the oracle is none): the middle one, not 1.2 / 1.5
+    assert mine["p99_over_best_peer_median"] == pytest.approx(1.2)
+    assert summary["cache_aware"]["p99_over_best_peer_median"] is None
+    assert summary["cache_aware"]["seeds"] == 3

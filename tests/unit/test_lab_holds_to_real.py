@@ -49,10 +49,11 @@ def test_the_lab_orders_routers_as_the_real_benchmark_does(cell: dict[str, Any])
     pairs = told_apart(cell["runs"])
     settings = SchedulingSettings()
     names = sorted({LAB_ROUTER[router] for pair in pairs for router in pair})
-    spec = lab.CellSpec(cell["fleet"], cell["scenario"], cell["arrivals"] == "bursty", cell["level"], REQUESTS)
+    spec = lab.CellSpec(cell["fleet"], cell["scenario"], cell["arrivals"] == "bursty", cell["level"], REQUESTS,
+                        SEED)
     capacities = json.loads(lab.CAPACITY_FILE.read_text())
     rows = lab.run_cell(spec, [(name, lab.router_factory(name, SEED, settings)) for name in names],
-                        capacities[f"{cell['fleet']}/{cell['scenario']}/{SEED}"], SEED, RequestProfiler(settings))
+                        capacities[f"{cell['fleet']}/{cell['scenario']}/{SEED}"], RequestProfiler(settings))
     p99 = {row["router"]: row["ttft_p99_s"] for row in rows}
     print(f"{spec.name}: lab p99 {p99}; real runs {[run['p99_s'] for run in cell['runs']]}")
     for faster, slower in pairs:
