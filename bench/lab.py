@@ -405,9 +405,7 @@ def print_rows(rows: Sequence[Mapping[str, Any]]) -> None:
 def over_seeds(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per cell and router, over the seeds it ran with: the median, least and greatest p99, the median goodput,
     and for poolgate's rows the median of its p99 over the best peer's of the same trace (the oracle is not a
-    peer). One trace's p99 is its tenth-worst request in a thousand, and it moves by 10 % and more when anything
-    before it moves (a tie drawn the other way sends a burst elsewhere): a policy is better where it is better
-    over several traces."""
+    peer): a ratio per trace, since a hard trace is hard for every router."""
     by_run: dict[tuple[str, int], dict[str, Mapping[str, Any]]] = {}
     for row in rows:
         by_run.setdefault((row["cell"], row["seed"]), {})[row["router"]] = row
