@@ -67,9 +67,16 @@ class TaskClassPools:
 class ReadyAndFresh:
     """Keeps workers that are Ready, awake and were seen recently (``taken_at - seen_at <= stale_after``).
     Envoy honours a pin even to a draining or unhealthy host, so only Ready workers may ever be pinned; a
-    sleeping vLLM engine (``sleep_level``) still answers its health probe but cannot serve."""
+    sleeping vLLM engine (``sleep_level``) still answers its health probe but cannot serve.
+
+    When none is left but a Busy one (healthy, its KV cache full with requests waiting: the controller's
+    verdict, ``controller/health.py``), the request has nowhere to go now rather than nowhere at all: it is held
+    in the queue like a request no worker has room for, and placed when the worker is Ready again. Answering
+    503 instead turned a burst on a one-worker pool into 182 refusals of 200 in the second the worker was Busy.
+    """
 
     name = "ready_and_fresh"
+    reason = "busy"
 
     def __init__(self, retry_after_s: int = 1) -> None:
         self.retry_after_s = retry_after_s
@@ -87,6 +94,12 @@ class ReadyAndFresh:
         return [w for w in candidates if w.state is ready and not w.sleep_level and w.updated_at >= oldest]
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
+        snapshot = context.snapshot
+        oldest = snapshot.taken_at - snapshot.stale_after_s
+        busy = WorkerState.BUSY
+        if any(w.state is busy and not w.sleep_level and (snapshot.vouched or w.updated_at >= oldest)
+               for w in snapshot.workers_for(request.model)):
+            return NoCapacity(request.model, self.reason, self.retry_after_s)
         return errors.no_worker(request.model, self.retry_after_s)
 
 

@@ -12,7 +12,7 @@ from extproc.errors import ApiError
 from extproc.request import RequestFacts
 from extproc.scheduling import Decision, PickContext, PickRequest, RequestProfiler, default_scheduler
 from extproc.scheduling.picker import MaxScore
-from extproc.scheduling.plugins import SameScore
+from extproc.scheduling.plugins import NoCapacity, SameScore
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.scorers.least_inflight import LeastInflight
 from extproc.snapshot import FleetSnapshot, build_snapshot
@@ -59,7 +59,10 @@ def test_never_pins_a_worker_that_is_not_ready(state: WorkerState) -> None:
         decision = pick(snap, {"good": 50})
         assert isinstance(decision, Decision) and decision.worker_id == "good" and "1" not in decision.fallbacks
     only_bad = pick(snapshot(worker("bad", state=state)))
-    assert isinstance(only_bad, ApiError) and only_bad.status == 503 and only_bad.retry_after_s
+    if state is WorkerState.BUSY:  # healthy and full: the request waits in the queue for it
+        assert isinstance(only_bad, NoCapacity) and only_bad.reason == "busy" and only_bad.retry_after_s
+    else:
+        assert isinstance(only_bad, ApiError) and only_bad.status == 503 and only_bad.retry_after_s
 
 
 def test_never_pins_a_stale_worker() -> None:

@@ -82,6 +82,16 @@ def test_ready_and_fresh(state: WorkerState, age_s: float, keep: bool) -> None:
     assert isinstance(refusal, ApiError) and (refusal.status, refusal.retry_after_s) == (503, 4)
 
 
+def test_a_model_whose_workers_are_all_busy_is_waited_for_and_one_nobody_serves_is_refused() -> None:
+    busy = worker("w", state=WorkerState.BUSY, updated_at=NOW)
+    held = ReadyAndFresh(retry_after_s=2).rejection(request(), context(busy))
+    assert isinstance(held, NoCapacity) and (held.reason, held.retry_after_s) == ("busy", 2)
+    for gone in (worker("w", state=WorkerState.BUSY, updated_at=NOW - 3.5), worker("w", state=WorkerState.FAILED),
+                 worker("w", state=WorkerState.BUSY, updated_at=NOW, sleep_level=1)):
+        refusal = ReadyAndFresh().rejection(request(), context(gone))
+        assert isinstance(refusal, ApiError) and refusal.code == "no_ready_worker", gone
+
+
 def test_fits_context_prefers_workers_that_hold_the_expected_size() -> None:
     small, large = worker("small", max_model_len=1000), worker("large", max_model_len=4000)
     assert kept(FitsContext(), request(prompt=500, output=256), small, large) == ["small", "large"]
