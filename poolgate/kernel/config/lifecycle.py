@@ -57,7 +57,8 @@ class HealthSettings(Section):
     passive_hold_max_s: float = Field(300.0, ge=0)
     """The longest such hold."""
     busy_kv_usage: float = Field(0.95, gt=0, le=1)
-    """A worker with requests waiting and KV usage at or above this is Busy (not picked) until it clears."""
+    """A worker with requests waiting and KV usage at or above this is Busy (not picked) until it clears;
+    requests for a model whose workers are all Busy wait in extproc's queue (up to ``scheduling.max_wait_s``)."""
     replace_failed_after_s: float = Field(5.0, gt=0)
     """A worker the controller runs that stays Failed this long is restarted (a hung engine never recovers)."""
     kv_leak_usage: float = Field(0.9, gt=0, le=1)
