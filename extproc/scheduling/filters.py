@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from extproc import errors
 from extproc.scheduling.kv import kv_footprint, kv_free_tokens, kv_room_after
 from extproc.scheduling.plugins import FilterPlugin, NoCapacity, NoSettings, PickContext, PickRequest, Refusal
+from extproc.snapshot import FleetSnapshot
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
 
 
@@ -87,20 +88,22 @@ class ReadyAndFresh:
         snapshot = context.snapshot
         if candidates is snapshot.workers_for(request.model):  # the whole model: use the snapshot's index
             return snapshot.ready_workers_for(request.model)
-        ready = WorkerState.READY
-        if snapshot.vouched:  # every worker was seen at ``taken_at``
-            return [w for w in candidates if w.state is ready and not w.sleep_level]
-        oldest = snapshot.taken_at - snapshot.stale_after_s
-        return [w for w in candidates if w.state is ready and not w.sleep_level and w.updated_at >= oldest]
+        return _awake_and_fresh(candidates, WorkerState.READY, snapshot)
 
     def rejection(self, request: PickRequest, context: PickContext) -> Refusal:
         snapshot = context.snapshot
-        oldest = snapshot.taken_at - snapshot.stale_after_s
-        busy = WorkerState.BUSY
-        if any(w.state is busy and not w.sleep_level and (snapshot.vouched or w.updated_at >= oldest)
-               for w in snapshot.workers_for(request.model)):
+        if _awake_and_fresh(snapshot.workers_for(request.model), WorkerState.BUSY, snapshot):
             return NoCapacity(request.model, self.reason, self.retry_after_s)
         return errors.no_worker(request.model, self.retry_after_s)
+
+
+def _awake_and_fresh(workers: Sequence[WorkerRecord], state: WorkerState,
+                     snapshot: FleetSnapshot) -> list[WorkerRecord]:
+    """The workers in ``state``, awake and seen within ``stale_after_s`` of the snapshot."""
+    if snapshot.vouched:  # every worker was seen at ``taken_at``
+        return [w for w in workers if w.state is state and not w.sleep_level]
+    oldest = snapshot.taken_at - snapshot.stale_after_s
+    return [w for w in workers if w.state is state and not w.sleep_level and w.updated_at >= oldest]
 
 
 class FitsContext:
