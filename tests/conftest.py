@@ -1,5 +1,6 @@
 """Shared fixtures: a private redis-server on a free port (never the machine's 6379), and simulated workers
-served in the test's event loop."""
+served in the test's event loop. At the session's end the stacks' run directories are removed when every test
+passed, and named when one failed (their logs are what a failure is read from)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from bench.redis_deployments import RedisServer
 from poolgate.procs import free_port
 from simworker.presets import PRESETS
 from simworker.worker import SimWorker, WorkerSpec
+from tests import run_dirs
 
 StartSimWorker = Callable[..., Awaitable[SimWorker]]
 """Starts one simulated worker; keywords are ``WorkerSpec`` fields."""
@@ -59,3 +61,14 @@ async def start_simworker() -> AsyncIterator[StartSimWorker]:
     for stop, _ in running:
         stop.set()
     await asyncio.wait_for(asyncio.gather(*(task for _, task in running)), 10)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus == 0:
+        run_dirs.remove_all()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int) -> None:
+    kept = run_dirs.made()
+    if kept and exitstatus != 0:
+        terminalreporter.write_line("run directories kept for their logs: " + " ".join(map(str, kept)))

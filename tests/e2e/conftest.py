@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import yaml
 
 from poolgate.kernel.keys import RedisKeys
 from poolgate.procs import free_port, stop_process
+from tests.run_dirs import run_directory
 
 E2E_CONFIG: dict[str, Any] = {
     "key_prefix": "e2e",
@@ -130,8 +130,8 @@ def poolgate_up(config: dict[str, Any], redis_url: str, timeout_s: float = UP_BO
     """``poolgate up`` with ``config`` on free ports (and ``env`` added to its environment), until READY; on
     exit SIGTERM it and check that no process it started (children or workers, found by the run directory in
     their command line) is left. When it does not become ready, the failure carries its output and the end of
-    every log in its run directory (a temporary directory a CI job does not keep)."""
-    run_dir = Path(tempfile.mkdtemp(prefix="poolgate-e2e-"))
+    every log in its run directory (``tests.run_dirs``: kept when a test of the session failed)."""
+    run_dir = run_directory("poolgate-e2e-")
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port, admin = free_port(), free_port()

@@ -13,7 +13,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from poolgate.kernel.fleet import WorkerRecord
 from poolgate.procs import envoy_binary, free_port, port_open, stop_process
 from simworker.worker import TLS_RELOAD_S
 from tests.faults.harness import envoy_stat
+from tests.run_dirs import run_directory
 from tests.tls_certs import TlsFiles, make_ca, make_tls_files
 
 pytestmark = pytest.mark.e2e
@@ -146,7 +146,7 @@ async def poll(check: Callable[[], Awaitable[bool]], limit_s: float, what: str, 
 
 @pytest.fixture()
 async def tls_stack() -> AsyncIterator[dict[str, Any]]:
-    run_dir = Path(tempfile.mkdtemp(prefix="poolgate-tls-"))
+    run_dir = run_directory("poolgate-tls-")
     files, ca = make_tls_files(run_dir)
     config = tls_config(files, run_dir / "envoy-sds")
     assert config.tls.xds is not None

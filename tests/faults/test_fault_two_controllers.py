@@ -14,7 +14,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +44,7 @@ from tests.faults.harness import (
     wait_until,
     xds_versions,
 )
+from tests.run_dirs import run_directory
 
 pytestmark = pytest.mark.e2e
 
@@ -158,7 +158,7 @@ class TwoControllers:
 
 @pytest.fixture()
 def two_controllers() -> Iterator[TwoControllers]:
-    stack = TwoControllers(Path(tempfile.mkdtemp(prefix="poolgate-ha-")))
+    stack = TwoControllers(run_directory("poolgate-ha-"))
     try:
         stack.start()
         yield stack

@@ -55,7 +55,8 @@ def controller(redis_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Pope
     output = log.open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "poolgate.cli", "controller", "--config", str(config), "--redis-url", redis_url,
-         "--xds-port", str(free_port()), "--http-port", str(port), "--no-workers"],
+         "--xds-port", str(free_port()), "--http-port", str(port), "--no-workers",
+         "--log-dir", str(tmp_path / "workers")],
         stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: port_open("127.0.0.1", port) and log.read_text().count(SERVING) == 2)
