@@ -25,6 +25,12 @@ from 1.076 s to 1.008 and 1.217 s. ``--seeds K`` replays every cell with K trace
 draws) and adds, per cell and router, the median p99 over them and poolgate's median ratio to the best peer
 of the same trace (``over_seeds``): the figure to judge a policy change by. All seeds are offered the rate
 found for ``--seed``.
+
+``--fleet-scale N`` replays the cells on fleets of N times the workers at the base fleet's rates, where every
+request is all but alone on an idle engine: the p99 there (the least of least_request's and the oracle's) is
+a floor set by the requests themselves, the prefill of the longest prompts and of documents no earlier request
+sent, which no router on the base fleet can pass (for sessions it is not one: spread over many engines a
+session's turns lose their cache).
 """
 
 from __future__ import annotations
@@ -174,14 +180,20 @@ class Outcome:
     completed_at: list[float] = field(default_factory=list)
 
 
+def scaled_fleet(fleet: str, scale: int) -> str:
+    """The name of ``fleet`` with every worker count times ``scale`` (``--fleet-scale``)."""
+    return fleet if scale == 1 else f"{fleet}×{scale}"
+
+
 def fleet_plans(fleet: str) -> tuple[list[WorkerPlan], list[PoolSpec]]:
     plans: list[WorkerPlan] = []
     pools: dict[str, PoolSpec] = {}
-    for pool, preset, count in FLEETS[fleet]:
+    base, _, scale = fleet.partition("×")
+    for pool, preset, count in FLEETS[base]:
         role: ModelRole = "chat" if pool == "chat" else "code"
         model = MODELS[role]
         pools.setdefault(pool, PoolSpec(name=pool, model=model, max_model_len=POOL_MAX_MODEL_LEN[pool]))
-        for _ in range(count):
+        for _ in range(count * int(scale or 1)):
             plans.append(WorkerPlan(f"{pool}-{preset.split('-')[0]}-{len(plans)}", pool, model, preset,
                                     POOL_MAX_MODEL_LEN[pool]))
     return plans, list(pools.values())
@@ -478,6 +490,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=SETTINGS",
                         help="also run poolgate with these scheduling settings, a JSON object "
                              '(e.g. \'latency={"weights": {"latency": 1}}\'); repeatable')
+    parser.add_argument("--fleet-scale", type=int, default=1,
+                        help="every fleet with this many times its workers, offered the base fleet's rates: each "
+                             "request all but alone, a floor no router on the base fleet passes")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--seeds", type=int, default=1,
                         help="replay each cell with this many traces (seeds --seed, --seed + 1, …) and summarise "
@@ -554,8 +569,8 @@ def sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, flo
             for arrivals in args.arrivals.split(","):
                 for level in (float(x) for x in args.levels.split(",")):
                     for seed in range(args.seed, args.seed + args.seeds):
-                        cells.append((CellSpec(fleet, scenario, arrivals == "bursty", level, args.requests, seed),
-                                      rate))
+                        cells.append((CellSpec(scaled_fleet(fleet, args.fleet_scale), scenario, arrivals == "bursty",
+                                               level, args.requests, seed), rate))
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for cell_result in pool.map(cell_rows, *zip(*cells, strict=True), [args] * len(cells)):
