@@ -47,6 +47,7 @@ from extproc.metrics import Metrics
 from extproc.output_lengths import OutputLengths
 from extproc.pipeline.context import Placement
 from extproc.pipeline.place import Place
+from extproc.placed_prefixes import PlacedPrefixes
 from extproc.prefill_ledger import placed_since
 from extproc.scheduling import Decision, NoCapacity, PickRequest, RequestProfiler, build_scheduler
 from extproc.siblings import SIBLING_EXCHANGE_S
@@ -288,7 +289,7 @@ class Poolgate(_Quiet):
         inflight = InflightTracker()
         scheduler = build_scheduler(self.settings, random.Random(seed))
         place = Place(scheduler, self, inflight, Metrics(), self.settings, clock=self.clock, timer=self.clock,
-                      prefix_cache=lookup)
+                      prefix_cache=lookup, placed_prefixes=PlacedPrefixes())
         place.reservations.exchange_s = self.exchange_s
         return _Replica(place, inflight, lookup)
 
@@ -355,7 +356,8 @@ class Poolgate(_Quiet):
 
     def _maybe_exchange(self, now: float) -> None:
         """What the replicas tell each other through Redis, every ``exchange_s`` (siblings: before every
-        pick): reservations, in-flight deltas, affinity records."""
+        pick): reservations, in-flight deltas, affinity records, and the prompt blocks their placements made
+        pending (which siblings were told at once)."""
         if self.processes == 1 or (now < self._next_exchange and not self.siblings):
             return
         self._next_exchange = now + self.exchange_s
@@ -366,6 +368,7 @@ class Poolgate(_Quiet):
             for worker_id, delta in deltas.items():
                 totals[worker_id] = totals.get(worker_id, 0) + delta
         records = [r.place.affinity.take_unpublished() for r in self.replicas]
+        blocks = [r.place.placed_prefixes.take() if r.place.placed_prefixes is not None else [] for r in self.replicas]
         for own, replica in enumerate(self.replicas):
             kv: dict[str, int] = {}
             prefill: dict[str, int] = {}
@@ -380,6 +383,9 @@ class Poolgate(_Quiet):
                     prefill[worker_id] = prefill.get(worker_id, 0) + tokens
                     by_replica[worker_id, str(other)] = tokens
                 replica.place.affinity.apply(records[other])
+                if not self.siblings:
+                    for worker_id, keys in blocks[other]:
+                        replica.lookup.placed_elsewhere(worker_id, keys)
             placed = placed_since(replica.peer_prefill, by_replica)
             replica.peer_prefill = by_replica
             replica.place.reservations.apply_peers(kv, prefill, self.processes, rank=own, at=now, placed=placed)

@@ -89,7 +89,8 @@ def build_service(
         admit=Admit(quotas, tenancy, metrics),
         hold=hold,
         place=Place(scheduler, fleet, inflight, metrics, scheduling, clock, timer, prefix_cache, disagg,
-                    reservations=replica.reservations, affinity=replica.affinity, siblings=siblings),
+                    reservations=replica.reservations, affinity=replica.affinity, siblings=siblings,
+                    placed_prefixes=replica.placed_prefixes),
         respond=Respond(metrics, genai_metrics),
         metrics=metrics, clock=clock, timer=timer, lengths=_output_lengths(scheduling), cold_starts=cold_starts,
         queue_order=replica.queue_order)

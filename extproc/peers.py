@@ -12,9 +12,12 @@ Keys (named in ``poolgate.kernel.keys.PeerKeys``; the store runs the pipelines):
   when it changes (batched with the in-flight deltas), removed at zero, so one read costs the workers that
   hold reservations, not the fleet; a field older than ``PRESENCE_TTL_S`` is ignored (its replica died
   holding it) and removed by the next replica that reads it, and the hash expires after it unless renewed.
-- ``{prefix}:extproc:affinity`` stream: one entry per write that has new affinity records (``r`` the replica,
-  ``d`` JSON ``[[key, worker], …]``, a session key as a list), capped near ``AFFINITY_LOG_ENTRIES``. Each
-  replica reads the entries after the last one it saw and applies the others' records to its map.
+- ``{prefix}:extproc:affinity`` stream: one entry per write that has new placement hints (``r`` the replica,
+  ``d`` JSON ``[[key, worker], …]`` its new affinity records, a session key as a list, and ``p`` JSON
+  ``[[worker, [block key, …]], …]`` the prompt blocks its placements made pending on their workers, the ones
+  new there: ``placed_prefixes``), capped near ``AFFINITY_LOG_ENTRIES``. Each replica reads the entries after
+  the last one it saw, applies the others' records to its map and counts their blocks pending in its KV
+  index (``on_placed``).
 - ``{prefix}:extproc:waiting`` hash: replica id → JSON ``[stamp, {pool: class}]``, the best priority class
   the replica holds waiting per pool (``queue_order``). Written when it changes and every
   ``REPORT_REFRESH_S`` while non-empty, removed when empty; readers ignore one older than ``REPORT_TTL_S``.
@@ -29,12 +32,13 @@ While every live replica is a sibling, the book's unseen window is ``siblings.SI
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Hashable
+from collections.abc import Callable, Container, Hashable, Sequence
 from typing import Any
 
 import orjson
 
 from extproc.affinity import AffinityMap
+from extproc.placed_prefixes import PlacedPrefixes
 from extproc.prefill_ledger import placed_since
 from extproc.queue_order import REPORT_REFRESH_S, REPORT_TTL_S, QueueOrder
 from extproc.reservations import ReservationBook
@@ -53,14 +57,22 @@ class PeerExchange:
 
     def __init__(self, keys: PeerKeys, replica_id: str, book: ReservationBook,
                  clock: Callable[[], float] = time.time, affinity: AffinityMap | None = None,
-                 queue_order: QueueOrder | None = None, siblings: Siblings | None = None) -> None:
+                 queue_order: QueueOrder | None = None, siblings: Siblings | None = None,
+                 placed_prefixes: PlacedPrefixes | None = None,
+                 on_placed: Callable[[str, Sequence[int]], None] | None = None) -> None:
+        """``placed_prefixes``: this replica's new pending prompt blocks, to write; ``on_placed(worker, keys)``:
+        what to do with the others' (count them pending in the KV index)."""
         self._keys = keys
         self.replica_id = replica_id
         self._book = book
         self._clock = clock
         self._affinity = affinity
-        self._affinity_seen = f"{int(clock() * 1000)}-0"
-        """Last affinity entry read; a replica starts with what is written after it starts."""
+        self._placed_prefixes = placed_prefixes
+        self._on_placed = on_placed
+        self._affinity_seen = f"{int((clock() - 1.0) * 1000)}-0"
+        """Last hints entry read; a replica starts with what was written from a second before it started (still
+        fresh hints; and an entry written in the millisecond it started, whose id is that millisecond's, is not
+        skipped)."""
         self._published: dict[str, tuple[int, int]] = {}
         self._present_at = float("-inf")
         self._queue_order = queue_order
@@ -92,8 +104,11 @@ class PeerExchange:
     def has_writes(self) -> bool:
         """Whether ``queue_writes`` would write anything now."""
         _, _, changed, gone, due = self._pending()
-        return bool(changed or gone or due or (self._affinity is not None and self._affinity.has_unpublished)
-                    or self._report_due(self._clock()) is not None)
+        return bool(changed or gone or due or self._has_hints() or self._report_due(self._clock()) is not None)
+
+    def _has_hints(self) -> bool:
+        return ((self._affinity is not None and self._affinity.has_unpublished)
+                or (self._placed_prefixes is not None and self._placed_prefixes.has_unsent))
 
     def _report_due(self, now: float) -> dict[str, int] | None:
         """The queue report to write now (changed, or non-empty and due for its refresh); None: nothing to write."""
@@ -108,10 +123,10 @@ class PeerExchange:
         """Queue the changed reservations (and the presence beat when due) on ``pipe``; None when nothing is
         to write, else a callback to run once the pipeline succeeded."""
         now, current, changed, gone, due = self._pending()
-        affinity = self._queue_affinity(pipe)
+        hints = self._queue_hints(pipe)
         report = self._queue_report(pipe, now)
         if not (changed or gone or due):
-            return (lambda: None) if affinity or report else None
+            return (lambda: None) if hints or report else None
         written_now = current if due else changed
         if written_now:
             pipe.hset(self._keys.reserved, mapping={self._field(worker_id): f"{kv_tokens} {prefill_tokens} {now:.3f}"
@@ -144,12 +159,16 @@ class PeerExchange:
         self._reported, self._reported_at = report, now
         return True
 
-    def _queue_affinity(self, pipe: Any) -> bool:
-        """Queue this replica's new affinity records, if any (lost if the write fails: they are only a hint)."""
-        if self._affinity is None or not self._affinity.has_unpublished:
+    def _queue_hints(self, pipe: Any) -> bool:
+        """Queue this replica's new affinity records and pending prompt blocks, if any (lost if the write
+        fails: they are only hints)."""
+        if not self._has_hints():
             return False
-        records = [[list(k) if isinstance(k, tuple) else k, w] for k, w in self._affinity.take_unpublished()]
-        pipe.xadd(self._keys.affinity, {"r": self.replica_id, "d": orjson.dumps(records)},
+        records = ([[list(k) if isinstance(k, tuple) else k, w] for k, w in self._affinity.take_unpublished()]
+                   if self._affinity is not None else [])
+        blocks = ([[w, list(keys)] for w, keys in self._placed_prefixes.take()]
+                  if self._placed_prefixes is not None else [])
+        pipe.xadd(self._keys.affinity, {"r": self.replica_id, "d": orjson.dumps(records), "p": orjson.dumps(blocks)},
                   maxlen=AFFINITY_LOG_ENTRIES, approximate=True)
         return True
 
@@ -161,7 +180,8 @@ class PeerExchange:
         the prefill ledger), their affinity records to the map and their best classes waiting to the order."""
         pipe.hgetall(self._keys.replicas)
         pipe.hgetall(self._keys.reserved)
-        if self._affinity is not None:
+        hints = self._affinity is not None or self._on_placed is not None
+        if hints:
             pipe.xread({self._keys.affinity: self._affinity_seen}, count=AFFINITY_READ_ENTRIES)
         if self._queue_order is not None:
             pipe.hgetall(self._keys.waiting)
@@ -169,8 +189,8 @@ class PeerExchange:
         def apply(results: list[Any]) -> None:
             if self._queue_order is not None:
                 self._queue_order.apply(self._best_elsewhere(results.pop()))
-            if self._affinity is not None:
-                self._apply_affinity(results.pop())
+            if hints:
+                self._apply_hints(results.pop())
             oldest = self._clock() - PRESENCE_TTL_S
             replicas = {_text(r) for r, at in results[0].items() if _stamp(at) >= oldest}
             replicas.add(self.replica_id)
@@ -233,15 +253,20 @@ class PeerExchange:
                     best[pool] = priority
         return best
 
-    def _apply_affinity(self, streams: Any) -> None:
-        """The other replicas' affinity records from an XREAD answer (its own are skipped)."""
-        assert self._affinity is not None
+    def _apply_hints(self, streams: Any) -> None:
+        """The other replicas' affinity records and pending prompt blocks from an XREAD answer (its own are
+        skipped)."""
         for _, entries in streams or ():
             for entry_id, fields in entries:
                 self._affinity_seen = _text(entry_id)
                 fields = {_text(k): v for k, v in fields.items()}
-                if _text(fields.get("r", b"")) != self.replica_id:
+                if _text(fields.get("r", b"")) == self.replica_id:
+                    continue
+                if self._affinity is not None:
                     self._affinity.apply(_records(fields.get("d", b"[]")))
+                if self._on_placed is not None:
+                    for worker_id, keys in _placed_blocks(fields.get("p", b"[]")):
+                        self._on_placed(worker_id, keys)
 
     def queue_leave(self, pipe: Any) -> None:
         """Remove this replica's presence and reservations (a clean stop; a killed one fades by TTL)."""
@@ -270,6 +295,20 @@ def _records(data: bytes | str) -> list[tuple[Hashable, str]]:
         if isinstance(record, list) and len(record) == 2 and isinstance(record[1], str):
             key = record[0]
             decoded.append((tuple(key) if isinstance(key, list) else key, record[1]))
+    return decoded
+
+
+def _placed_blocks(data: bytes | str) -> list[tuple[str, list[int]]]:
+    """Decoded ``[[worker, [block key, …]], …]``; malformed ones are skipped."""
+    try:
+        placed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return []
+    decoded: list[tuple[str, list[int]]] = []
+    for entry in placed if isinstance(placed, list) else ():
+        if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], list)
+                and all(isinstance(key, int) for key in entry[1])):
+            decoded.append((entry[0], entry[1]))
     return decoded
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from extproc.affinity import AffinityMap
 from extproc.flow_queue import FlowQueue
+from extproc.placed_prefixes import PlacedPrefixes
 from extproc.queue_order import QueueOrder
 from extproc.reservations import ReservationBook
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, TenancySettings
@@ -32,6 +33,7 @@ class ReplicaState:
     queue: FlowQueue
     queue_order: QueueOrder | None
     """The best class other replicas hold waiting per pool (None: no pools configured, this replica alone)."""
+    placed_prefixes: PlacedPrefixes
 
     @classmethod
     def build(cls, scheduling: SchedulingSettings, tenancy: TenancySettings, pools: Sequence[PoolSpec] = (),
@@ -40,4 +42,4 @@ class ReplicaState:
         queue = FlowQueue(queue_deadlines(scheduling, tenancy), tenancy.max_queued, timer)
         return cls(ReservationBook(scheduling.reservation_settle_s, scheduling.kv_reserve_fraction),
                    AffinityMap(scheduling.affinity_max_entries), queue,
-                   QueueOrder(pools, queue.best_waiting) if pools else None)
+                   QueueOrder(pools, queue.best_waiting) if pools else None, PlacedPrefixes())

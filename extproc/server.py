@@ -169,7 +169,9 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
                             siblings=siblings)
     watcher.publish_queue(replica.queue.held_by_domain)
     peers = PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id, replica.reservations,
-                         affinity=replica.affinity, queue_order=replica.queue_order, siblings=siblings)
+                         affinity=replica.affinity, queue_order=replica.queue_order, siblings=siblings,
+                         placed_prefixes=replica.placed_prefixes if lookup is not None else None,
+                         on_placed=lookup.placed_elsewhere if lookup is not None else None)
     watcher.share_reservations(peers)
     if siblings is not None:
         def siblings_changed() -> None:
@@ -193,7 +195,7 @@ def _siblings(port: int, sibling_ports: tuple[int, ...], replica_id: str, replic
 
     def placed(news: Placed) -> None:
         if lookup is not None:
-            lookup.placed_by_sibling(news.worker_id, news.pending_keys)
+            lookup.placed_elsewhere(news.worker_id, news.pending_keys)
         replica.affinity.apply(news.affinity)
     siblings.on_placed = placed
     return siblings

@@ -60,18 +60,22 @@ class CacheLookup:
             blocks = _prompt_blocks(body, tokenizer, block_sizes, request.adapter)
         return request if blocks is None else replace(request, prompt_blocks=blocks)
 
-    def placed(self, worker: WorkerRecord, request: PickRequest) -> Sequence[int]:
-        """Mark the prompt's blocks pending on the worker; returns their keys (for the sibling processes)."""
+    def placed(self, worker: WorkerRecord, request: PickRequest) -> tuple[Sequence[int], int]:
+        """Mark the prompt's blocks pending on the worker; returns their keys (for the sibling processes) and
+        how many of the first the index already counted there, held or pending (the others are news to the
+        replicas on other hosts: ``placed_prefixes``)."""
         blocks = request.prompt_blocks
-        if blocks is None:
-            return ()
-        keys = blocks.keys.get(self._block_size(worker))
-        if keys:
-            self.index.add_pending(worker.id, keys, self._clock())
-        return keys or ()
+        keys = blocks.keys.get(self._block_size(worker)) if blocks is not None else None
+        if not keys:
+            return (), 0
+        now = self._clock()
+        _, counted = self.index.cached_prefixes(keys, (worker.id,), now)
+        self.index.add_pending(worker.id, keys, now)
+        return keys, counted.get(worker.id, 0)
 
-    def placed_by_sibling(self, worker_id: str, keys: Sequence[int]) -> None:
-        """A sibling process placed a prompt with these block keys on the worker (``siblings``)."""
+    def placed_elsewhere(self, worker_id: str, keys: Sequence[int]) -> None:
+        """Another replica placed a prompt with these block keys on the worker (a sibling process's datagram,
+        or the peer exchange's stream for a replica on another host)."""
         if keys:
             self.index.add_pending(worker_id, keys, self._clock())
 

@@ -21,6 +21,7 @@ from extproc.kvcache.lookup import CacheLookup
 from extproc.metrics import Metrics
 from extproc.pipeline.context import Placement
 from extproc.pipeline.outcomes import Refused
+from extproc.placed_prefixes import PlacedPrefixes
 from extproc.prefill_ledger import PrefillLedger
 from extproc.reservations import Reservation, ReservationBook
 from extproc.scheduling import Decision, NoCapacity, PickContext, PickRequest, Scheduler
@@ -46,10 +47,12 @@ class Place:
                  settings: SchedulingSettings, clock: Callable[[], float] = time.time,
                  timer: Callable[[], float] = time.perf_counter, prefix_cache: CacheLookup | None = None,
                  disagg: DisaggPlan | None = None, *, reservations: ReservationBook | None = None,
-                 affinity: AffinityMap | None = None, siblings: Siblings | None = None) -> None:
-        """``reservations`` and ``affinity`` are the replica's (``extproc.replica.ReplicaState``), shared with
-        the peer exchange; left out, this stage gets its own from ``settings``. ``siblings``: the other
-        processes of this host, told of every placement and release at once and heard before every pick."""
+                 affinity: AffinityMap | None = None, siblings: Siblings | None = None,
+                 placed_prefixes: PlacedPrefixes | None = None) -> None:
+        """``reservations``, ``affinity`` and ``placed_prefixes`` are the replica's (``extproc.replica.ReplicaState``),
+        shared with the peer exchange; left out, this stage gets its own reservations and map from ``settings``
+        and keeps no prompt blocks for other hosts. ``siblings``: the other processes of this host, told of
+        every placement and release at once and heard before every pick."""
         self.scheduler = scheduler
         self.fleet = fleet
         self.inflight = inflight
@@ -73,6 +76,7 @@ class Place:
         """The prefill placed on each worker, by this replica and the others, that its engine has not done yet."""
         self._task_classes = settings.task_classes
         self.siblings = siblings
+        self.placed_prefixes = placed_prefixes
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -194,13 +198,16 @@ class Place:
 
     def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> None:
         """Count the request on the worker and mark its prompt's blocks pending there (for the siblings too,
-        with the affinity records of the worker that serves it)."""
+        with the affinity records of the worker that serves it, and the blocks new there for the replicas on
+        other hosts)."""
         worker_id = decision.worker_id
         self.inflight.acquire(worker_id)
         worker = self.fleet.snapshot.by_id.get(worker_id)
         keys: Sequence[int] = ()
         if self.prefix_cache is not None and worker is not None:
-            keys = self.prefix_cache.placed(worker, request)
+            keys, counted = self.prefix_cache.placed(worker, request)
+            if self.placed_prefixes is not None and len(keys) > counted:
+                self.placed_prefixes.placed(worker_id, keys[counted:])
         if self.siblings is not None:
             affinity = () if prefill_only else tuple((key, worker_id) for key in request.affinity_keys)
             if keys or affinity:

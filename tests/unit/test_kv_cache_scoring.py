@@ -100,8 +100,26 @@ def test_the_lookup_gives_each_known_worker_its_exact_cached_prefix() -> None:
     request = pick_request(body, lookup)
     assert request.prompt_blocks is not None and request.prompt_blocks.token_count == len(token_ids)
     assert lookup.cached_tokens(request.prompt_blocks, workers) == {"warm": 4800, "cold": 0, "x": 0}
-    lookup.placed(workers[1], request)  # this replica just sent it to "cold": pending there for a while
+    keys, counted = lookup.placed(workers[1], request)  # this replica just sent it to "cold": pending there
     assert lookup.cached_tokens(request.prompt_blocks, workers)["cold"] == len(token_ids) // 16 * 16
+    assert (len(keys), counted) == (len(token_ids) // 16, 0)  # every block news to the replicas elsewhere
+    assert lookup.placed(workers[0], request)[1] == 300  # "warm" held its first 300: only the rest is news
+    assert lookup.placed(workers[1], request)[1] == len(keys)  # a second question about it: nothing new
+
+
+def test_blocks_another_replica_placed_count_as_pending_on_their_worker() -> None:
+    body = long_body(600)
+    token_ids = prompt_token_ids(body, SimTokenizer())
+    assert token_ids is not None
+    workers = [worker("a"), worker("b")]
+    here, elsewhere = indexed(workers, {}, token_ids), indexed(workers, {}, token_ids)
+    request = pick_request(body, here)
+    keys, counted = elsewhere.placed(workers[1], request)
+    here.placed_elsewhere("b", keys[counted:])
+    assert request.prompt_blocks is not None
+    whole = min(len(keys) * 16, len(token_ids) - 1)  # a whole-prompt match still computes its last token
+    assert here.cached_tokens(request.prompt_blocks, workers) == {"a": 0, "b": whole}
+    assert here.cached_tokens(request.prompt_blocks, workers, pending=False) == {"a": 0, "b": 0}
 
 
 def test_a_picks_view_answers_every_stage_from_one_walk_and_as_the_lookup_does() -> None:

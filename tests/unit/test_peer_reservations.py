@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from extproc.affinity import AffinityMap
 from extproc.peers import PRESENCE_REFRESH_S, PRESENCE_TTL_S, PeerExchange, PeerKeys
+from extproc.placed_prefixes import PlacedPrefixes
 from extproc.request import RequestFacts
 from extproc.reservations import EXCHANGE_S, TURNS_PER_EXCHANGE, ReservationBook
 from extproc.scheduling.estimate import prefix_keys
@@ -278,6 +279,28 @@ async def test_a_prefix_placed_through_one_replica_leads_the_other_to_the_same_w
     await exchange(redis_client, peers["b"])
     assert maps["a"].entries[request_keys[0]] == "w2" and maps["b"].entries[request_keys[0]] == "w2"
     assert maps["a"].entries[request_keys[1]] == "w1"
+
+
+async def test_the_prompt_blocks_one_replica_placed_reach_the_others_kv_index(redis_client: aioredis.Redis) -> None:
+    """A new document's blocks, pending on the worker one replica sent it to, are pending there in the other
+    replicas' view one exchange later: a second question about it, through another replica, follows it."""
+    keys = PeerKeys("peers-blocks-test")
+    outboxes = {name: PlacedPrefixes() for name in ("a", "b", "c")}
+    heard: dict[str, list[tuple[str, list[int]]]] = {name: [] for name in outboxes}
+    peers = {name: PeerExchange(keys, name, ReservationBook(settle_s=0.5), affinity=AffinityMap(max_entries=10),
+                                placed_prefixes=outboxes[name],
+                                on_placed=lambda w, k, name=name: heard[name].append((w, list(k))))
+             for name in outboxes}
+    outboxes["a"].placed("w1", [11, 12, 13])
+    outboxes["a"].placed("w2", [])  # nothing new there: nothing sent
+    assert peers["a"].has_writes()
+    for name in ("a", "b", "c"):
+        await exchange(redis_client, peers[name])
+    assert heard == {"a": [], "b": [("w1", [11, 12, 13])], "c": [("w1", [11, 12, 13])]}
+    assert not outboxes["a"].has_unsent
+    await redis_client.xadd(keys.affinity, {"r": "x", "d": b"[]", "p": b'[["w3", ["not a key"]], 7, ["w4", [5]]]'})
+    await exchange(redis_client, peers["b"])
+    assert heard["b"][-1] == ("w4", [5])  # malformed entries are skipped, the well-formed one applied
 
 
 def test_an_unchanged_affinity_key_is_not_published_again() -> None:
