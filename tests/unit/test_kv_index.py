@@ -3,6 +3,10 @@ gaps, restarts and replays of a worker's stream; pending blocks of this replica'
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import msgspec
@@ -237,3 +241,16 @@ def test_the_fast_walk_gives_every_worker_its_leading_run_as_defined() -> None:
         for pending in (True, False):
             assert index.cached_blocks(keys, workers, 5.5, pending) == walked_key_by_key(
                 index, keys, workers, 5.5, pending)
+
+
+def test_a_prompts_block_keys_are_the_same_in_another_process() -> None:
+    """Sibling processes and replicas on other hosts tell each other the blocks they placed by key: a process
+    with another string-hash salt must compute the same keys, for the base model and for an adapter."""
+    token_ids = list(range(100, 180))
+    script = ("import json, sys; from extproc.kvcache.keys import prompt_keys; ids = json.loads(sys.argv[1]); "
+              "print(json.dumps([prompt_keys(ids, 16), prompt_keys(ids, 16, 'sql-lora')]))")
+    other = subprocess.run([sys.executable, "-c", script, json.dumps(token_ids)], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    here = [prompt_keys(token_ids, 16), prompt_keys(token_ids, 16, "sql-lora")]
+    assert json.loads(other.stdout) == [list(keys) for keys in here]
+    assert here[0] != here[1] and len(here[0]) == 5
