@@ -8,6 +8,7 @@ Nothing here downloads anything: the Hugging Face libraries inside vLLM are told
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -22,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from poolgate.procs import free_port
+from tests.run_dirs import run_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-vllm"
@@ -62,9 +64,17 @@ def unavailable_reason() -> str | None:
 
 def vllm_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a real vLLM runs in here: offline, started as ``FAST_START`` needs, with the vLLM venv first
-    on ``PATH``."""
+    on ``PATH``, and a temporary directory of the test session's own (``engine_tmpdir``)."""
     path = f"{VENV / 'bin'}:{os.environ.get('PATH', '')}"
-    return {**os.environ, **OFFLINE_ENV, **ENGINE_ENV, "PATH": path, **(extra or {})}
+    return {**os.environ, **OFFLINE_ENV, **ENGINE_ENV, "PATH": path, "TMPDIR": str(engine_tmpdir()), **(extra or {})}
+
+
+@functools.cache
+def engine_tmpdir() -> Path:
+    """Where the engines' temporary files go: vLLM leaves its engine's IPC socket files (``/tmp/<uuid>``) and its
+    distributed-init files behind when stopped, and torch its compile cache, so a run of the suite left dozens
+    in the machine's temporary directory. Removed with the session's run directories (``tests.run_dirs``)."""
+    return run_directory("poolgate-vllm-")
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from poolgate.kernel.keys import RedisKeys
 from poolgate.kernel.routing import DESTINATION_ENDPOINT_KEY, LB_METADATA_NAMESPACE, WORKER_HEADER
 from poolgate.kernel.store import FleetStore
 from poolgate.procs import envoy_binary, extproc_process, free_port, port_open, simworker_process, stop_process
+from tests.run_dirs import run_directory
 
 MODEL = "gie-model"
 KEYS = RedisKeys("gie-it")
@@ -124,7 +124,7 @@ def gie_bootstrap(port: int, subset_port: int, admin_port: int, extproc_port: in
 
 class Gateway:
     def __init__(self, bootstrap: dict[str, Any], port: int, subset_port: int) -> None:
-        self._log = tempfile.NamedTemporaryFile(prefix="envoy-gie-", suffix=".log", delete=False)
+        self._log = (run_directory("poolgate-gie-") / "envoy.log").open("wb")
         self.proc = subprocess.Popen(
             [str(envoy_binary()), "--config-yaml", json.dumps(bootstrap), "--use-dynamic-base-id",
              "--disable-hot-restart", "-l", "warning", "--concurrency", "1"],
