@@ -69,13 +69,18 @@ def test_a_prompt_needing_70_percent_of_a_workers_free_kv_is_placed_through_eith
     time.sleep(2)  # every process has seen the other's presence (written each second)
     routed = [process_metric(stack, i, "poolgate_extproc_requests_total", outcome="routed") for i in range(PROCESSES)]
     preemptions = worker_metric(stack, "vllm:num_preemptions_total")
-    answers = [asyncio.run(large_prompts(stack.base_url, 1))[0] for _ in range(8)]  # one at a time
+    # One at a time, until each process has placed some: Envoy picks the process of each stream (least request,
+    # all idle: a coin toss), and in one CI run all of the first eight went to the same one.
+    answers: list[tuple[int, float]] = []
+    spread = [0.0] * PROCESSES
+    while len(answers) < 8 or (len(answers) < 32 and not all(spread)):
+        answers.append(asyncio.run(large_prompts(stack.base_url, 1))[0])
+        spread = [process_metric(stack, i, "poolgate_extproc_requests_total", outcome="routed") - routed[i]
+                  for i in range(PROCESSES)]
     print("one at a time (status, seconds):", answers)
-    assert [status for status, _ in answers] == [200] * 8, answers
-    spread = [process_metric(stack, i, "poolgate_extproc_requests_total", outcome="routed") - routed[i]
-              for i in range(PROCESSES)]
     print("routed per process:", spread)
-    assert all(n > 0 for n in spread), spread  # both processes placed one
+    assert [status for status, _ in answers] == [200] * len(answers), answers
+    assert all(n > 0 for n in spread), spread  # both processes placed some
     pairs = [asyncio.run(large_prompts(stack.base_url, 2)) for _ in range(3)]  # two at once: 1.4 × the room
     print("two at once (status, seconds):", pairs)
     assert [status for pair in pairs for status, _ in pair] == [200] * 6, pairs
