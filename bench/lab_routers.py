@@ -253,6 +253,7 @@ class _Replica:
     place: Place
     inflight: InflightTracker
     lookup: CacheLookup
+    placed_prefixes: PlacedPrefixes
     placements: dict[int, Placement] = field(default_factory=dict)
     peer_prefill: dict[tuple[str, str], int] = field(default_factory=dict)
     """(Worker id, replica) → the others' prefill reservations at the last exchange (as ``peers`` keeps them)."""
@@ -288,10 +289,11 @@ class Poolgate(_Quiet):
         lookup = CacheLookup(index, lambda: self._snapshot, clock=self.clock)
         inflight = InflightTracker()
         scheduler = build_scheduler(self.settings, random.Random(seed))
+        placed_prefixes = PlacedPrefixes()
         place = Place(scheduler, self, inflight, Metrics(), self.settings, clock=self.clock, timer=self.clock,
-                      prefix_cache=lookup, placed_prefixes=PlacedPrefixes())
+                      prefix_cache=lookup, placed_prefixes=placed_prefixes)
         place.reservations.exchange_s = self.exchange_s
-        return _Replica(place, inflight, lookup)
+        return _Replica(place, inflight, lookup, placed_prefixes)
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -368,7 +370,7 @@ class Poolgate(_Quiet):
             for worker_id, delta in deltas.items():
                 totals[worker_id] = totals.get(worker_id, 0) + delta
         records = [r.place.affinity.take_unpublished() for r in self.replicas]
-        blocks = [r.place.placed_prefixes.take() if r.place.placed_prefixes is not None else [] for r in self.replicas]
+        blocks = [r.placed_prefixes.take() for r in self.replicas]
         for own, replica in enumerate(self.replicas):
             kv: dict[str, int] = {}
             prefill: dict[str, int] = {}

@@ -170,7 +170,7 @@ def _assemble(config: Config, client: RedisLike, metrics: Metrics, profiler: Req
     watcher.publish_queue(replica.queue.held_by_domain)
     peers = PeerExchange(PeerKeys(config.key_prefix), watcher.replica_id, replica.reservations,
                          affinity=replica.affinity, queue_order=replica.queue_order, siblings=siblings,
-                         placed_prefixes=replica.placed_prefixes if lookup is not None else None,
+                         placed_prefixes=replica.placed_prefixes,
                          on_placed=lookup.placed_elsewhere if lookup is not None else None)
     watcher.share_reservations(peers)
     if siblings is not None:
