@@ -12,8 +12,8 @@ costs for the slowest requests. Profiling a request (token estimate, task class,
 separately; it happens once per request, outside the pick.
 
 Scenarios: ``per-model`` (25 models × 2 pools × 20 workers: 40 candidates), ``restricted`` (the same with
-every second pool taking only long-context requests), ``busy`` (per-model plus reservations on every worker
-and a full affinity map), ``kv-events`` (per-model with every worker publishing KV events: each model has
+every second pool taking only long-context requests), ``busy`` (per-model plus reservations on every worker,
+a full affinity map and the latest placements on each worker), ``kv-events`` (per-model with every worker publishing KV events: each model has
 eight 4-8k-token documents, each held whole or in part by a third of its workers, and every request asks
 about one of them, so the pick walks the KV index for the cached prefix of 250-500 blocks), ``one-model``
 (all 1,000 workers, in 50 pools, serve one model), ``one-pool``
@@ -46,6 +46,7 @@ from extproc.kvcache.keys import prompt_keys
 from extproc.kvcache.lookup import CacheLookup
 from extproc.kvcache.wire import EventBatch, Stored
 from extproc.request import RequestFacts
+from extproc.prefill_ledger import PrefillLedger
 from extproc.scheduling import PickContext, PickRequest, RequestProfiler, build_scheduler
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, TaskClass
@@ -157,9 +158,14 @@ def run(scenario: Scenario, picks: int, seed: int = 1) -> dict[str, float | int 
     reserved: dict[str, int] = {}
     pending: dict[str, int] = {}
     affinity: dict[Hashable, str] = {}
+    latest: PrefillLedger | None = None
     if scenario.busy:
         reserved = {w.id: rng.randrange(0, 20_000) for w in workers}
         pending = {w.id: rng.randrange(0, 4_000) for w in workers}
+        latest = PrefillLedger(settings.default_prefill_tokens_per_s)  # what each worker's queue was sent
+        for w in workers:
+            for _ in range(rng.randrange(1, 40)):
+                latest.placed_here(w, rng.randrange(20, 8_000), NOW - 60.0)
         for request in pool_of_requests:
             for key in request.affinity_keys:
                 affinity[key] = rng.choice(snapshot.workers_for(request.model)).id
@@ -167,7 +173,7 @@ def run(scenario: Scenario, picks: int, seed: int = 1) -> dict[str, float | int 
     prefix_cache = None
     if scenario.kv_events:
         prefix_cache, pool_of_requests = documents_held(snapshot, workers, pool_of_requests, rng)
-    context = PickContext(snapshot, inflight, reserved, pending, affinity)
+    context = PickContext(snapshot, inflight, reserved, pending, affinity, latest_prefill=latest)
 
     def fresh() -> PickContext:
         """Each pick reads the KV index through its own view, as extproc's placement builds one per pick."""

@@ -26,6 +26,11 @@ two and 0.893 s with four; with the others' placements in the ledger 0.645 and 0
 increase read in the same exchange as a drop of the same replica's figure on the same worker (an older
 reservation settled) is counted net: an undercount, never a double count.
 
+The ledger also remembers the prefill of the latest ``LATEST_PLACEMENTS`` requests this replica placed on each
+worker (``latest_tokens``). The engine's waiting count says how many requests queue there, not how long they
+are; in a first-come-first-served queue they are its latest arrivals, so about these. The latency model reads
+the queue as the larger of the two (``scorers.latency``), so a queue the drained estimate missed still counts.
+
 Nothing here needs the response: a drained estimate is free, where watching every response for its first
 byte costs extproc CPU per chunk. A worker slower than its measured rate (more decodes than usual) keeps its
 backlog longer than estimated, which a later placement's record corrects.
@@ -33,10 +38,14 @@ backlog longer than estimated, which a later placement's record corrects.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping
 
 from extproc.scheduling.rates import KindRates
 from poolgate.kernel.fleet import WorkerRecord
+
+LATEST_PLACEMENTS = 64
+"""How many of a worker's latest placements ``latest_tokens`` remembers (beyond them it extrapolates)."""
 
 
 class PrefillLedger:
@@ -45,6 +54,29 @@ class PrefillLedger:
         """The rate a worker's backlog drains at: its kind's peak (``scheduling.rates``), as the pick predicts."""
         self._backlog: dict[str, tuple[float, float, float]] = {}
         """Worker id → (tokens left at ``at``, ``at``, the rate it drains at)."""
+        self._latest: dict[str, deque[int]] = {}
+        """Worker id → running totals of the prefill of this replica's placements there, the latest last."""
+
+    def placed_here(self, worker: WorkerRecord, tokens: int, now: float) -> None:
+        """One request this replica placed, with ``tokens`` of prefill: entered in the backlog, and remembered
+        as the latest request there (``latest_tokens``)."""
+        self.placed(worker, tokens, now)
+        totals = self._latest.get(worker.id)
+        if totals is None:
+            totals = self._latest[worker.id] = deque((0,), maxlen=LATEST_PLACEMENTS + 1)
+        totals.append(totals[-1] + tokens)
+
+    def latest_tokens(self, worker_id: str, requests: int) -> int | None:
+        """The prefill of the latest ``requests`` requests placed on the worker (past those remembered, at
+        their mean); None before the first. An engine serves its queue first come, first served, so the
+        requests it reports waiting are its latest arrivals: in tokens, about these."""
+        totals = self._latest.get(worker_id)
+        if totals is None:
+            return None
+        known = len(totals) - 1
+        if requests <= known:
+            return totals[-1] - totals[-1 - requests]
+        return round((totals[-1] - totals[0]) * requests / known)
 
     def placed(self, worker: WorkerRecord, tokens: int, now: float, since: float | None = None) -> None:
         """``tokens`` placed on the worker ``since`` (default: ``now``), entered at ``now``: queued behind

@@ -105,7 +105,8 @@ class Place:
                     self.ledger.placed(worker, tokens, now, since=read_at)
         return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, self.ledger.at(now),
                            self.affinity.entries,
-                           self.prefix_cache.for_pick() if self.prefix_cache is not None else None)
+                           self.prefix_cache.for_pick() if self.prefix_cache is not None else None,
+                           self.ledger)
 
     def _observe_rates(self, snapshot: FleetSnapshot) -> None:
         """Fold the records that changed since the last snapshot into the kinds' peak prefill rates."""
@@ -188,7 +189,7 @@ class Place:
             to_compute = self._uncached_tokens(request, (worker,))
             reservation = self.reservations.reserve(worker_id, new_kv, request.output_tokens, now,
                                                     prefill_tokens=to_compute)
-            self.ledger.placed(worker, to_compute, now)
+            self.ledger.placed_here(worker, to_compute, now)
         self._acquire(request, decision, prefill_only=False)
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)

@@ -25,6 +25,12 @@ _EMPTY: Mapping[str, int] = MappingProxyType({})
 _NO_AFFINITY: Mapping[Hashable, str] = MappingProxyType({})
 
 
+class LatestPrefill(Protocol):
+    """The prefill of the latest requests placed on a worker (``extproc/prefill_ledger.py``)."""
+
+    def latest_tokens(self, worker_id: str, requests: int) -> int | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PickRequest:
     """One request as the scheduler sees it: what was asked and what it is expected to cost."""
@@ -77,6 +83,8 @@ class PickContext:
     """Affinity key (session or prompt prefix) → worker that last took a request with it."""
     prefix_cache: PrefixCacheView | None = None
     """What the workers' KV events say their caches hold; None = no worker publishes them."""
+    latest_prefill: LatestPrefill | None = None
+    """The prefill of the latest requests this replica placed on each worker (``prefill_ledger``)."""
 
 
 @dataclass(frozen=True, slots=True)

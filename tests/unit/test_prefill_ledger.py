@@ -11,7 +11,7 @@ import pytest
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.pipeline.place import Place
-from extproc.prefill_ledger import PrefillLedger, placed_since
+from extproc.prefill_ledger import LATEST_PLACEMENTS, PrefillLedger, placed_since
 from extproc.scheduling import build_scheduler
 from extproc.snapshot import build_snapshot
 from poolgate.kernel.config import SchedulingSettings
@@ -47,6 +47,24 @@ def test_the_backlog_drains_at_the_fastest_rate_the_workers_kind_has_shown() -> 
     ledger.placed(worker("a", rate=900.0), 27_000, now=0.0)
     assert ledger.left("a", 0.5) == pytest.approx(13_500)
     assert ledger.left("a", 1.0) == 0.0
+
+
+def test_the_latest_placements_are_remembered_in_tokens_and_extrapolated_past_the_memory() -> None:
+    """What the engine reports waiting is its latest arrivals: the ledger answers what they computed, in
+    tokens, from this replica's own placements there (a document, then three short questions)."""
+    ledger = PrefillLedger(default_rate=8000.0)
+    assert ledger.latest_tokens("a", 3) is None
+    for tokens in (6000, 50, 40, 30):
+        ledger.placed_here(worker("a"), tokens, now=0.0)
+    assert ledger.left("a", 0.0) == pytest.approx(6120)
+    assert ledger.latest_tokens("a", 2) == 70
+    assert ledger.latest_tokens("a", 4) == 6120
+    assert ledger.latest_tokens("a", 8) == 12_240  # more than were placed: at their mean
+    assert ledger.latest_tokens("b", 1) is None
+    for _ in range(LATEST_PLACEMENTS):
+        ledger.placed_here(worker("a"), 10, now=0.0)
+    assert ledger.latest_tokens("a", LATEST_PLACEMENTS) == 10 * LATEST_PLACEMENTS
+    assert ledger.latest_tokens("a", 2 * LATEST_PLACEMENTS) == 20 * LATEST_PLACEMENTS  # the document forgotten
 
 
 def test_each_replicas_growth_is_what_it_placed_and_a_drop_elsewhere_does_not_hide_it() -> None:

@@ -7,10 +7,18 @@ For each candidate w, with P the prompt's tokens and c_w the tokens of its leadi
     c_w = the KV index's cached prefix (w's event stream in sync), else s_w × P with s_w the affinity
           strength (``prefix_affinity``: where this session or prefix went last): an unknown worker may hold
           anything, but is never assumed empty or full
-    Q_w = max(queued_w, waiting_w × U_w)
+    Q_w = max(queued_w, latest_w(waiting_w))
           queued_w: the prefill placed on w, by this replica and (as the exchange brings them) the others,
           drained at w's rate (``extproc/prefill_ledger.py``; ``PickContext.pending_prefill_tokens``);
-          waiting_w × U_w stands in for a queue the ledger does not know (requests that came another way)
+          latest_w(n) stands in for a queue the ledger does not know (requests that came another way, a
+          drain faster than the engine's): the prefill of the latest n requests this replica placed on w
+          (``PickContext.latest_prefill``), since the engine serves in order and the waiting_w requests it
+          reports are its latest arrivals; waiting_w × U_w before this replica placed any there. Charging
+          each waiting request at this prompt's size made fifteen queued questions about a cached document
+          cost fifteen documents, and a cold start's new documents all went to the workers already
+          prefilling documents (the lab, median over five traces of the p99 over the best peer's: the H100
+          mix 0.97-1.02× where it was 0.99-1.22×, its goodput still at least the peers'; H100 shared documents
+          with bursts at 85 % 1.09 → 0.99×, on Poisson 0.82 → 0.87×; ``docs/results/lab-2026-12-06``)
     R_w = the fastest prefill rate ever measured (``agent.rates``: computed prompt tokens per second of
           prefill time) among the model's workers of w's kind (same KV capacity and GPU memory: the same card
           serving the same model), or ``scheduling.default_prefill_tokens_per_s`` while none is known
@@ -111,6 +119,7 @@ class PredictedLatency:
         self._observe_rates(context, request.model, candidates)
         rate_and_step = self._rates.rate_and_step
         queued = context.pending_prefill_tokens.get
+        latest = context.latest_prefill.latest_tokens if context.latest_prefill is not None else None
         inflight = context.inflight.get
         hit_of = cached.get
         held_of = view.held_tokens if view is not None else None
@@ -126,9 +135,12 @@ class PredictedLatency:
                 hit = int((uniform if uniform is not None else strengths[index]) * prompt)
             own = prompt - hit
             ahead = queued(worker_id, 0)
-            waiting = worker.waiting * own
-            if waiting > ahead:
-                ahead = waiting
+            count = worker.waiting
+            if count:
+                known = latest(worker_id, count) if latest is not None else None
+                waiting = count * own if known is None else known
+                if waiting > ahead:
+                    ahead = waiting
             work = ahead + own + per_request * inflight(worker_id, 0)
             capacity = worker.kv_capacity_tokens
             reuse = worker.prefix_cache_hit_rate
