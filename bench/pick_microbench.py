@@ -13,11 +13,11 @@ separately; it happens once per request, outside the pick.
 
 Scenarios: ``per-model`` (25 models × 2 pools × 20 workers: 40 candidates), ``restricted`` (the same with
 every second pool taking only long-context requests), ``busy`` (per-model plus reservations on every worker,
-a full affinity map and the latest placements on each worker), ``kv-events`` (per-model with every worker publishing KV events: each model has
-eight 4-8k-token documents, each held whole or in part by a third of its workers, and every request asks
-about one of them, so the pick walks the KV index for the cached prefix of 250-500 blocks), ``one-model``
-(all 1,000 workers, in 50 pools, serve one model), ``one-pool``
-(one pool of 1,000 workers), ``10k-workers`` (10,000 workers in 200 pools of 25 models: 400 per model).
+a full affinity map and the latest placements on each worker), ``kv-events`` (per-model with every worker
+publishing KV events: each model has eight 4-8k-token documents, each held whole or in part by a third of its
+workers, and every request asks about one of them, so the pick walks the KV index for the cached prefix of
+250-500 blocks), ``one-model`` (all 1,000 workers, in 50 pools, serve one model), ``one-pool`` (one pool of
+1,000 workers), ``10k-workers`` (10,000 workers in 200 pools of 25 models: 400 per model).
 
     .venv/bin/python -m bench.pick_microbench [--picks 20000]
 """
@@ -45,8 +45,8 @@ from extproc.kvcache.index import PrefixIndex
 from extproc.kvcache.keys import prompt_keys
 from extproc.kvcache.lookup import CacheLookup
 from extproc.kvcache.wire import EventBatch, Stored
-from extproc.request import RequestFacts
 from extproc.prefill_ledger import PrefillLedger
+from extproc.request import RequestFacts
 from extproc.scheduling import PickContext, PickRequest, RequestProfiler, build_scheduler
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, TaskClass
