@@ -26,8 +26,8 @@ two and 0.893 s with four; with the others' placements in the ledger 0.645 and 0
 increase read in the same exchange as a drop of the same replica's figure on the same worker (an older
 reservation settled) is counted net: an undercount, never a double count.
 
-The ledger also remembers the prefill of the latest ``LATEST_PLACEMENTS`` requests this replica placed on each
-worker (``latest_tokens``). The engine's waiting count says how many requests queue there, not how long they
+The ledger also remembers the prefill of the latest ``LATEST_PLACEMENTS`` requests placed on each worker, this
+replica's and the others' as the exchange brings them (``latest_tokens``). The engine's waiting count says how many requests queue there, not how long they
 are; in a first-come-first-served queue they are its latest arrivals, so about these. The latency model reads
 the queue as the larger of the two (``scorers.latency``), so a queue the drained estimate missed still counts.
 
@@ -55,12 +55,14 @@ class PrefillLedger:
         self._backlog: dict[str, tuple[float, float, float]] = {}
         """Worker id → (tokens left at ``at``, ``at``, the rate it drains at)."""
         self._latest: dict[str, deque[int]] = {}
-        """Worker id → running totals of the prefill of this replica's placements there, the latest last."""
+        """Worker id → running totals of the prefill of the placements there (every replica's this one knows
+        of), the latest last."""
 
-    def placed_here(self, worker: WorkerRecord, tokens: int, now: float) -> None:
-        """One request this replica placed, with ``tokens`` of prefill: entered in the backlog, and remembered
-        as the latest request there (``latest_tokens``)."""
-        self.placed(worker, tokens, now)
+    def placed_request(self, worker: WorkerRecord, tokens: int, now: float, since: float | None = None) -> None:
+        """A request placed on the worker with ``tokens`` of prefill (by this replica, or what another placed
+        there since the exchange's last read): entered in the backlog (``placed``), and remembered as the latest
+        request there (``latest_tokens``). The engine's waiting requests are every replica's."""
+        self.placed(worker, tokens, now, since)
         totals = self._latest.get(worker.id)
         if totals is None:
             totals = self._latest[worker.id] = deque((0,), maxlen=LATEST_PLACEMENTS + 1)
