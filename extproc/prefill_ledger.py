@@ -27,9 +27,10 @@ increase read in the same exchange as a drop of the same replica's figure on the
 reservation settled) is counted net: an undercount, never a double count.
 
 The ledger also remembers the prefill of the latest ``LATEST_PLACEMENTS`` requests placed on each worker, this
-replica's and the others' as the exchange brings them (``latest_tokens``). The engine's waiting count says how many requests queue there, not how long they
-are; in a first-come-first-served queue they are its latest arrivals, so about these. The latency model reads
-the queue as the larger of the two (``scorers.latency``), so a queue the drained estimate missed still counts.
+replica's and the others' as the exchange brings them (``latest_tokens``). The engine's waiting count says how many
+requests queue there, not how long they are; in a first-come-first-served queue they are its latest arrivals, so
+about these. The latency model reads the queue as the larger of the two (``scorers.latency``), so a queue the
+drained estimate missed still counts.
 
 Nothing here needs the response: a drained estimate is free, where watching every response for its first
 byte costs extproc CPU per chunk. A worker slower than its measured rate (more decodes than usual) keeps its
