@@ -165,7 +165,7 @@ def run(scenario: Scenario, picks: int, seed: int = 1) -> dict[str, float | int 
         latest = PrefillLedger(settings.default_prefill_tokens_per_s)  # what each worker's queue was sent
         for w in workers:
             for _ in range(rng.randrange(1, 40)):
-                latest.placed_request(w, rng.randrange(20, 8_000), NOW - 60.0)
+                latest.placed(w, rng.randrange(20, 8_000), NOW - 60.0)
         for request in pool_of_requests:
             for key in request.affinity_keys:
                 affinity[key] = rng.choice(snapshot.workers_for(request.model)).id

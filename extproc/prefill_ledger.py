@@ -59,16 +59,6 @@ class PrefillLedger:
         """Worker id → running totals of the prefill of the placements there (every replica's this one knows
         of), the latest last."""
 
-    def placed_request(self, worker: WorkerRecord, tokens: int, now: float, since: float | None = None) -> None:
-        """A request placed on the worker with ``tokens`` of prefill (by this replica, or what another placed
-        there since the exchange's last read): entered in the backlog (``placed``), and remembered as the latest
-        request there (``latest_tokens``). The engine's waiting requests are every replica's."""
-        self.placed(worker, tokens, now, since)
-        totals = self._latest.get(worker.id)
-        if totals is None:
-            totals = self._latest[worker.id] = deque((0,), maxlen=LATEST_PLACEMENTS + 1)
-        totals.append(totals[-1] + tokens)
-
     def latest_tokens(self, worker_id: str, requests: int) -> int | None:
         """The prefill of the latest ``requests`` requests placed on the worker (past those remembered, at
         their mean); None before the first. An engine serves its queue first come, first served, so the
@@ -83,7 +73,13 @@ class PrefillLedger:
 
     def placed(self, worker: WorkerRecord, tokens: int, now: float, since: float | None = None) -> None:
         """``tokens`` placed on the worker ``since`` (default: ``now``), entered at ``now``: queued behind
-        what was ahead of them then, and drained with it since."""
+        what was ahead of them then, and drained with it since; and remembered as the latest request there
+        (``latest_tokens``: a request of this replica, or what another placed there since the exchange's last
+        read, since the engine's waiting requests are every replica's)."""
+        totals = self._latest.get(worker.id)
+        if totals is None:
+            totals = self._latest[worker.id] = deque((0,), maxlen=LATEST_PLACEMENTS + 1)
+        totals.append(totals[-1] + tokens)
         self.rates.observe((worker,))
         rate = self.rates.of(worker)
         entry = self._backlog.get(worker.id)

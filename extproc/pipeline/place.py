@@ -102,7 +102,7 @@ class Place:
             for worker_id, tokens, read_at in placed:
                 worker = by_id.get(worker_id)
                 if worker is not None:
-                    self.ledger.placed_request(worker, tokens, now, since=read_at)
+                    self.ledger.placed(worker, tokens, now, since=read_at)
         return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, self.ledger.at(now),
                            self.affinity.entries,
                            self.prefix_cache.for_pick() if self.prefix_cache is not None else None,
@@ -189,7 +189,7 @@ class Place:
             to_compute = self._uncached_tokens(request, (worker,))
             reservation = self.reservations.reserve(worker_id, new_kv, request.output_tokens, now,
                                                     prefill_tokens=to_compute)
-            self.ledger.placed_request(worker, to_compute, now)
+            self.ledger.placed(worker, to_compute, now)
         self._acquire(request, decision, prefill_only=False)
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)

@@ -84,7 +84,8 @@ class PickContext:
     prefix_cache: PrefixCacheView | None = None
     """What the workers' KV events say their caches hold; None = no worker publishes them."""
     latest_prefill: LatestPrefill | None = None
-    """The prefill of the latest requests this replica placed on each worker (``prefill_ledger``)."""
+    """The prefill of the latest requests placed on each worker, this replica's and the others' it knows of
+    (``prefill_ledger``)."""
 
 
 @dataclass(frozen=True, slots=True)

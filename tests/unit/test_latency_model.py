@@ -91,8 +91,8 @@ def test_waiting_requests_cost_what_the_latest_placements_there_compute_not_this
     lookup = lookup_over(workers, {})
     ledger = PrefillLedger(RATE)
     for _ in range(15):
-        ledger.placed_request(workers[0], 50, NOW - 1.0)  # drained by now as far as the ledger knows
-    ledger.placed_request(workers[1], 4000, NOW)
+        ledger.placed(workers[0], 50, NOW - 1.0)  # drained by now as far as the ledger knows
+    ledger.placed(workers[1], 4000, NOW)
     questions, prefilling = predicted(workers, lookup, pending_prefill_tokens=ledger.at(NOW), latest_prefill=ledger)
     assert questions == pytest.approx((15 * 50 + 6400) / RATE)
     assert prefilling == pytest.approx((4000 + 6400) / RATE)

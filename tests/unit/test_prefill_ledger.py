@@ -55,14 +55,14 @@ def test_the_latest_placements_are_remembered_in_tokens_and_extrapolated_past_th
     ledger = PrefillLedger(default_rate=8000.0)
     assert ledger.latest_tokens("a", 3) is None
     for tokens in (6000, 50, 40, 30):
-        ledger.placed_request(worker("a"), tokens, now=0.0)
+        ledger.placed(worker("a"), tokens, now=0.0)
     assert ledger.left("a", 0.0) == pytest.approx(6120)
     assert ledger.latest_tokens("a", 2) == 70
     assert ledger.latest_tokens("a", 4) == 6120
     assert ledger.latest_tokens("a", 8) == 12_240  # more than were placed: at their mean
     assert ledger.latest_tokens("b", 1) is None
     for _ in range(LATEST_PLACEMENTS):
-        ledger.placed_request(worker("a"), 10, now=0.0)
+        ledger.placed(worker("a"), 10, now=0.0)
     assert ledger.latest_tokens("a", LATEST_PLACEMENTS) == 10 * LATEST_PLACEMENTS
     assert ledger.latest_tokens("a", 2 * LATEST_PLACEMENTS) == 20 * LATEST_PLACEMENTS  # the document forgotten
 

@@ -11,9 +11,10 @@ For each candidate w, with P the prompt's tokens and c_w the tokens of its leadi
           queued_w: the prefill placed on w, by this replica and (as the exchange brings them) the others,
           drained at w's rate (``extproc/prefill_ledger.py``; ``PickContext.pending_prefill_tokens``);
           latest_w(n) stands in for a queue the ledger does not know (requests that came another way, a
-          drain faster than the engine's): the prefill of the latest n requests this replica placed on w
-          (``PickContext.latest_prefill``), since the engine serves in order and the waiting_w requests it
-          reports are its latest arrivals; waiting_w × U_w before this replica placed any there. Charging
+          drain faster than the engine's): the prefill of the latest n requests placed on w, by this replica
+          and the others as the exchange brings them (``PickContext.latest_prefill``), since the engine serves
+          in order and the waiting_w requests it reports are its latest arrivals; waiting_w × U_w before any
+          placement there is known. Charging
           each waiting request at this prompt's size made fifteen queued questions about a cached document
           cost fifteen documents, and a cold start's new documents all went to the workers already
           prefilling documents (the lab, median over five traces of the p99 over the best peer's: the H100
