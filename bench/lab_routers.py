@@ -48,7 +48,7 @@ from extproc.output_lengths import OutputLengths
 from extproc.pipeline.context import Placement
 from extproc.pipeline.place import Place
 from extproc.placed_prefixes import PlacedPrefixes
-from extproc.prefill_ledger import placed_since
+from extproc.prefill_ledger import Unsettled, placed_since
 from extproc.scheduling import Decision, NoCapacity, PickRequest, RequestProfiler, build_scheduler
 from extproc.siblings import SIBLING_EXCHANGE_S
 from extproc.snapshot import FleetSnapshot, build_snapshot
@@ -255,7 +255,7 @@ class _Replica:
     lookup: CacheLookup
     placed_prefixes: PlacedPrefixes
     placements: dict[int, Placement] = field(default_factory=dict)
-    peer_prefill: dict[tuple[str, str], int] = field(default_factory=dict)
+    peer_prefill: dict[tuple[str, str], Unsettled] = field(default_factory=dict)
     """(Worker id, replica) → the others' prefill reservations at the last exchange (as ``peers`` keeps them)."""
 
 
@@ -374,16 +374,15 @@ class Poolgate(_Quiet):
         for own, replica in enumerate(self.replicas):
             kv: dict[str, int] = {}
             prefill: dict[str, int] = {}
-            by_replica: dict[tuple[str, str], int] = {}
+            by_replica: dict[tuple[str, str], Unsettled] = {}
             for other, peer in enumerate(self.replicas):
                 if other == own:
                     continue
-                book = peer.place.reservations
-                for worker_id, tokens in book.own_kv_tokens.items():
-                    kv[worker_id] = kv.get(worker_id, 0) + tokens
-                for worker_id, tokens in book.own_prefill_tokens.items():
-                    prefill[worker_id] = prefill.get(worker_id, 0) + tokens
-                    by_replica[worker_id, str(other)] = tokens
+                held = peer.place.reservations.own_reservations()
+                for worker_id, (kv_tokens, prefill_tokens, requests) in held.items():
+                    kv[worker_id] = kv.get(worker_id, 0) + kv_tokens
+                    prefill[worker_id] = prefill.get(worker_id, 0) + prefill_tokens
+                    by_replica[worker_id, str(other)] = Unsettled(prefill_tokens, requests)
                 replica.place.affinity.apply(records[other])
                 if not self.siblings:
                     for worker_id, keys in blocks[other]:

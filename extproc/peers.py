@@ -7,11 +7,12 @@ Keys (named in ``poolgate.kernel.keys.PeerKeys``; the store runs the pipelines):
 - ``{prefix}:extproc:replicas`` hash: replica id → wall-clock time of its last write. A replica writes it at
   least every ``PRESENCE_REFRESH_S``; readers count replicas seen within ``PRESENCE_TTL_S`` (a killed one
   stops counting after that), and a replica that stops cleanly removes itself.
-- ``{prefix}:extproc:reserved`` hash: ``"worker replica"`` → ``"kv prefill stamp"``, a replica's whole
-  current reservation on a worker (absolute, so a lost or repeated write heals at the next one). Written
-  when it changes (batched with the in-flight deltas), removed at zero, so one read costs the workers that
-  hold reservations, not the fleet; a field older than ``PRESENCE_TTL_S`` is ignored (its replica died
-  holding it) and removed by the next replica that reads it, and the hash expires after it unless renewed.
+- ``{prefix}:extproc:reserved`` hash: ``"worker replica"`` → ``"kv prefill stamp requests"``, a replica's
+  whole current reservation on a worker and how many of its requests there are unsettled (absolute, so a
+  lost or repeated write heals at the next one). Written when it changes (batched with the in-flight
+  deltas), removed at zero, so one read costs the workers that hold reservations, not the fleet; a field
+  older than ``PRESENCE_TTL_S`` is ignored (its replica died holding it) and removed by the next replica
+  that reads it, and the hash expires after it unless renewed.
 - ``{prefix}:extproc:affinity`` stream: one entry per write that has new placement hints (``r`` the replica,
   ``d`` JSON ``[[key, worker], …]`` its new affinity records, a session key as a list, and ``p`` JSON
   ``[[worker, [block key, …]], …]`` the prompt blocks its placements made pending on their workers, the ones
@@ -39,7 +40,7 @@ import orjson
 
 from extproc.affinity import AffinityMap
 from extproc.placed_prefixes import PlacedPrefixes
-from extproc.prefill_ledger import placed_since
+from extproc.prefill_ledger import Unsettled, placed_since
 from extproc.queue_order import REPORT_REFRESH_S, REPORT_TTL_S, QueueOrder
 from extproc.reservations import ReservationBook
 from extproc.siblings import SIBLING_EXCHANGE_S, Siblings
@@ -73,7 +74,7 @@ class PeerExchange:
         """Last hints entry read; a replica starts with what was written from a second before it started (still
         fresh hints; and an entry written in the millisecond it started, whose id is that millisecond's, is not
         skipped)."""
-        self._published: dict[str, tuple[int, int]] = {}
+        self._published: dict[str, tuple[int, int, int]] = {}
         self._present_at = float("-inf")
         self._queue_order = queue_order
         self._reported: dict[str, int] = {}
@@ -82,21 +83,22 @@ class PeerExchange:
         """Live replicas at the last read, this one included."""
         self._dead_fields: list[str] = []
         """Reservations of replicas that died holding them, seen at the last read; removed at the next beat."""
-        self._peer_prefill: dict[tuple[str, str], int] = {}
-        """(Worker id, replica) → the other replicas' prefill reservations at the last read (what they placed
+        self._peer_prefill: dict[tuple[str, str], Unsettled] = {}
+        """(Worker id, replica) → the other replicas' unsettled placements at the last read (what they placed
         since is the increase: ``prefill_ledger.placed_since``)."""
         self._siblings = siblings
         self._redis_exchange_s = book.exchange_s
         self._live: set[str] = {replica_id}
         """The replicas Redis last showed alive, this one included."""
-        self._remote: dict[tuple[str, str], tuple[int, int]] = {}
-        """(Worker id, replica) → the (KV, prefill) reservations Redis last showed of replicas not siblings."""
+        self._remote: dict[tuple[str, str], tuple[int, int, int]] = {}
+        """(Worker id, replica) → the (KV, prefill, unsettled requests) reservations Redis last showed of
+        replicas not siblings."""
 
-    def _pending(self) -> tuple[float, dict[str, tuple[int, int]], dict[str, tuple[int, int]], list[str], bool]:
+    def _pending(self) -> tuple[float, dict[str, tuple[int, int, int]], dict[str, tuple[int, int, int]], list[str],
+                                bool]:
         """Now, the current reservations, those changed since the last write, those gone, presence beat due."""
         now = self._clock()
-        kv, prefill = self._book.own_kv_tokens, self._book.own_prefill_tokens
-        current = {w: (kv.get(w, 0), prefill.get(w, 0)) for w in {*kv, *prefill}}
+        current = self._book.own_reservations()
         changed = {w: v for w, v in current.items() if self._published.get(w) != v}
         gone = [w for w in self._published if w not in current]
         return now, current, changed, gone, now - self._present_at >= PRESENCE_REFRESH_S
@@ -129,8 +131,8 @@ class PeerExchange:
             return (lambda: None) if hints or report else None
         written_now = current if due else changed
         if written_now:
-            pipe.hset(self._keys.reserved, mapping={self._field(worker_id): f"{kv_tokens} {prefill_tokens} {now:.3f}"
-                                                    for worker_id, (kv_tokens, prefill_tokens) in written_now.items()})
+            pipe.hset(self._keys.reserved, mapping={self._field(worker_id): f"{kv} {prefill} {now:.3f} {requests}"
+                                                    for worker_id, (kv, prefill, requests) in written_now.items()})
             pipe.pexpire(self._keys.reserved, int(PRESENCE_TTL_S * 1000))
         dropped = [self._field(worker_id) for worker_id in gone] + (self._dead_fields if due else [])
         if dropped:
@@ -195,7 +197,7 @@ class PeerExchange:
             replicas = {_text(r) for r, at in results[0].items() if _stamp(at) >= oldest}
             replicas.add(self.replica_id)
             siblings = self._siblings.ids if self._siblings is not None else frozenset()
-            remote: dict[tuple[str, str], tuple[int, int]] = {}
+            remote: dict[tuple[str, str], tuple[int, int, int]] = {}
             dead: list[str] = []
             for field, value in results[1].items():
                 worker_id, _, replica = _text(field).partition(" ")
@@ -217,18 +219,18 @@ class PeerExchange:
         placed since the last merge (for the prefill ledger)."""
         kv: dict[str, int] = {}
         prefill: dict[str, int] = {}
-        by_replica: dict[tuple[str, str], int] = {}
+        by_replica: dict[tuple[str, str], Unsettled] = {}
         replicas = set(self._live)
-        parts: list[tuple[str, str, int, int]] = [(w, r, k, p) for (w, r), (k, p) in self._remote.items()]
+        parts = [(w, r, k, p, n) for (w, r), (k, p, n) in self._remote.items()]
         if self._siblings is not None:
-            parts.extend((w, r, k, p) for r, w, k, p in self._siblings.view.reservations())
+            parts.extend((w, r, k, p, n) for r, w, k, p, n in self._siblings.view.reservations())
             replicas |= self._siblings.ids
             alone_here = replicas <= self._siblings.ids | {self.replica_id}
             self._book.exchange_s = SIBLING_EXCHANGE_S if alone_here else self._redis_exchange_s
-        for worker_id, replica, kv_tokens, prefill_tokens in parts:
+        for worker_id, replica, kv_tokens, prefill_tokens, requests in parts:
             kv[worker_id] = kv.get(worker_id, 0) + kv_tokens
             prefill[worker_id] = prefill.get(worker_id, 0) + prefill_tokens
-            by_replica[worker_id, replica] = prefill_tokens
+            by_replica[worker_id, replica] = Unsettled(prefill_tokens, requests)
         placed = placed_since(self._peer_prefill, by_replica)
         self._peer_prefill = by_replica
         self.replicas = len(replicas)
@@ -319,12 +321,14 @@ def _stamp(value: bytes | str) -> float:
         return float("-inf")
 
 
-def _reservation(value: bytes | str, oldest: float) -> tuple[int, int] | None:
-    """``"kv prefill stamp"`` written since ``oldest``, else None (also for a malformed value)."""
+def _reservation(value: bytes | str, oldest: float) -> tuple[int, int, int] | None:
+    """``"kv prefill stamp requests"`` written since ``oldest``, else None (also for a malformed value); a
+    value without its requests (an older replica's) counts as one request where its prefill grows."""
     parts = _text(value).split()
     try:
         kv, prefill, stamp = int(parts[0]), int(parts[1]), float(parts[2])
+        requests = int(parts[3]) if len(parts) > 3 else 0
     except (IndexError, ValueError):
         return None
-    return (max(0, kv), max(0, prefill)) if stamp >= oldest else None
+    return (max(0, kv), max(0, prefill), max(0, requests)) if stamp >= oldest else None
 

@@ -96,6 +96,7 @@ import zlib
 from collections import deque
 from collections.abc import Iterable, Mapping
 
+from extproc.prefill_ledger import Unsettled
 from extproc.snapshot import FleetSnapshot
 from poolgate.kernel.fleet import WorkerRecord
 
@@ -132,6 +133,9 @@ class ReservationBook:
         self.exchange_s = exchange_s
         """How long a placement here may stay unseen by the other replicas (the exchange's delay bound)."""
         self._unsettled: set[Reservation] = set()
+        self._unsettled_requests: dict[str, int] = {}
+        """Worker id → how many of this replica's reservations there are unsettled (published with their
+        prefill: the others' ledgers count them as that many requests)."""
         self._kv: dict[str, int] = {}
         self._prefill: dict[str, int] = {}
         self._peer_kv: Mapping[str, int] = {}
@@ -157,8 +161,8 @@ class ReservationBook:
         self.peers_moved = False
         """The other replicas' reservations, the turn or this replica's recent placements changed since the
         last ``settle``: the pick must settle again even if the fleet snapshot did not change."""
-        self._peer_placed: list[tuple[str, int, float | None]] = []
-        """(Worker id, prefill tokens the other replicas placed there, when that was read), in the order read,
+        self._peer_placed: list[tuple[str, Unsettled, float | None]] = []
+        """(Worker id, the prefill the other replicas placed there, when that was read), in the order read,
         since ``take_peer_placements``."""
         self._decoding: dict[str, dict[Reservation, float]] = {}
         """Worker id → its settled reservations whose decode room is still shrinking → when the stream's
@@ -187,16 +191,23 @@ class ReservationBook:
     def own_prefill_tokens(self) -> Mapping[str, int]:
         return self._prefill
 
+    def own_reservations(self, workers: Iterable[str] | None = None) -> dict[str, tuple[int, int, int]]:
+        """Worker id → this replica's (KV, prefill, unsettled requests) there, on ``workers`` (default: where
+        it holds any): what it tells the other replicas."""
+        kv, prefill, requests = self._kv, self._prefill, self._unsettled_requests
+        return {w: (kv.get(w, 0), prefill.get(w, 0), requests.get(w, 0))
+                for w in (workers if workers is not None else {*kv, *prefill, *requests})}
+
     def apply_peers(self, kv: Mapping[str, int], prefill: Mapping[str, int], replicas: int, rank: int = 0,
-                    at: float | None = None, placed: Mapping[str, int] | None = None) -> None:
+                    at: float | None = None, placed: Mapping[str, Unsettled] | None = None) -> None:
         """The other replicas' reservations, how many replicas share the fleet (this one included), this
         replica's rank among them (its index in the sorted list of live replica ids) and the time of the read;
         the pick sees them from the next ``settle``, due at once (``peers_moved``) when they changed, when a
         turn began or its claim window closed, or when a recent placement here has surely been seen.
-        ``placed``: the prefill tokens they placed on each worker since the last read
-        (``prefill_ledger.placed_since``), kept for the ledger until ``take_peer_placements``."""
+        ``placed``: the prefill they placed on each worker since the last read (``prefill_ledger.placed_since``),
+        kept for the ledger until ``take_peer_placements``."""
         kept = self._peer_placed
-        kept.extend((worker_id, tokens, at) for worker_id, tokens in (placed or {}).items())
+        kept.extend((worker_id, news, at) for worker_id, news in (placed or {}).items())
         if at is not None and kept and (first := kept[0][2]) is not None and first < at - PEER_PLACED_KEPT_S:
             self._peer_placed = [read for read in kept if read[2] is None or read[2] >= at - PEER_PLACED_KEPT_S]
         replicas = max(1, replicas)
@@ -210,8 +221,8 @@ class ReservationBook:
                                  or (self._recent and self._recent[0][0] + self.exchange_s <= self._now)):
                 self.peers_moved = True
 
-    def take_peer_placements(self) -> list[tuple[str, int, float | None]]:
-        """(Worker id, prefill tokens, when read) of what the other replicas placed since the last call, in
+    def take_peer_placements(self) -> list[tuple[str, Unsettled, float | None]]:
+        """(Worker id, prefill tokens and requests, when read) of what the other replicas placed since the last call, in
         the order read (for the prefill ledger, which drains it as this replica's own from when it was read:
         a replica that picks nothing for a while must not find it all still queued at its next pick)."""
         placed, self._peer_placed = self._peer_placed, []
@@ -227,6 +238,7 @@ class ReservationBook:
         _bump(self._recent_kv, worker_id, reservation.kv_tokens)
         self._add(worker_id, reservation.kv_tokens, prefill)
         self._unsettled.add(reservation)
+        _bump(self._unsettled_requests, worker_id, 1)
         return reservation
 
     def release(self, reservation: Reservation) -> None:
@@ -234,7 +246,9 @@ class ReservationBook:
         replica's share until it ages out: the others may have seen it and not yet its release.)"""
         self._add(reservation.worker_id, -reservation.kv_tokens, -reservation.prefill_tokens)
         reservation.kv_tokens = reservation.prefill_tokens = 0
-        self._unsettled.discard(reservation)
+        if reservation in self._unsettled:
+            self._unsettled.discard(reservation)
+            _bump(self._unsettled_requests, reservation.worker_id, -1)
         streams = self._decoding.get(reservation.worker_id)
         if streams is not None and streams.pop(reservation, None) is not None:
             self._reprice(reservation.worker_id)
@@ -335,6 +349,7 @@ class ReservationBook:
             reservation.kv_tokens = reservation.decode_tokens
             reservation.prefill_tokens = 0
             self._unsettled.discard(reservation)
+            _bump(self._unsettled_requests, reservation.worker_id, -1)
             if reservation.decode_tokens:
                 writes_from = reservation.placed_at + max(settle_s, worker.ttft_ewma_s)
                 self._decoding.setdefault(reservation.worker_id, {})[reservation] = writes_from

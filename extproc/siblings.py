@@ -62,6 +62,12 @@ def address(port: int) -> bytes:
     return b"\0poolgate-extproc-siblings-" + str(port).encode()
 
 
+Counts = tuple[int, ...]
+"""A process's figures on one worker: reservations (KV, prefill, unsettled requests), in-flight (local, written)."""
+NO_RESERVATION: Counts = (0, 0, 0)
+NO_INFLIGHT: Counts = (0, 0)
+
+
 @dataclass
 class Placed:
     """What one placement adds besides reservations: where its prompt's blocks are pending, its affinity."""
@@ -76,8 +82,9 @@ class News:
     """One datagram, decoded: a sibling's state where it changed, and the placements since its last one."""
 
     sender: str
-    reservations: dict[str, tuple[int, int]]
-    inflight: dict[str, tuple[int, int]]
+    reservations: dict[str, Counts]
+    """Worker id → (KV, prefill, unsettled requests) (``ReservationBook.own_reservations``)."""
+    inflight: dict[str, Counts]
     placed: list[Placed]
     whole: bool
     """A beat: every reservation and in-flight count the sender holds (workers absent hold nothing)."""
@@ -95,7 +102,8 @@ def decode(data: bytes) -> News | None:
         sender, whole, reservations, inflight, placed = orjson.loads(data)
         return News(
             sender=str(sender), whole=bool(whole),
-            reservations={str(w): (int(kv), int(prefill)) for w, (kv, prefill) in reservations.items()},
+            reservations={str(w): (int(kv), int(prefill), int(requests))
+                          for w, (kv, prefill, requests) in reservations.items()},
             inflight={str(w): (int(local), int(flushed)) for w, (local, flushed) in inflight.items()},
             placed=[Placed(str(w), [int(k) for k in keys],
                            [(tuple(k) if isinstance(k, list) else k, str(target)) for k, target in affinity])
@@ -145,8 +153,8 @@ class Heard:
     """What this process knows of one sibling."""
 
     at: float
-    reservations: dict[str, tuple[int, int]] = field(default_factory=dict)
-    inflight: dict[str, tuple[int, int]] = field(default_factory=dict)
+    reservations: dict[str, Counts] = field(default_factory=dict)
+    inflight: dict[str, Counts] = field(default_factory=dict)
 
 
 class SiblingView:
@@ -173,11 +181,12 @@ class SiblingView:
             log.warning("extproc sibling %s silent for %.0f s: its reservations no longer count", sender, SILENT_S)
         return bool(silent)
 
-    def reservations(self) -> Iterable[tuple[str, str, int, int]]:
-        """(Sibling, worker id, KV tokens, prefill tokens) of every reservation the siblings hold."""
+    def reservations(self) -> Iterable[tuple[str, str, int, int, int]]:
+        """(Sibling, worker id, KV tokens, prefill tokens, unsettled requests) of every reservation the siblings
+        hold."""
         for sender, heard in self.heard.items():
-            for worker_id, (kv, prefill) in heard.reservations.items():
-                yield sender, worker_id, kv, prefill
+            for worker_id, (kv, prefill, requests) in heard.reservations.items():
+                yield sender, worker_id, kv, prefill, requests
 
     def inflight(self) -> tuple[dict[str, int], dict[str, int]]:
         """Worker id → the siblings' in-flight requests there, and → how many of them they wrote to Redis."""
@@ -190,61 +199,61 @@ class SiblingView:
         return local, flushed
 
 
-def _update(held: dict[str, tuple[int, int]], changes: Mapping[str, tuple[int, int]]) -> None:
-    """A sibling's per-worker state with its changes in (a worker changed to (0, 0) holds nothing)."""
+def _update(held: dict[str, Counts], changes: Mapping[str, Counts]) -> None:
+    """A sibling's per-worker state with its changes in (a worker changed to all zeros holds nothing)."""
     for worker_id, value in changes.items():
-        if value == (0, 0):
-            held.pop(worker_id, None)
-        else:
+        if any(value):
             held[worker_id] = value
+        else:
+            held.pop(worker_id, None)
 
 
 class Outbox:
     """What this process has told its siblings, so the next datagram holds only what changed."""
 
     def __init__(self) -> None:
-        self._told: tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]] = ({}, {})
+        self._told: tuple[dict[str, Counts], dict[str, Counts]] = ({}, {})
 
-    def news(self, sender: str, state: tuple[Mapping[str, tuple[int, int]], Mapping[str, tuple[int, int]]],
+    def news(self, sender: str, state: tuple[Mapping[str, Counts], Mapping[str, Counts]],
              placed: list[Placed], whole: bool, only: Collection[str] | None = None) -> News | None:
         """The datagram to send now (None: nothing changed, nothing placed, no beat due). ``state``: this
         process's (reservations, in-flight) per worker, of the ``only`` workers when given (a placement or a
         release looks at its own workers, not the fleet)."""
-        changes = [_changes(told, now, whole, only) for told, now in zip(self._told, state, strict=True)]
+        changes = [_changes(told, now, nothing, whole, only)
+                   for told, now, nothing in zip(self._told, state, (NO_RESERVATION, NO_INFLIGHT), strict=True)]
         if not (changes[0] or changes[1] or placed or whole):
             return None
         return News(sender, changes[0], changes[1], placed, whole)
 
 
-def _changes(told: dict[str, tuple[int, int]], now: Mapping[str, tuple[int, int]], whole: bool,
-             only: Collection[str] | None) -> dict[str, tuple[int, int]]:
-    """What changed since ``told`` (updated to ``now``); a worker no longer held changes to (0, 0)."""
+def _changes(told: dict[str, Counts], now: Mapping[str, Counts], nothing: Counts, whole: bool,
+             only: Collection[str] | None) -> dict[str, Counts]:
+    """What changed since ``told`` (updated to ``now``); a worker no longer held changes to ``nothing``."""
     workers = {*told, *now} if only is None else only
-    changed: dict[str, tuple[int, int]] = {}
+    changed: dict[str, Counts] = {}
     for worker_id in workers:
-        value = now.get(worker_id, (0, 0))
-        if whole or told.get(worker_id, (0, 0)) != value:
+        value = now.get(worker_id, nothing)
+        if whole or told.get(worker_id, nothing) != value:
             changed[worker_id] = value
-        if value == (0, 0):
-            told.pop(worker_id, None)
-        else:
+        if any(value):
             told[worker_id] = value
+        else:
+            told.pop(worker_id, None)
     if whole:
-        return {w: v for w, v in changed.items() if v != (0, 0)}
+        return {w: v for w, v in changed.items() if any(v)}
     return changed
 
 
-OwnState = Callable[[Collection[str] | None], tuple[Mapping[str, tuple[int, int]], Mapping[str, tuple[int, int]]]]
-"""(Workers, or None for all) → this process's (reservations (KV, prefill), in-flight (local, written)) there."""
+OwnState = Callable[[Collection[str] | None], tuple[Mapping[str, Counts], Mapping[str, Counts]]]
+"""(Workers, or None for all) → this process's (reservations (KV, prefill, unsettled requests), in-flight
+(local, written)) there."""
 
 
 def own_state(book: ReservationBook, inflight: InflightTracker) -> OwnState:
     """What this process tells its siblings, read from its reservation book and in-flight counts."""
 
-    def state(workers: Collection[str] | None) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
-        kv, prefill = book.own_kv_tokens, book.own_prefill_tokens
-        reservations = {w: (kv.get(w, 0), prefill.get(w, 0)) for w in (workers or {*kv, *prefill})}
-        return reservations, inflight.own(workers)
+    def state(workers: Collection[str] | None) -> tuple[Mapping[str, Counts], Mapping[str, Counts]]:
+        return book.own_reservations(workers or None), inflight.own(workers)
 
     return state
 

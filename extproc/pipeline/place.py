@@ -99,10 +99,10 @@ class Place:
         placed = reservations.take_peer_placements()
         if placed:
             by_id = snapshot.by_id
-            for worker_id, tokens, read_at in placed:
+            for worker_id, (tokens, requests), read_at in placed:
                 worker = by_id.get(worker_id)
                 if worker is not None:
-                    self.ledger.placed(worker, tokens, now, since=read_at)
+                    self.ledger.placed(worker, tokens, now, since=read_at, requests=requests)
         return PickContext(snapshot, self.inflight.counts, reservations.kv_tokens, self.ledger.at(now),
                            self.affinity.entries,
                            self.prefix_cache.for_pick() if self.prefix_cache is not None else None,

@@ -167,7 +167,7 @@ def test_a_silent_sibling_is_forgotten_and_the_beat_repeats_everything() -> None
         clock[0] += BEAT_S
         a.siblings.send()  # nothing changed; the beat holds the whole state
         news = decode(_last(b))
-        assert news is not None and news.whole and news.reservations == {"w1": (1_000, 1_000)}
+        assert news is not None and news.whole and news.reservations == {"w1": (1_000, 1_000, 1)}
         clock[0] += SILENT_S + 1
         b.siblings.receive()
         assert b.siblings.ids == frozenset()
@@ -177,7 +177,7 @@ def test_a_silent_sibling_is_forgotten_and_the_beat_repeats_everything() -> None
 
 
 def test_datagrams_round_trip_and_malformed_ones_are_skipped() -> None:
-    news = News("a", {"w1": (10, 5)}, {"w1": (1, 0)},
+    news = News("a", {"w1": (10, 5, 1)}, {"w1": (1, 0)},
                 [Placed("w1", [2**64 - 1, 7], [(("s", "t"), "w1"), ("doc", "w1")])], whole=False)
     assert decode(encode(news)) == news
     assert decode(b"not json") is None
@@ -186,13 +186,14 @@ def test_datagrams_round_trip_and_malformed_ones_are_skipped() -> None:
 
 def test_only_changes_travel_and_a_removed_reservation_travels_as_zero() -> None:
     outbox = Outbox()
-    first = outbox.news("a", ({"w1": (10, 5)}, {}), [], whole=False)
-    assert first is not None and first.reservations == {"w1": (10, 5)}
-    assert outbox.news("a", ({"w1": (10, 5)}, {}), [], whole=False) is None
-    other = outbox.news("a", ({"w2": (3, 3)}, {}), [], whole=False, only=["w2"])
-    assert other is not None and other.reservations == {"w2": (3, 3)}  # w1 not looked at: not gone
+    first = outbox.news("a", ({"w1": (10, 5, 1)}, {}), [], whole=False)
+    assert first is not None and first.reservations == {"w1": (10, 5, 1)}
+    assert outbox.news("a", ({"w1": (10, 5, 1)}, {}), [], whole=False) is None
+    other = outbox.news("a", ({"w2": (3, 3, 1)}, {"w2": (1, 0)}), [], whole=False, only=["w2"])
+    assert other is not None and other.reservations == {"w2": (3, 3, 1)}  # w1 not looked at: not gone
     gone = outbox.news("a", ({}, {}), [], whole=False)
-    assert gone is not None and gone.reservations == {"w1": (0, 0), "w2": (0, 0)}
+    assert gone is not None and gone.reservations == {"w1": (0, 0, 0), "w2": (0, 0, 0)}
+    assert gone.inflight == {"w2": (0, 0)}
     view = SiblingView()
     for news in (first, other, gone):
         view.take(news, 1.0)

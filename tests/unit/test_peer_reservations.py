@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from extproc.affinity import AffinityMap
 from extproc.peers import PRESENCE_REFRESH_S, PRESENCE_TTL_S, PeerExchange, PeerKeys
 from extproc.placed_prefixes import PlacedPrefixes
+from extproc.prefill_ledger import Unsettled
 from extproc.request import RequestFacts
 from extproc.reservations import EXCHANGE_S, TURNS_PER_EXCHANGE, ReservationBook
 from extproc.scheduling.estimate import prefix_keys
@@ -227,7 +228,7 @@ async def test_each_prefill_another_replica_placed_is_handed_to_the_ledger_once(
     first = books["a"].reserve("w", 3_000, 100, placed_at=now[0])
     await exchange(redis_client, peers["a"], ["w"])
     await exchange(redis_client, peers["b"], ["w"])
-    assert books["b"].take_peer_placements() == [("w", 3_000, now[0])]  # with when it was read
+    assert books["b"].take_peer_placements() == [("w", (3_000, 1), now[0])]  # with when it was read
     await exchange(redis_client, peers["b"], ["w"])
     assert books["b"].take_peer_placements() == []  # read again: nothing new
     books["a"].release(first)  # gone from the exchange (settled or ended): nothing new either
@@ -239,7 +240,13 @@ async def test_each_prefill_another_replica_placed_is_handed_to_the_ledger_once(
     now[0] += 0.05
     await exchange(redis_client, peers["a"], ["w"])
     await exchange(redis_client, peers["b"], ["w"])
-    assert books["b"].take_peer_placements() == [("w", 400, now[0])]
+    assert books["b"].take_peer_placements() == [("w", (400, 1), now[0])]
+    for _ in range(3):  # three placements between two exchanges: three requests
+        books["a"].reserve("w", 200, 100, placed_at=now[0], prefill_tokens=50)
+    now[0] += 0.05
+    await exchange(redis_client, peers["a"], ["w"])
+    await exchange(redis_client, peers["b"], ["w"])
+    assert books["b"].take_peer_placements() == [("w", (150, 3), now[0])]
 
 
 async def test_a_clean_stop_removes_the_replica_at_once(redis_client: aioredis.Redis) -> None:
@@ -315,6 +322,6 @@ def test_an_unchanged_affinity_key_is_not_published_again() -> None:
 def test_an_idle_replica_keeps_only_the_last_minute_of_the_others_placements() -> None:
     book = ReservationBook(settle_s=0.5)
     for second in range(0, 600, 10):  # ten minutes of exchanges and no pick here
-        book.apply_peers({}, {}, replicas=2, rank=0, at=float(second), placed={"w": 100})
+        book.apply_peers({}, {}, replicas=2, rank=0, at=float(second), placed={"w": Unsettled(100, 1)})
     kept = book.take_peer_placements()
     assert [at for _, _, at in kept] == [float(s) for s in range(530, 600, 10)]

@@ -11,7 +11,7 @@ import pytest
 from extproc.inflight import InflightTracker
 from extproc.metrics import Metrics
 from extproc.pipeline.place import Place
-from extproc.prefill_ledger import LATEST_PLACEMENTS, PrefillLedger, placed_since
+from extproc.prefill_ledger import LATEST_PLACEMENTS, PrefillLedger, Unsettled, placed_since
 from extproc.scheduling import build_scheduler
 from extproc.snapshot import build_snapshot
 from poolgate.kernel.config import SchedulingSettings
@@ -67,11 +67,28 @@ def test_the_latest_placements_are_remembered_in_tokens_and_extrapolated_past_th
     assert ledger.latest_tokens("a", 2 * LATEST_PLACEMENTS) == 20 * LATEST_PLACEMENTS  # the document forgotten
 
 
+def test_several_placements_read_at_once_are_remembered_as_that_many_requests() -> None:
+    """An exchange through Redis brings another replica's placements a batch at a time: three questions of 50
+    tokens read together are three waiting requests of 50, not one of 150 (which would make each waiting
+    request there look three times as long)."""
+    ledger = PrefillLedger(default_rate=8000.0)
+    ledger.placed(worker("a"), 6000, now=0.0)
+    ledger.placed(worker("a"), 150, now=0.0, requests=3)
+    assert ledger.latest_tokens("a", 1) == 50
+    assert ledger.latest_tokens("a", 3) == 150
+    assert ledger.left("a", 0.0) == pytest.approx(6150)
+    ledger.placed(worker("a"), 10 * (LATEST_PLACEMENTS + 6), now=0.0, requests=LATEST_PLACEMENTS + 6)
+    assert ledger.latest_tokens("a", LATEST_PLACEMENTS) == 10 * LATEST_PLACEMENTS  # only the latest remembered
+
+
 def test_each_replicas_growth_is_what_it_placed_and_a_drop_elsewhere_does_not_hide_it() -> None:
-    before = {("a", "r1"): 1_000, ("a", "r2"): 500, ("b", "r1"): 300}
-    current = {("a", "r1"): 1_400, ("b", "r1"): 300, ("c", "r2"): 200}  # r2's 500 on a settled
-    assert placed_since(before, current) == {"a": 400, "c": 200}
+    before = {("a", "r1"): Unsettled(1_000, 1), ("a", "r2"): Unsettled(500, 1), ("b", "r1"): Unsettled(300, 1)}
+    current = {("a", "r1"): Unsettled(1_400, 3), ("b", "r1"): Unsettled(300, 1),  # r2's 500 on a settled
+               ("c", "r2"): Unsettled(200, 1), ("d", "r1"): Unsettled(0, 1)}  # a request all cached there
+    assert placed_since(before, current) == {"a": (400, 2), "c": (200, 1), "d": (0, 1)}
     assert placed_since(current, current) == {}
+    # net of a settled one: more tokens, as many requests (or a replica that does not say): at least one
+    assert placed_since({("a", "r1"): Unsettled(100, 1)}, {("a", "r1"): Unsettled(300, 1)}) == {"a": (200, 1)}
 
 
 def test_another_replicas_placement_stays_in_the_queue_estimate_until_drained() -> None:
@@ -84,7 +101,7 @@ def test_another_replicas_placement_stays_in_the_queue_estimate_until_drained() 
     fleet = SimpleNamespace(snapshot=build_snapshot([record], POOLS, 100.0, 3.0))
     settings = SchedulingSettings()
     place = Place(build_scheduler(settings), fleet, InflightTracker(), Metrics(), settings, clock=lambda: now[0])
-    place.reservations.apply_peers({"w": 2_500}, {"w": 2_000}, replicas=2, at=100.0, placed={"w": 2_000})
+    place.reservations.apply_peers({"w": 2_500}, {"w": 2_000}, replicas=2, at=100.0, placed={"w": Unsettled(2_000, 1)})
     assert place.context().pending_prefill_tokens.get("w", 0) == 2_000
     now[0] = 100.5  # the agent has seen it: the other replica's reservation is gone
     fleet.snapshot = build_snapshot([replace(record, metrics_at=100.5)], POOLS, 100.5, 3.0)
