@@ -28,7 +28,8 @@ increase read in the same exchange as a drop of the same replica's figure on the
 reservation settled) is counted net: an undercount, never a double count. The number of requests matters to
 the latest-placement record only: an exchange through Redis brings several placements of a replica at once, and
 entered as one request they made the engine's waiting requests look that much longer (the lab, H100 shared
-documents with bursts at 85 %, two replicas through Redis alone: p99 1.65 s, against 1.08 s before the record).
+documents with bursts at 85 %, two replicas through Redis alone: p99 1.65 s, against 1.08 s before the record;
+counted one by one, 1.20 s).
 
 The ledger also remembers the prefill of the latest ``LATEST_PLACEMENTS`` requests placed on each worker, this
 replica's and the others' as the exchange brings them (``latest_tokens``). The engine's waiting count says how many

@@ -222,9 +222,9 @@ class ReservationBook:
                 self.peers_moved = True
 
     def take_peer_placements(self) -> list[tuple[str, Unsettled, float | None]]:
-        """(Worker id, prefill tokens and requests, when read) of what the other replicas placed since the last call, in
-        the order read (for the prefill ledger, which drains it as this replica's own from when it was read:
-        a replica that picks nothing for a while must not find it all still queued at its next pick)."""
+        """(Worker id, prefill tokens and requests, when read) of what the other replicas placed since the last
+        call, in the order read (for the prefill ledger, which drains it as this replica's own from when it was
+        read: a replica that picks nothing for a while must not find it all still queued at its next pick)."""
         placed, self._peer_placed = self._peer_placed, []
         return placed
 
