@@ -45,6 +45,7 @@ from extproc.kvcache.lookup import CacheLookup
 from extproc.kvcache.wire import EventBatch
 from extproc.metrics import Metrics
 from extproc.output_lengths import OutputLengths
+from extproc.peers import summed
 from extproc.pipeline.context import Placement
 from extproc.pipeline.place import Place
 from extproc.placed_prefixes import PlacedPrefixes
@@ -371,18 +372,15 @@ class Poolgate(_Quiet):
                 totals[worker_id] = totals.get(worker_id, 0) + delta
         records = [r.place.affinity.take_unpublished() for r in self.replicas]
         blocks = [r.placed_prefixes.take() for r in self.replicas]
+        held = [r.place.reservations.own_reservations() for r in self.replicas]
         for own, replica in enumerate(self.replicas):
-            kv: dict[str, int] = {}
-            prefill: dict[str, int] = {}
-            by_replica: dict[tuple[str, str], Unsettled] = {}
-            for other, peer in enumerate(self.replicas):
+            kv, prefill, by_replica = summed((worker_id, str(other), kv_tokens, prefill_tokens, requests)
+                                             for other, reservations in enumerate(held) if other != own
+                                             for worker_id, (kv_tokens, prefill_tokens, requests)
+                                             in reservations.items())
+            for other in range(len(self.replicas)):
                 if other == own:
                     continue
-                held = peer.place.reservations.own_reservations()
-                for worker_id, (kv_tokens, prefill_tokens, requests) in held.items():
-                    kv[worker_id] = kv.get(worker_id, 0) + kv_tokens
-                    prefill[worker_id] = prefill.get(worker_id, 0) + prefill_tokens
-                    by_replica[worker_id, str(other)] = Unsettled(prefill_tokens, requests)
                 replica.place.affinity.apply(records[other])
                 if not self.siblings:
                     for worker_id, keys in blocks[other]:

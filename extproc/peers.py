@@ -33,7 +33,7 @@ While every live replica is a sibling, the book's unseen window is ``siblings.SI
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from typing import Any
 
 import orjson
@@ -217,9 +217,6 @@ class PeerExchange:
         """Hand the book the other replicas' reservations: Redis's of the replicas on other hosts, and what
         the siblings told; with the replica count, this replica's rank among them, and the prefill each
         placed since the last merge (for the prefill ledger)."""
-        kv: dict[str, int] = {}
-        prefill: dict[str, int] = {}
-        by_replica: dict[tuple[str, str], Unsettled] = {}
         replicas = set(self._live)
         parts = [(w, r, k, p, n) for (w, r), (k, p, n) in self._remote.items()]
         if self._siblings is not None:
@@ -227,10 +224,7 @@ class PeerExchange:
             replicas |= self._siblings.ids
             alone_here = replicas <= self._siblings.ids | {self.replica_id}
             self._book.exchange_s = SIBLING_EXCHANGE_S if alone_here else self._redis_exchange_s
-        for worker_id, replica, kv_tokens, prefill_tokens, requests in parts:
-            kv[worker_id] = kv.get(worker_id, 0) + kv_tokens
-            prefill[worker_id] = prefill.get(worker_id, 0) + prefill_tokens
-            by_replica[worker_id, replica] = Unsettled(prefill_tokens, requests)
+        kv, prefill, by_replica = summed(parts)
         placed = placed_since(self._peer_prefill, by_replica)
         self._peer_prefill = by_replica
         self.replicas = len(replicas)
@@ -280,6 +274,21 @@ class PeerExchange:
     def _field(self, worker_id: str) -> str:
         """This replica's field for a worker (worker ids hold no space: the registry's pattern)."""
         return f"{worker_id} {self.replica_id}"
+
+
+def summed(parts: Iterable[tuple[str, str, int, int, int]]) -> (
+        tuple[dict[str, int], dict[str, int], dict[tuple[str, str], Unsettled]]):
+    """The other replicas' reservations from (worker id, replica, KV, prefill, unsettled requests): their KV and
+    prefill summed per worker (for the book), and each one's unsettled placements per worker (for
+    ``prefill_ledger.placed_since``)."""
+    kv: dict[str, int] = {}
+    prefill: dict[str, int] = {}
+    by_replica: dict[tuple[str, str], Unsettled] = {}
+    for worker_id, replica, kv_tokens, prefill_tokens, requests in parts:
+        kv[worker_id] = kv.get(worker_id, 0) + kv_tokens
+        prefill[worker_id] = prefill.get(worker_id, 0) + prefill_tokens
+        by_replica[worker_id, replica] = Unsettled(prefill_tokens, requests)
+    return kv, prefill, by_replica
 
 
 def _text(value: bytes | str) -> str:
