@@ -9,7 +9,9 @@ Models with more than ``sampling.SAMPLE_ABOVE`` Ready workers are picked over a 
 or busy machine the p99 of all picks is mostly other processes' interruptions, so the report also gives
 ``own p99``: the p99 over requests of each request's fastest of 20 picks, i.e. what the pick itself
 costs for the slowest requests. Profiling a request (token estimate, task class, prefix hashes) is timed
-separately; it happens once per request, outside the pick.
+separately; it happens once per request, outside the pick. Where the KV index is in use (``kv-events``) the
+placement that follows each pick is timed too (``commit µs``, the median of ``Place.commit`` and ``release``:
+in-flight count, reservation, prefill ledger, the prompt's blocks marked pending on the worker).
 
 Scenarios: ``per-model`` (25 models × 2 pools × 20 workers: 40 candidates), ``restricted`` (the same with
 every second pool taking only long-context requests), ``busy`` (per-model plus reservations on every worker,
@@ -19,35 +21,40 @@ workers, and every request asks about one of them, so the pick walks the KV inde
 250-500 blocks), ``one-model`` (all 1,000 workers, in 50 pools, serve one model), ``one-pool`` (one pool of
 1,000 workers), ``10k-workers`` (10,000 workers in 200 pools of 25 models: 400 per model).
 
-    .venv/bin/python -m bench.pick_microbench [--picks 20000]
+    .venv/bin/python -m bench.pick_microbench [--picks 20000] [--scenarios kv-events]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import host_quiet
 from bench.report import Column, Panel, save_rows
+from extproc.inflight import InflightTracker
 from extproc.kvcache.blocks import PromptBlocks
 from extproc.kvcache.index import PrefixIndex
 from extproc.kvcache.keys import prompt_keys
 from extproc.kvcache.lookup import CacheLookup
 from extproc.kvcache.wire import EventBatch, Stored
+from extproc.metrics import Metrics
+from extproc.pipeline.place import Place
 from extproc.prefill_ledger import PrefillLedger
 from extproc.request import RequestFacts
-from extproc.scheduling import PickContext, PickRequest, RequestProfiler, build_scheduler
+from extproc.scheduling import Decision, PickContext, PickRequest, RequestProfiler, Scheduler, build_scheduler
 from extproc.snapshot import FleetSnapshot, build_snapshot
 from poolgate.kernel.config import PoolSpec, SchedulingSettings, TaskClass
 from poolgate.kernel.fleet import WorkerRecord, WorkerState
@@ -212,8 +219,10 @@ def run(scenario: Scenario, picks: int, seed: int = 1) -> dict[str, float | int 
             scheduler.pick(request, view)
             fastest = min(fastest, (timer() - before) / 1000)
         best.append(fastest)
+    commit_us = commit_cost(scheduler, snapshot, settings, prefix_cache, pool_of_requests, picks, timer) \
+        if prefix_cache is not None else math.nan
     return {
-        "scenario": scenario.name, "candidates": round(candidates), "picks": picks,
+        "scenario": scenario.name, "candidates": round(candidates), "picks": picks, "commit_p50_us": commit_us,
         "p50_us": percentile(samples, 0.50), "p90_us": percentile(samples, 0.90),
         "p99_us": percentile(samples, 0.99), "mean_us": statistics.fmean(samples), "profile_us": profile_us,
         "own_p99_us": percentile(best, 0.99),
@@ -222,10 +231,26 @@ def run(scenario: Scenario, picks: int, seed: int = 1) -> dict[str, float | int 
     }
 
 
+def commit_cost(scheduler: Scheduler, snapshot: FleetSnapshot, settings: SchedulingSettings, lookup: CacheLookup,
+                made: Sequence[PickRequest], picks: int, timer: Callable[[], int]) -> float:
+    """Median µs of placing a picked request and releasing it (``Place.commit`` and ``release``: in-flight count,
+    reservation, prefill ledger, the prompt's blocks marked pending), on the request path after each pick."""
+    place = Place(scheduler, SimpleNamespace(snapshot=snapshot), InflightTracker(), Metrics(), settings,
+                  clock=lambda: NOW, prefix_cache=lookup)
+    decided = [(r, d) for r in made if isinstance(d := scheduler.pick(r, place.context()), Decision)]
+    samples = []
+    for index in range(picks):
+        request, decision = decided[index % len(decided)]
+        before = timer()
+        place.release(place.commit(request, decision))
+        samples.append((timer() - before) / 1000)
+    return statistics.median(samples)
+
+
 COLUMNS = (Column("scenario", "scenario", "{}"), Column("candidates", "workers/model", "{}"),
            Column("p50_us", "p50 µs", "{:.1f}"), Column("p90_us", "p90 µs", "{:.1f}"),
            Column("p99_us", "p99 µs", "{:.1f}"), Column("mean_us", "mean µs", "{:.1f}"),
-           Column("own_p99_us", "own p99 µs", "{:.1f}"),
+           Column("own_p99_us", "own p99 µs", "{:.1f}"), Column("commit_p50_us", "commit µs", "{:.1f}"),
            Column("profile_us", "profile µs", "{:.1f}"), Column("placed_share", "placed", "{:.0%}"),
            Column("target_p99_us", "target µs", "{:.0f}"))
 
@@ -233,9 +258,12 @@ COLUMNS = (Column("scenario", "scenario", "{}"), Column("candidates", "workers/m
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--picks", type=int, default=20_000, help="picks timed per scenario")
+    parser.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS),
+                        help="comma-separated, of: " + ", ".join(s.name for s in SCENARIOS))
     args = parser.parse_args(argv)
+    chosen = [s for s in SCENARIOS if s.name in args.scenarios.split(",")]
     with host_quiet.measure() as quiet:
-        rows = [run(scenario, args.picks) for scenario in SCENARIOS]
+        rows = [run(scenario, args.picks) for scenario in chosen]
     save_rows("pick_microbench", rows, COLUMNS, x_key="candidates",
               panels=(Panel("pick time per candidate count", ("p50_us", "p99_us", "own_p99_us"), "µs", log_y=True),),
               parameters={"picks": args.picks, "cpus": os.cpu_count(),

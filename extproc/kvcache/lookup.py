@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -60,18 +60,24 @@ class CacheLookup:
             blocks = _prompt_blocks(body, tokenizer, block_sizes, request.adapter)
         return request if blocks is None else replace(request, prompt_blocks=blocks)
 
-    def placed(self, worker: WorkerRecord, request: PickRequest) -> tuple[Sequence[int], int]:
-        """Mark the prompt's blocks pending on the worker; returns their keys (for the sibling processes) and
-        how many of the first the index already counted there, held or pending (the others are news to the
-        replicas on other hosts: ``placed_prefixes``)."""
+    def placed(self, worker: WorkerRecord, request: PickRequest) -> PlacedPrompt | None:
+        """Mark the prompt's blocks pending on the worker, and say what the index held for it there just before,
+        from the one walk the marking needs anyway (None: the request has no blocks)."""
         blocks = request.prompt_blocks
-        keys = blocks.keys.get(self._block_size(worker)) if blocks is not None else None
+        if blocks is None:
+            return None
+        block_size = self._block_size(worker)
+        keys = blocks.keys.get(block_size)
         if not keys:
-            return (), 0
+            return PlacedPrompt((), 0, blocks.token_count, 0, 0)
         now = self._clock()
-        _, counted = self.index.cached_prefixes(keys, (worker.id,), now)
-        self.index.add_pending(worker.id, keys, now)
-        return keys, counted.get(worker.id, 0)
+        worker_id = worker.id
+        held, held_or_pending = self.index.cached_prefixes(keys, (worker_id,), now)
+        self.index.add_pending(worker_id, keys, now)
+        most = max(0, blocks.token_count - 1)
+        counted = held_or_pending.get(worker_id, 0)
+        return PlacedPrompt(keys, counted, blocks.token_count, min(held.get(worker_id, 0) * block_size, most),
+                            min(counted * block_size, most))
 
     def placed_elsewhere(self, worker_id: str, keys: Sequence[int]) -> None:
         """Another replica placed a prompt with these block keys on the worker (a sibling process's datagram,
@@ -157,6 +163,23 @@ def _prompt_blocks(body: bytes, tokenizer: PromptTokenizer, block_sizes: tuple[i
     if token_ids is None:
         return None
     return PromptBlocks(len(token_ids), {size: prompt_keys(token_ids, size, adapter) for size in block_sizes})
+
+
+class PlacedPrompt(NamedTuple):
+    """A prompt just marked pending on a worker, and what the index counted for it there before."""
+
+    keys: Sequence[int]
+    """Its block keys at the worker's block size (for the sibling processes)."""
+    counted: int
+    """How many of the first keys the index already counted there, held or pending: the others are news to the
+    replicas on other hosts (``placed_prefixes``)."""
+    prompt_tokens: int
+    """The prompt's tokens as the engine counts them."""
+    held_tokens: int
+    """Tokens of its prefix the worker's events had confirmed (what its cache holds now)."""
+    held_or_pending_tokens: int
+    """The same with the blocks pending there (placed and not yet confirmed): what the engine will have
+    computed by the time it admits this request."""
 
 
 @dataclass(frozen=True, slots=True)

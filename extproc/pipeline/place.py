@@ -17,7 +17,7 @@ from extproc.disagg import DisaggPlan, PairDecision, pick_pair
 from extproc.endpoint_picker import within
 from extproc.errors import no_worker
 from extproc.inflight import InflightTracker
-from extproc.kvcache.lookup import CacheLookup
+from extproc.kvcache.lookup import CacheLookup, PlacedPrompt
 from extproc.metrics import Metrics
 from extproc.pipeline.context import Placement
 from extproc.pipeline.outcomes import Refused
@@ -157,11 +157,11 @@ class Place:
         rate = max((w.prefill_tokens_per_s for w in workers), default=0.0) or self._default_prefill_rate
         return self._uncached_tokens(request, workers) / rate
 
-    def _uncached_tokens(self, request: PickRequest, workers: tuple[WorkerRecord, ...], pending: bool = True) -> int:
+    def _uncached_tokens(self, request: PickRequest, workers: tuple[WorkerRecord, ...]) -> int:
         blocks = request.prompt_blocks
         if blocks is None or self.prefix_cache is None or not workers:
             return request.prompt_tokens
-        cached = self.prefix_cache.cached_tokens(blocks, workers, pending)
+        cached = self.prefix_cache.cached_tokens(blocks, workers)
         return max(0, blocks.token_count - max(cached.values(), default=0))
 
     def count_no_capacity(self, request: PickRequest, outcome: NoCapacity) -> None:
@@ -177,43 +177,49 @@ class Place:
             decision = decision.routed
         worker_id = decision.worker_id
         worker = self.fleet.snapshot.by_id.get(worker_id)
+        placed = self._acquire(request, decision, prefill_only=False)
         now = self._clock()
         if worker is None:
             reservation = self.reservations.reserve(worker_id, request.prompt_tokens, request.output_tokens, now)
         else:
-            # Read before ``_acquire`` marks this prompt's blocks pending there (it would find itself cached).
-            # New KV there: the prompt less what the worker's cache holds now (blocks pending from a request
-            # just placed are not shared by one admitted beside it). Prefill still to do: less the pending
-            # blocks too, which the engine computes first and this request then finds.
-            new_kv = self._uncached_tokens(request, (worker,), pending=False)
-            to_compute = self._uncached_tokens(request, (worker,))
+            # What the index held there before this prompt's blocks were marked pending (it would find itself
+            # cached). New KV there: the prompt less what the worker's cache holds now (blocks pending from a
+            # request just placed are not shared by one admitted beside it). Prefill still to do: less the
+            # pending blocks too, which the engine computes first and this request then finds.
+            new_kv = to_compute = request.prompt_tokens
+            if placed is not None:
+                new_kv = placed.prompt_tokens - placed.held_tokens
+                to_compute = placed.prompt_tokens - placed.held_or_pending_tokens
             reservation = self.reservations.reserve(worker_id, new_kv, request.output_tokens, now,
                                                     prefill_tokens=to_compute)
             self.ledger.placed(worker, to_compute, now)
-        self._acquire(request, decision, prefill_only=False)
         if request.affinity_keys:
             self.affinity.record(request.affinity_keys, worker_id)
         if self.siblings is not None:
             self.siblings.send(_workers_of(reservation, prefill))
         return Placement(decision, reservation, prefill)
 
-    def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> None:
+    def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> PlacedPrompt | None:
         """Count the request on the worker and mark its prompt's blocks pending there (for the siblings too,
         with the affinity records of the worker that serves it, and the blocks new there for the replicas on
-        other hosts)."""
+        other hosts); returns what the KV index held for the prompt there before (None: no lookup)."""
         worker_id = decision.worker_id
         self.inflight.acquire(worker_id)
         worker = self.fleet.snapshot.by_id.get(worker_id)
+        placed = None
         keys: Sequence[int] = ()
         if self.prefix_cache is not None and worker is not None:
-            keys, counted = self.prefix_cache.placed(worker, request)
-            if self.placed_prefixes is not None and len(keys) > counted:
-                self.placed_prefixes.placed(worker_id, keys[counted:])
+            placed = self.prefix_cache.placed(worker, request)
+            if placed is not None:
+                keys = placed.keys
+                if self.placed_prefixes is not None and len(keys) > placed.counted:
+                    self.placed_prefixes.placed(worker_id, keys[placed.counted:])
         if self.siblings is not None:
             affinity = () if prefill_only else tuple((key, worker_id) for key in request.affinity_keys)
             if keys or affinity:
                 self.siblings.placed(worker_id, keys, affinity)
         self._metrics.picks.labels(decision.pool, worker_id).inc()
+        return placed
 
     def headers(self, decision: Decision | PairDecision, request: PickRequest,
                 tenant: Tenant | None) -> tuple[tuple[str, str], ...]:

@@ -100,11 +100,17 @@ def test_the_lookup_gives_each_known_worker_its_exact_cached_prefix() -> None:
     request = pick_request(body, lookup)
     assert request.prompt_blocks is not None and request.prompt_blocks.token_count == len(token_ids)
     assert lookup.cached_tokens(request.prompt_blocks, workers) == {"warm": 4800, "cold": 0, "x": 0}
-    keys, counted = lookup.placed(workers[1], request)  # this replica just sent it to "cold": pending there
+    cold = lookup.placed(workers[1], request)  # this replica just sent it to "cold": pending there
+    assert cold is not None
     assert lookup.cached_tokens(request.prompt_blocks, workers)["cold"] == len(token_ids) // 16 * 16
-    assert (len(keys), counted) == (len(token_ids) // 16, 0)  # every block news to the replicas elsewhere
-    assert lookup.placed(workers[0], request)[1] == 300  # "warm" held its first 300: only the rest is news
-    assert lookup.placed(workers[1], request)[1] == len(keys)  # a second question about it: nothing new
+    assert (len(cold.keys), cold.counted) == (len(token_ids) // 16, 0)  # every block news to the replicas elsewhere
+    assert (cold.prompt_tokens, cold.held_tokens, cold.held_or_pending_tokens) == (len(token_ids), 0, 0)
+    warm = lookup.placed(workers[0], request)
+    assert warm is not None and warm.counted == 300  # "warm" held its first 300: only the rest is news
+    assert warm.held_tokens == warm.held_or_pending_tokens == 4800
+    again = lookup.placed(workers[1], request)  # a second question about it: nothing new, all of it pending
+    assert again is not None and again.counted == len(cold.keys)
+    assert (again.held_tokens, again.held_or_pending_tokens) == (0, len(token_ids) // 16 * 16)
 
 
 def test_blocks_another_replica_placed_count_as_pending_on_their_worker() -> None:
@@ -114,10 +120,11 @@ def test_blocks_another_replica_placed_count_as_pending_on_their_worker() -> Non
     workers = [worker("a"), worker("b")]
     here, elsewhere = indexed(workers, {}, token_ids), indexed(workers, {}, token_ids)
     request = pick_request(body, here)
-    keys, counted = elsewhere.placed(workers[1], request)
-    here.placed_elsewhere("b", keys[counted:])
+    placed = elsewhere.placed(workers[1], request)
+    assert placed is not None
+    here.placed_elsewhere("b", placed.keys[placed.counted:])
     assert request.prompt_blocks is not None
-    whole = min(len(keys) * 16, len(token_ids) - 1)  # a whole-prompt match still computes its last token
+    whole = min(len(placed.keys) * 16, len(token_ids) - 1)  # a whole-prompt match still computes its last token
     assert here.cached_tokens(request.prompt_blocks, workers) == {"a": 0, "b": whole}
     assert here.cached_tokens(request.prompt_blocks, workers, pending=False) == {"a": 0, "b": 0}
 

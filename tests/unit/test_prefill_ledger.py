@@ -135,6 +135,36 @@ def test_a_placed_prompt_counts_in_full_on_a_worker_that_does_not_hold_it() -> N
     assert place.context().pending_prefill_tokens.get("cold", 0) == len(PROMPT)
 
 
+def test_a_placement_on_a_warm_worker_reserves_the_new_kv_and_queues_the_prefill_from_one_walk() -> None:
+    """A second request with a prompt still pending on its worker shares no KV with it (the engine admits them
+    apart) but computes none of it again; the commit reads both from the walk that marks its blocks pending."""
+    from extproc.scheduling import Decision
+    from tests.unit.test_latency_model import NOW, PROMPT, lookup_over, pick_request
+    from tests.unit.test_latency_model import worker as publishing_worker
+
+    workers = [publishing_worker("w")]
+    lookup = lookup_over(workers, {})
+    fleet = SimpleNamespace(snapshot=build_snapshot(workers, POOLS, NOW, 3.0))
+    settings = SchedulingSettings()
+    place = Place(build_scheduler(settings), fleet, InflightTracker(), Metrics(), settings, clock=lambda: NOW,
+                  prefix_cache=lookup)
+    request = pick_request({"model": "llama", "prompt": PROMPT}, lookup)
+    first = place.pick(request, None)
+    assert isinstance(first, Decision)
+    place.commit(request, first)
+    second = place.pick(request, None)
+    assert isinstance(second, Decision)
+    walks = []
+    walk = lookup.index.cached_prefixes
+    lookup.index.cached_prefixes = lambda *args: walks.append(args) or walk(*args)  # type: ignore[method-assign]
+    placement = place.commit(request, second)
+    assert len(walks) == 1
+    whole = min(len(PROMPT) // 16 * 16, len(PROMPT) - 1)  # pending there since the first (its last token: its own)
+    assert (placement.reservation.kv_tokens, placement.reservation.prefill_tokens) == (
+        len(PROMPT) + request.output_tokens, len(PROMPT) - whole)
+    assert place.ledger.left("w", NOW) == len(PROMPT) + len(PROMPT) - whole
+
+
 def test_what_another_replica_placed_drains_from_when_it_was_read() -> None:
     """A replica that picks nothing for a while enters the others' placements at its next pick: they were
     queued behind its own backlog when read, and the engine has worked on both since."""
