@@ -15,7 +15,9 @@ least-request, doubled until completions per second stop growing by 5 %; the lev
 Reported per router and cell: TTFT p50 / p99 (a refused request counts as an infinite TTFT), goodput (the
 share of requests whose first token came within their class's objective), the prefix-cache hit rate as vLLM
 counts it (hit tokens / queried tokens at admission), refusals, the sequences the engines preempted (room a
-router promised that the running streams then needed), and the spread of requests over workers.
+router promised that the running streams then needed), the spread of requests over workers, and when the
+requests that set the p99 (it and those slower) were sent, the first and the last (model seconds from the
+trace's start: a tail sent in its first second is the cold start, every cache empty).
 ``bench/reports/lab.json`` and ``lab.png`` (p99 per cell and router) hold the run.
 
 One trace's p99 is its tenth-worst request in a thousand, and a change anywhere before it (a tie drawn the
@@ -326,8 +328,11 @@ def figures(requests: Sequence[LabRequest], run: Run) -> dict[str, Any]:
     spread: dict[str, int] = {w.id: 0 for w in workers}
     for worker_id in outcome.worker_of.values():
         spread[worker_id] += 1
+    p99 = percentile(ttfts, 0.99)
+    tail = sorted(r.arrival_s for r, t in zip(requests, ttfts, strict=True) if t >= p99)
     return {
-        "requests": len(requests), "ttft_p50_s": percentile(ttfts, 0.50), "ttft_p99_s": percentile(ttfts, 0.99),
+        "requests": len(requests), "ttft_p50_s": percentile(ttfts, 0.50), "ttft_p99_s": p99,
+        "tail_sent_s": [round(tail[0], 2), round(tail[-1], 2)] if tail else None,
         "goodput": good / len(requests) if requests else math.nan,
         "prefix_hit": hits / queries if queries else 0.0, "refused": len(outcome.refused),
         "failed": len(outcome.failed), "preempted": sum(w.preemptions for w in workers), "per_worker": spread,
@@ -406,10 +411,12 @@ def print_rows(rows: Sequence[Mapping[str, Any]]) -> None:
             cell = (row["cell"], row["seed"])
             print(f"\n{row['cell']}  (seed {row['seed']}: {row['requests']} requests at {row['rate_per_s']} req/s)",
                   flush=True)
-            print(f"  {'router':<22} {'p50 s':>7} {'p99 s':>7} {'goodput':>8} {'hit':>6} {'refused':>8} "
-                  f"{'preempted':>9} {'spread':>16} {'wall s':>7}")
+            print(f"  {'router':<22} {'p50 s':>7} {'p99 s':>7} {'tail sent s':>13} {'goodput':>8} {'hit':>6} "
+                  f"{'refused':>8} {'preempted':>9} {'spread':>16} {'wall s':>7}")
         spread = sorted(row["per_worker"].values())
+        tail = row["tail_sent_s"]
         print(f"  {row['router']:<22} {_fmt(row['ttft_p50_s']):>7} {_fmt(row['ttft_p99_s']):>7} "
+              f"{'' if tail is None else f'{tail[0]:.2f}..{tail[1]:.2f}':>13} "
               f"{row['goodput']:>8.3f} {row['prefix_hit']:>6.3f} {row['refused']:>8} {row['preempted']:>9} "
               f"{f'{spread[0]}..{spread[-1]}':>16} {row['wall_s']:>7.1f}")
 

@@ -3,6 +3,9 @@ published rule on hand-made cases."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import orjson
 import pytest
 
@@ -68,6 +71,17 @@ def test_a_cell_replays_exactly_by_seed() -> None:
     assert strip == [{k: v for k, v in row.items() if k != "wall_s"} for row in second]
     assert all(row["requests"] > 100 and row["refused"] == 0 for row in first)
     assert 0 < first[0]["ttft_p50_s"] < first[0]["ttft_p99_s"] < 30
+
+
+def test_the_figures_say_when_the_requests_that_set_the_p99_were_sent() -> None:
+    """A tail sent in a trace's first second is its cold start (every cache empty): the row says so, where the
+    p99 alone reads as any other."""
+    made = [replace(request(i, DOC), arrival_s=i * 0.1) for i in range(200)]
+    slow = {3, 4, 5}  # the 198th of 200 and the two after it: the p99 and the slower
+    outcome = lab.Outcome(ttft_s={r.index: 2.0 if r.index in slow else 0.1 for r in made})
+    row = lab.figures(made, SimpleNamespace(outcome=outcome, fleet=SimpleNamespace(workers={})))  # type: ignore[arg-type]
+    assert row["ttft_p99_s"] == 2.0
+    assert row["tail_sent_s"] == [0.3, 0.5]
 
 
 def test_least_request_takes_the_fewest_in_flight() -> None:
