@@ -9,14 +9,16 @@ from types import SimpleNamespace
 import pytest
 
 from extproc.inflight import InflightTracker
+from extproc.kvcache.lookup import CacheLookup
 from extproc.metrics import Metrics
 from extproc.pipeline.place import Place
 from extproc.prefill_ledger import LATEST_PLACEMENTS, PrefillLedger, Unsettled, placed_since
-from extproc.scheduling import build_scheduler
+from extproc.scheduling import Decision, PickRequest, build_scheduler
 from extproc.snapshot import build_snapshot
 from poolgate.kernel.config import SchedulingSettings
 from poolgate.kernel.fleet import WorkerRecord
-from tests.unit.test_latency_model import POOLS
+from tests.unit.test_latency_model import NOW, POOLS, PROMPT, lookup_over, pick_request
+from tests.unit.test_latency_model import worker as publishing_worker
 
 
 def worker(worker_id: str, rate: float = 1000.0) -> WorkerRecord:
@@ -111,21 +113,23 @@ def test_another_replicas_placement_stays_in_the_queue_estimate_until_drained() 
     assert place.context().pending_prefill_tokens.get("w", 0) == 0
 
 
-def test_a_placed_prompt_counts_in_full_on_a_worker_that_does_not_hold_it() -> None:
-    """The placement marks its own blocks pending on the worker: its prefill and KV are read before that, or it
-    would find itself cached there and leave the ledger empty (three 13k-token prompts then piled onto one
-    worker in the lab)."""
-    from extproc.scheduling import Decision
-    from tests.unit.test_latency_model import NOW, PROMPT, lookup_over, pick_request
-    from tests.unit.test_latency_model import worker as publishing_worker
-
-    workers = [publishing_worker("cold")]
+def placing_on_one_cold_worker(worker_id: str) -> tuple[Place, CacheLookup, PickRequest]:
+    """A replica's place stage over one worker that publishes KV events and holds nothing yet, its KV index, and
+    a request for ``PROMPT`` (6,400 tokens, 400 blocks)."""
+    workers = [publishing_worker(worker_id)]
     lookup = lookup_over(workers, {})
     fleet = SimpleNamespace(snapshot=build_snapshot(workers, POOLS, NOW, 3.0))
     settings = SchedulingSettings()
     place = Place(build_scheduler(settings), fleet, InflightTracker(), Metrics(), settings, clock=lambda: NOW,
                   prefix_cache=lookup)
-    request = pick_request({"model": "llama", "prompt": PROMPT}, lookup)
+    return place, lookup, pick_request({"model": "llama", "prompt": PROMPT}, lookup)
+
+
+def test_a_placed_prompt_counts_in_full_on_a_worker_that_does_not_hold_it() -> None:
+    """The placement marks its own blocks pending on the worker: its prefill and KV are read before that, or it
+    would find itself cached there and leave the ledger empty (three 13k-token prompts then piled onto one
+    worker in the lab)."""
+    place, _, request = placing_on_one_cold_worker("cold")
     decision = place.pick(request, None)
     assert isinstance(decision, Decision)
     placement = place.commit(request, decision)
@@ -138,17 +142,7 @@ def test_a_placed_prompt_counts_in_full_on_a_worker_that_does_not_hold_it() -> N
 def test_a_placement_on_a_warm_worker_reserves_the_new_kv_and_queues_the_prefill_from_one_walk() -> None:
     """A second request with a prompt still pending on its worker shares no KV with it (the engine admits them
     apart) but computes none of it again; the commit reads both from the walk that marks its blocks pending."""
-    from extproc.scheduling import Decision
-    from tests.unit.test_latency_model import NOW, PROMPT, lookup_over, pick_request
-    from tests.unit.test_latency_model import worker as publishing_worker
-
-    workers = [publishing_worker("w")]
-    lookup = lookup_over(workers, {})
-    fleet = SimpleNamespace(snapshot=build_snapshot(workers, POOLS, NOW, 3.0))
-    settings = SchedulingSettings()
-    place = Place(build_scheduler(settings), fleet, InflightTracker(), Metrics(), settings, clock=lambda: NOW,
-                  prefix_cache=lookup)
-    request = pick_request({"model": "llama", "prompt": PROMPT}, lookup)
+    place, lookup, request = placing_on_one_cold_worker("w")
     first = place.pick(request, None)
     assert isinstance(first, Decision)
     place.commit(request, first)
