@@ -74,7 +74,7 @@ class CacheLookup:
         worker_id = worker.id
         held, held_or_pending = self.index.cached_prefixes(keys, (worker_id,), now)
         self.index.add_pending(worker_id, keys, now)
-        most = max(0, blocks.token_count - 1)
+        most = _most_reusable(blocks)
         counted = held_or_pending.get(worker_id, 0)
         return PlacedPrompt(keys, counted, blocks.token_count, min(held.get(worker_id, 0) * block_size, most),
                             min(counted * block_size, most))
@@ -114,7 +114,7 @@ class CacheLookup:
                 group.append(worker_id)
         confirmed: dict[str, int] = {}
         with_pending: dict[str, int] = {}
-        most = max(0, blocks.token_count - 1)
+        most = _most_reusable(blocks)
         for block_size, worker_ids in by_size.items():
             keys = blocks.keys.get(block_size)
             if keys is None:
@@ -163,6 +163,12 @@ def _prompt_blocks(body: bytes, tokenizer: PromptTokenizer, block_sizes: tuple[i
     if token_ids is None:
         return None
     return PromptBlocks(len(token_ids), {size: prompt_keys(token_ids, size, adapter) for size in block_sizes})
+
+
+def _most_reusable(blocks: PromptBlocks) -> int:
+    """The most of a prompt a worker's cache can spare it: all but the last token, which the engine computes
+    again for the first output token even when every block is cached."""
+    return max(0, blocks.token_count - 1)
 
 
 class PlacedPrompt(NamedTuple):
