@@ -56,7 +56,10 @@ class EngineDriver:
         self._busy: deque[tuple[float, float]] = deque()
         self._dead = False
         self._flush_kv_events = flush_kv_events
-        """Publishes what the cache recorded; called whenever the engine may have changed (``_publish_state``)."""
+        """Publishes what the cache recorded; called whenever the engine may have changed (``_publish_state``),
+        but never while a step runs: the engine records a step's blocks as it schedules them, and vLLM publishes
+        a step's events once the step is done."""
+        self._step_in_flight = False
         metrics.track_utilization(self.utilization)
         self._publish_state()
 
@@ -122,6 +125,7 @@ class EngineDriver:
                 await self._work.wait()
                 continue
             started = loop.time()
+            self._step_in_flight = True
             outcome = self.engine.step(self.model_now())
             intended_end = started + outcome.duration_s / self.time_scale
             await asyncio.sleep(max(0.0, intended_end - loop.time()))
@@ -134,6 +138,7 @@ class EngineDriver:
             self._deliver(outcome, ended - started)
 
     def _deliver(self, outcome: StepOutcome, real_step_s: float) -> None:
+        self._step_in_flight = False
         self.metrics.record_step(outcome, real_step_s)
         streams = self._streams
         for request_id in outcome.emitted:
@@ -154,7 +159,7 @@ class EngineDriver:
             self._busy.popleft()
 
     def _publish_state(self) -> None:
-        if self._flush_kv_events is not None:
+        if self._flush_kv_events is not None and not self._step_in_flight:
             self._flush_kv_events()
         kv = self.engine.kv
         self.metrics.record_state(

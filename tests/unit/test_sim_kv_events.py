@@ -4,14 +4,17 @@ blocks stored once computed, evictions when an allocation needs their room, a re
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from simworker import cli
+from simworker.driver import EngineDriver
 from simworker.engine import Engine, EngineConfig, EngineRequest
 from simworker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventRecorder
 from simworker.kv_publisher import KVEventsConfig
+from simworker.metrics import WorkerMetrics
 from tests.unit.test_sim_engine import COST, VirtualClock
 
 
@@ -145,3 +148,27 @@ def test_the_socket_a_launch_chose_is_removed_and_a_given_endpoint_left_alone(tm
     kv_events_launch(("--kv-events-config", config), "127.0.0.1", chosen, 7001).remove_socket()
     assert theirs.exists()
     kv_events_launch((), "127.0.0.1", chosen, 7001).remove_socket()  # already gone: nothing to do
+
+
+async def test_a_steps_blocks_are_published_once_the_step_is_done() -> None:
+    """The engine records a prompt's blocks as their step is scheduled; like vLLM, the worker puts them on
+    the wire only when that step has run, even if a request arrives while it runs."""
+    engine, recorder = engine_with_events()
+    published: list[KVEvent] = []
+    time_scale = 0.1  # the first step (~11 model ms) takes ~110 ms here
+    driver = EngineDriver(engine, WorkerMetrics("m", {}, 1e9, False, time_scale), time_scale=time_scale,
+                          flush_kv_events=lambda: published.extend(recorder.take()))
+    running = asyncio.create_task(driver.run())
+    try:
+        driver.submit(prompt("a", 1, blocks=2))
+        await asyncio.sleep(0.03)
+        driver.submit(prompt("b", 100, blocks=1))
+        assert not [event for event in published if isinstance(event, BlockStored)]
+        for _ in range(100):
+            if [event for event in published if isinstance(event, BlockStored)]:
+                break
+            await asyncio.sleep(0.02)
+        assert [event for event in published if isinstance(event, BlockStored)]
+    finally:
+        driver.kill()
+        await asyncio.wait_for(running, 5)

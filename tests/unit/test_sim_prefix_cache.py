@@ -124,3 +124,32 @@ def test_reset_with_preemption_recomputes_running_requests_and_succeeds() -> Non
     clock.run_until_idle()
     assert clock.finished() == {"x": ("length", 20), "y": ("length", 20)}
     assert sum(o.generation_tokens for o in clock.outcomes) == 40
+
+
+def test_a_request_admitted_beside_its_prefix_first_reader_shares_it_in_the_same_step() -> None:
+    """vLLM V1 caches a block as the step computing it is scheduled, so two questions about one new
+    document that arrive together compute the document once."""
+    engine = make_engine(enable_prefix_caching=True, block_size=16, max_num_batched_tokens=512)
+    clock = VirtualClock(engine)
+    document = tuple(range(1, 11))  # 10 full blocks = 160 tokens
+    engine.add_request(request("a", prompt=170, output=3, hashes=document), now=0.0)
+    engine.add_request(request("b", prompt=170, output=3, hashes=document), now=0.0)
+    first = clock.step()
+    assert first.scheduled_tokens == 170 + 10
+    assert first.prefix_cache_hits == 160
+    assert {request_id for request_id, _ in first.first_token_times} == {"a", "b"}
+
+
+def test_a_request_arriving_while_a_long_prompt_is_chunked_shares_what_is_scheduled() -> None:
+    """The document's first 512 tokens run in the first step; the question arriving after it is admitted
+    behind the document's last chunk and finds all 62 of its blocks, those that chunk computes included."""
+    engine = make_engine(enable_prefix_caching=True, block_size=16, max_num_batched_tokens=512)
+    clock = VirtualClock(engine)
+    document = tuple(range(1, 63))  # 62 full blocks = 992 tokens
+    engine.add_request(request("a", prompt=1000, output=3, hashes=document), now=0.0)
+    assert clock.step().scheduled_tokens == 512
+    engine.add_request(request("b", prompt=1000, output=3, hashes=document), now=clock.now)
+    second = clock.step()
+    assert second.prefix_cache_hits == 992
+    assert second.scheduled_tokens == 488 + 8
+    assert {request_id for request_id, _ in second.first_token_times} == {"a", "b"}
