@@ -310,11 +310,9 @@ class Engine:
                 self._finish(sequence, sequence.request.finish_reason_at_target, end, log)
 
     def _publish_prompt_blocks(self, sequence: _Sequence, scheduled_upto: int) -> None:
-        """Enter the prompt's full blocks up to ``scheduled_upto`` tokens into the prefix cache as the step that
-        computes them is scheduled, as vLLM V1's ``allocate_slots`` does: a request admitted later in the same step
-        (or while a long prompt is still being chunked) shares them instead of computing them again. Within one
-        forward pass every layer writes the batch's KV before its attention reads it, so sharing a block that
-        this very step computes is sound."""
+        """Enter the prompt's full blocks up to ``scheduled_upto`` tokens into the prefix cache (called as their step
+        is scheduled: the module docstring, 2). Sharing a block that this very step computes is sound: in one
+        forward pass every layer writes the batch's KV before its attention reads it."""
         if not self.config.enable_prefix_caching:
             return
         hashes = sequence.request.prompt_block_hashes
