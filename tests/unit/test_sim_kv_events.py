@@ -158,17 +158,21 @@ async def test_a_steps_blocks_are_published_once_the_step_is_done() -> None:
     time_scale = 0.1  # the first step (~11 model ms) takes ~110 ms here
     driver = EngineDriver(engine, WorkerMetrics("m", {}, 1e9, False, time_scale), time_scale=time_scale,
                           flush_kv_events=lambda: published.extend(recorder.take()))
+
+    def stored() -> list[KVEvent]:
+        return [event for event in published if isinstance(event, BlockStored)]
+
     running = asyncio.create_task(driver.run())
     try:
         driver.submit(prompt("a", 1, blocks=2))
         await asyncio.sleep(0.03)
         driver.submit(prompt("b", 100, blocks=1))
-        assert not [event for event in published if isinstance(event, BlockStored)]
+        assert not stored()
         for _ in range(100):
-            if [event for event in published if isinstance(event, BlockStored)]:
+            if stored():
                 break
             await asyncio.sleep(0.02)
-        assert [event for event in published if isinstance(event, BlockStored)]
+        assert stored()
     finally:
         driver.kill()
         await asyncio.wait_for(running, 5)
