@@ -171,13 +171,14 @@ class Place:
         """Count and reserve on the worker (on both of a pair: the prompt on the prefill worker, the prompt's
         KV and the output on the decode worker, which holds the KV after the transfer)."""
         prefill: Reservation | None = None
+        by_id = self.fleet.snapshot.by_id
         if isinstance(decision, PairDecision):
-            self._acquire(request, decision.prefill, prefill_only=True)
+            self._acquire(request, decision.prefill, by_id.get(decision.prefill.worker_id), prefill_only=True)
             prefill = self.reservations.reserve(decision.prefill.worker_id, request.prompt_tokens, 1, self._clock())
             decision = decision.routed
         worker_id = decision.worker_id
-        worker = self.fleet.snapshot.by_id.get(worker_id)
-        placed = self._acquire(request, decision, prefill_only=False)
+        worker = by_id.get(worker_id)
+        placed = self._acquire(request, decision, worker, prefill_only=False)
         now = self._clock()
         if worker is None:
             reservation = self.reservations.reserve(worker_id, request.prompt_tokens, request.output_tokens, now)
@@ -199,13 +200,14 @@ class Place:
             self.siblings.send(_workers_of(reservation, prefill))
         return Placement(decision, reservation, prefill)
 
-    def _acquire(self, request: PickRequest, decision: Decision, prefill_only: bool) -> PlacedPrompt | None:
+    def _acquire(self, request: PickRequest, decision: Decision, worker: WorkerRecord | None,
+                 prefill_only: bool) -> PlacedPrompt | None:
         """Count the request on the worker and mark its prompt's blocks pending there (for the siblings too,
         with the affinity records of the worker that serves it, and the blocks new there for the replicas on
-        other hosts); returns what the KV index held for the prompt there before (None: no lookup)."""
+        other hosts); returns what the KV index held for the prompt there before (None: no lookup, or the
+        worker's record is gone from the snapshot)."""
         worker_id = decision.worker_id
         self.inflight.acquire(worker_id)
-        worker = self.fleet.snapshot.by_id.get(worker_id)
         placed = None
         keys: Sequence[int] = ()
         if self.prefix_cache is not None and worker is not None:
