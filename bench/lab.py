@@ -28,11 +28,14 @@ draws) and adds, per cell and router, the median p99 over them and poolgate's me
 of the same trace (``over_seeds``): the figure to judge a policy change by. All seeds are offered the rate
 found for ``--seed``.
 
+Each cell also has a row ``bound`` that is no router: every request's least possible time to first token,
+its prefill alone on an idle engine with every block an earlier request sent cached (``lab_bound``). No
+router's p99 on that trace is below the bound's; its ``x best peer`` says how far under the best peer any
+router could go, and a target under it is one no router meets.
+
 ``--fleet-scale N`` replays the cells on fleets of N times the workers at the base fleet's rates, where every
-request is all but alone on an idle engine: the p99 there (the least of least_request's and the oracle's) is
-a floor set by the requests themselves, the prefill of the longest prompts and of documents no earlier request
-sent, which no router on the base fleet can pass (for sessions it is not one: spread over many engines a
-session's turns lose their cache).
+request is all but alone on an idle engine: queueing is gone, but it is no floor (spread over many engines a
+session's turns and a document's questions lose their cache, which the base fleet keeps).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import orjson
 
 from bench import host_quiet
+from bench.lab_bound import bound_row_figures
 from bench.lab_fleet import BLOCK_SIZE, SCRAPE_INTERVAL_S, START_TIME, LabFleet, LabWorker, VirtualLoop, WorkerPlan
 from bench.lab_routers import (
     HOLD,
@@ -92,6 +96,8 @@ FLEETS: dict[str, tuple[tuple[str, str, int], ...]] = {
 }
 """(pool, preset, count): two homogeneous fleets and ``bench peers``' heterogeneous one."""
 ROUTERS = ("poolgate", "least_request", "power_of_two", "cache_aware", "dynamo_kv", "oracle")
+BOUND = "bound"
+"""The row of each cell that is no router: every request's least time to first token (``lab_bound``)."""
 LEVELS = (0.5, 0.85, 1.0)
 TARGET_LEVEL = 0.85
 HOLD_RETRY_S = 0.05
@@ -394,6 +400,16 @@ def run_cell(cell: CellSpec, routers: Iterable[tuple[str, RouterFactory]], rate:
                "rate_per_s": round(rate * cell.level, 3), "router": label, **figures(requests, run),
                "wall_s": round(time.perf_counter() - started, 2)}
         rows.append(row)
+    started = time.perf_counter()
+    plans, _ = fleet_plans(cell.fleet)
+    presets: dict[str, set[str]] = {}
+    for plan in plans:
+        presets.setdefault(plan.model, set()).add(plan.preset)
+    rows.append({"cell": cell.name, "seed": seed, "fleet": cell.fleet, "scenario": cell.scenario,
+                 "arrivals": "bursty" if cell.bursty else "poisson", "level": cell.level,
+                 "rate_per_s": round(rate * cell.level, 3), "router": BOUND, "requests": len(requests),
+                 **bound_row_figures(requests, presets), "tail_sent_s": None, "refused": 0, "failed": 0,
+                 "preempted": 0, "per_worker": {}, "wall_s": round(time.perf_counter() - started, 2)})
     return rows
 
 
@@ -413,7 +429,7 @@ def print_rows(rows: Sequence[Mapping[str, Any]]) -> None:
                   flush=True)
             print(f"  {'router':<22} {'p50 s':>7} {'p99 s':>7} {'tail sent s':>13} {'goodput':>8} {'hit':>6} "
                   f"{'refused':>8} {'preempted':>9} {'spread':>16} {'wall s':>7}")
-        spread = sorted(row["per_worker"].values())
+        spread = sorted(row["per_worker"].values()) or [0]
         tail = row["tail_sent_s"]
         print(f"  {row['router']:<22} {_fmt(row['ttft_p50_s']):>7} {_fmt(row['ttft_p99_s']):>7} "
               f"{'' if tail is None else f'{tail[0]:.2f}..{tail[1]:.2f}':>13} "
@@ -430,7 +446,8 @@ def over_seeds(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         by_run.setdefault((row["cell"], row["seed"]), {})[row["router"]] = row
     grouped: dict[tuple[str, str], list[tuple[Mapping[str, Any], float]]] = {}
     for run in by_run.values():
-        peers = [r["ttft_p99_s"] for name, r in run.items() if not name.startswith("poolgate") and name != "oracle"]
+        peers = [r["ttft_p99_s"] for name, r in run.items()
+                 if not name.startswith("poolgate") and name not in ("oracle", BOUND)]
         best = min(peers, default=math.nan)
         for name, row in run.items():
             grouped.setdefault((row["cell"], name), []).append((row, row["ttft_p99_s"] / best if peers else math.nan))
@@ -442,7 +459,7 @@ def over_seeds(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "ttft_p99_s_min": min(p99s), "ttft_p99_s_max": max(p99s),
             "goodput_median": statistics.median(row["goodput"] for row, _ in runs),
             "p99_over_best_peer_median": (statistics.median(ratio for _, ratio in runs)
-                                          if router.startswith("poolgate") else None)})
+                                          if router.startswith("poolgate") or router == BOUND else None)})
     return summary
 
 
@@ -499,7 +516,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '(e.g. \'latency={"weights": {"latency": 1}}\'); repeatable')
     parser.add_argument("--fleet-scale", type=int, default=1,
                         help="every fleet with this many times its workers, offered the base fleet's rates: each "
-                             "request all but alone, a floor no router on the base fleet passes")
+                             "request all but alone, with no queue (no floor: a spread-out cache computes more)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--seeds", type=int, default=1,
                         help="replay each cell with this many traces (seeds --seed, --seed + 1, …) and summarise "
