@@ -13,8 +13,7 @@ Keys (named in ``poolgate.kernel.keys.PeerKeys``; the store runs the pipelines):
   deltas), removed at zero, so one read costs the workers that hold reservations, not the fleet; a field
   older than ``PRESENCE_TTL_S`` is ignored (its replica died holding it) and removed by the next replica
   that reads it, and the hash expires after it unless renewed.
-- ``{prefix}:extproc:affinity`` stream: one entry per write that has new placement hints, while a replica
-  that is not a sibling was alive at the last read (``r`` the replica,
+- ``{prefix}:extproc:affinity`` stream: one entry per write that has new placement hints (``r`` the replica,
   ``d`` JSON ``[[key, worker], …]`` its new affinity records, a session key as a list, and ``p`` JSON
   ``[[worker, [block key, …]], …]`` the prompt blocks its placements made pending on their workers, the ones
   new there: ``placed_prefixes``), capped near ``AFFINITY_LOG_ENTRIES``. Each replica reads the entries after
@@ -91,9 +90,6 @@ class PeerExchange:
         self._redis_exchange_s = book.exchange_s
         self._live: set[str] = {replica_id}
         """The replicas Redis last showed alive, this one included."""
-        self._hint_readers = True
-        """Whether a replica that reads the hints stream (one not a sibling) was alive at the last read; until the
-        first read, assumed."""
         self._remote: dict[tuple[str, str], tuple[int, int, int]] = {}
         """(Worker id, replica) → the (KV, prefill, unsettled requests) reservations Redis last showed of
         replicas not siblings."""
@@ -110,8 +106,7 @@ class PeerExchange:
     def has_writes(self) -> bool:
         """Whether ``queue_writes`` would write anything now."""
         _, _, changed, gone, due = self._pending()
-        return bool(changed or gone or due or (self._hint_readers and self._has_hints())
-                    or self._report_due(self._clock()) is not None)
+        return bool(changed or gone or due or self._has_hints() or self._report_due(self._clock()) is not None)
 
     def _has_hints(self) -> bool:
         return ((self._affinity is not None and self._affinity.has_unpublished)
@@ -168,16 +163,13 @@ class PeerExchange:
 
     def _queue_hints(self, pipe: Any) -> bool:
         """Queue this replica's new affinity records and pending prompt blocks, if any (lost if the write
-        fails: they are only hints). With no reader alive they are dropped unwritten: a lone replica, or the
-        processes of one host, which tell each other directly, would write an entry every flush for nobody."""
+        fails: they are only hints)."""
         if not self._has_hints():
             return False
-        unpublished = self._affinity.take_unpublished() if self._affinity is not None else []
-        placed = self._placed_prefixes.take() if self._placed_prefixes is not None else []
-        if not self._hint_readers:
-            return False
-        records = [[list(k) if isinstance(k, tuple) else k, w] for k, w in unpublished]
-        blocks = [[w, list(keys)] for w, keys in placed]
+        records = ([[list(k) if isinstance(k, tuple) else k, w] for k, w in self._affinity.take_unpublished()]
+                   if self._affinity is not None else [])
+        blocks = ([[w, list(keys)] for w, keys in self._placed_prefixes.take()]
+                  if self._placed_prefixes is not None else [])
         pipe.xadd(self._keys.affinity, {"r": self.replica_id, "d": orjson.dumps(records), "p": orjson.dumps(blocks)},
                   maxlen=AFFINITY_LOG_ENTRIES, approximate=True)
         return True
@@ -205,7 +197,6 @@ class PeerExchange:
             replicas = {_text(r) for r, at in results[0].items() if _stamp(at) >= oldest}
             replicas.add(self.replica_id)
             siblings = self._siblings.ids if self._siblings is not None else frozenset()
-            self._hint_readers = bool(replicas - siblings - {self.replica_id})
             remote: dict[tuple[str, str], tuple[int, int, int]] = {}
             dead: list[str] = []
             for field, value in results[1].items():

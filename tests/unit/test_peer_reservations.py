@@ -310,33 +310,6 @@ async def test_the_prompt_blocks_one_replica_placed_reach_the_others_kv_index(re
     assert heard["b"][-1] == ("w4", [5])  # malformed entries are skipped, the well-formed one applied
 
 
-async def test_a_lone_replica_writes_no_hints_until_another_is_alive(redis_client: aioredis.Redis) -> None:
-    """Hints are for the replicas on other hosts: alone, a replica drops them unwritten (one stream entry per
-    flush that nobody reads); once another replica is seen, its placements reach it again."""
-    now = [1_000.0]
-    keys = PeerKeys("peers-lone-test")
-    outboxes = {name: PlacedPrefixes() for name in ("a", "b")}
-    heard: list[tuple[str, list[int]]] = []
-    peers = {name: PeerExchange(keys, name, ReservationBook(settle_s=0.5), clock=lambda: now[0],
-                                placed_prefixes=outboxes[name],
-                                on_placed=(lambda w, k: heard.append((w, list(k)))) if name == "b" else None)
-             for name in outboxes}
-    await exchange(redis_client, peers["a"])  # a's first read: nobody else
-    outboxes["a"].placed("w1", [11, 12])
-    assert not peers["a"].has_writes()
-    now[0] += PRESENCE_REFRESH_S  # the presence beat is due: a flushes, and drops the hint
-    await exchange(redis_client, peers["a"])
-    assert not outboxes["a"].has_unsent and await redis_client.xlen(keys.affinity) == 0
-
-    await exchange(redis_client, peers["b"])  # b is alive; a sees it at its next read
-    await exchange(redis_client, peers["a"])
-    outboxes["a"].placed("w2", [21])
-    assert peers["a"].has_writes()
-    await exchange(redis_client, peers["a"])
-    await exchange(redis_client, peers["b"])
-    assert heard == [("w2", [21])]
-
-
 def test_an_unchanged_affinity_key_is_not_published_again() -> None:
     affinity = AffinityMap(max_entries=10)
     affinity.record(["k1", "k2"], "w1")
