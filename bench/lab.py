@@ -390,26 +390,24 @@ def run_cell(cell: CellSpec, routers: Iterable[tuple[str, RouterFactory]], rate:
     offered, seed = rate * cell.level, cell.seed
     trace = SCENARIOS[cell.scenario].trace(offered, cell.requests / offered, seed, MODELS, bursty=cell.bursty)
     requests = lab_requests(trace, profiler)
+    of_cell = {"cell": cell.name, "seed": seed, "fleet": cell.fleet, "scenario": cell.scenario,
+               "arrivals": "bursty" if cell.bursty else "poisson", "level": cell.level,
+               "rate_per_s": round(rate * cell.level, 3)}
     rows = []
     for label, make in routers:
         started = time.perf_counter()
         run = Run(cell.fleet, requests, make, seed)
         run.open_loop()
-        row = {"cell": cell.name, "seed": seed, "fleet": cell.fleet, "scenario": cell.scenario,
-               "arrivals": "bursty" if cell.bursty else "poisson", "level": cell.level,
-               "rate_per_s": round(rate * cell.level, 3), "router": label, **figures(requests, run),
-               "wall_s": round(time.perf_counter() - started, 2)}
-        rows.append(row)
+        rows.append({**of_cell, "router": label, **figures(requests, run),
+                     "wall_s": round(time.perf_counter() - started, 2)})
     started = time.perf_counter()
     plans, _ = fleet_plans(cell.fleet)
     presets: dict[str, set[str]] = {}
     for plan in plans:
         presets.setdefault(plan.model, set()).add(plan.preset)
-    rows.append({"cell": cell.name, "seed": seed, "fleet": cell.fleet, "scenario": cell.scenario,
-                 "arrivals": "bursty" if cell.bursty else "poisson", "level": cell.level,
-                 "rate_per_s": round(rate * cell.level, 3), "router": BOUND, "requests": len(requests),
-                 **bound_row_figures(requests, presets), "tail_sent_s": None, "refused": 0, "failed": 0,
-                 "preempted": 0, "per_worker": {}, "wall_s": round(time.perf_counter() - started, 2)})
+    rows.append({**of_cell, "router": BOUND, "requests": len(requests), **bound_row_figures(requests, presets),
+                 "tail_sent_s": None, "refused": 0, "failed": 0, "preempted": 0, "per_worker": {},
+                 "wall_s": round(time.perf_counter() - started, 2)})
     return rows
 
 

@@ -2,7 +2,7 @@
 
 For request r (in the trace's order) with a prompt of P tokens:
 
-    c_r = 16 × the leading blocks of r's prompt that an earlier request's prompt also holds, at most
+    c_r = the tokens of the leading blocks of r's prompt that an earlier request's prompt also holds, at most
           ⌊(P − 1) / 16⌋ (the engine computes a prompt's last token even when every block is cached)
     b_r = the least over the kinds of engine serving r's model of the prefill of the P − c_r tokens left on
           an idle engine of that kind: chunks of its batched-token budget, each step timed by the simulator's
@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+from bench.lab_fleet import BLOCK_SIZE
 from bench.lab_routers import LabRequest
 from bench.measure import percentile
+from simworker.engine import reusable_blocks
 from simworker.presets import PRESETS, ModelShape, StepCost, attention_pairs, step_cost
-
-BLOCK_TOKENS = 16
 
 
 def prefill_alone_s(uncached: int, cached: int, cost: StepCost, budget: int) -> float:
@@ -59,11 +59,11 @@ def bounds(requests: Sequence[LabRequest], presets_by_model: Mapping[str, Iterab
         engine = request.engine
         prompt = engine.prompt_tokens
         hashes = engine.prompt_block_hashes
-        reusable = (prompt - 1) // BLOCK_TOKENS
+        reusable = min(reusable_blocks(prompt, BLOCK_SIZE), len(hashes))
         cached_blocks = 0
-        while cached_blocks < min(reusable, len(hashes)) and (request.model, hashes[cached_blocks]) in seen:
+        while cached_blocks < reusable and (request.model, hashes[cached_blocks]) in seen:
             cached_blocks += 1
-        cached = cached_blocks * BLOCK_TOKENS
+        cached = cached_blocks * BLOCK_SIZE
         least = min(prefill_alone_s(prompt - cached, cached, cost, budget) for cost, budget in kinds[request.model])
         out.append((least, cached))
         seen.update((request.model, h) for h in hashes)

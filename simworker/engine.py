@@ -141,6 +141,12 @@ class _StepLog:
     prefix_cache_hits: int = 0
 
 
+def reusable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """How many of a prompt's leading blocks the prefix cache may serve: never the one holding its last token,
+    which is computed again so the step has logits to sample the first output token from."""
+    return (prompt_tokens - 1) // block_size
+
+
 class Engine:
     def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None) -> None:
         if config.max_model_len > config.num_gpu_blocks * config.block_size:
@@ -261,7 +267,7 @@ class Engine:
         block_size = self.config.block_size
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             sequence = self._waiting[0]
-            reusable = sequence.request.prompt_block_hashes[:(sequence.total_tokens - 1) // block_size]
+            reusable = sequence.request.prompt_block_hashes[:reusable_blocks(sequence.total_tokens, block_size)]
             hit_blocks = self.kv.cached_prefix_blocks(reusable)
             hit_hashes = reusable[:hit_blocks]
             local_hits = computed = hit_blocks * block_size
